@@ -1,0 +1,309 @@
+"""Structure-aware planner: place a group's tensors in one flat W * m buffer.
+
+Every rank holds ``m`` consecutive elements of the buffer (``m`` a multiple of
+``align``, equal on every rank). Each rank boundary ``k * m`` that falls strictly inside
+a tensor must be a legal cut of that tensor ([Note: legal cuts]). Padding is
+``W * m - N``. Minimising it contains multiprocessor scheduling (NP-hard), so the
+planner is a polynomial heuristic; see [Note: planner heuristic].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ._ragged import RaggedShard, _check_world
+from ._requirement import _check_positive_int, check_shape, is_legal_cut
+
+__all__ = ["TensorSpec", "GroupPlan", "plan_group", "padding_lower_bound", "fsdp2_row_padding"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor of a group: a unique name, its shape and its unit (>= 1).
+
+    A unit larger than numel means "the whole tensor" and is clamped to numel. A 0-d
+    tensor is planned as shape ``(1,)``; shapes with zero elements are rejected.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    unit: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TensorSpec name must be a non-empty str, got {self.name!r}")
+        shape = check_shape(self.shape)
+        if not shape:
+            raise ValueError(f"TensorSpec {self.name!r}: shape () is empty; plan a 0-d tensor as (1,)")
+        if math.prod(shape) == 0:
+            raise ValueError(f"TensorSpec {self.name!r}: shape {shape} has no elements")
+        _check_positive_int(f"TensorSpec {self.name!r} unit", self.unit)
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def effective_unit(self) -> int:
+        return min(self.unit, self.numel)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """Where each tensor of a group lives in the group's flat W * m buffer."""
+
+    world_size: int
+    shard_size: int  # m: elements per rank, a multiple of align
+    align: int
+    specs: tuple[TensorSpec, ...]
+    offset_list: tuple[int, ...]  # same order as specs
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """``{name: flat offset of the tensor's first element in the W * m buffer}``."""
+        return {s.name: o for s, o in zip(self.specs, self.offset_list, strict=True)}
+
+    @property
+    def total_numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def global_size(self) -> int:
+        return self.world_size * self.shard_size
+
+    @property
+    def padding(self) -> int:
+        return self.global_size - self.total_numel
+
+    @property
+    def lower_bound(self) -> int:
+        return padding_lower_bound(self.specs, self.world_size, self.align)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Tensor names in buffer order."""
+        pairs = sorted(zip(self.offset_list, range(len(self.specs)), strict=True))
+        return tuple(self.specs[i].name for _, i in pairs)
+
+    def spec(self, name: str) -> TensorSpec:
+        for s in self.specs:
+            if s.name == name:
+                return s
+        raise KeyError(f"no tensor named {name!r} in this plan; names: {[s.name for s in self.specs]}")
+
+    def layout(self, name: str) -> RaggedShard:
+        """The RaggedShard of tensor ``name`` implied by the plan."""
+        spec = self.spec(name)
+        off = self.offsets[name]
+        m, n = self.shard_size, spec.numel
+        bounds = [min(max(r * m - off, 0), n) for r in range(self.world_size + 1)]
+        bounds[-1] = n
+        return RaggedShard.from_boundaries(bounds)
+
+    def local_slices(self, rank: int) -> list[tuple[str, int, int, int]]:
+        """Tensors overlapping ``rank``'s shard: ``(name, start_in_tensor, start_in_shard, length)``."""
+        m = self.shard_size
+        lo, hi = rank * m, (rank + 1) * m
+        out = []
+        for s, off in zip(self.specs, self.offset_list, strict=True):
+            a, b = max(lo, off), min(hi, off + s.numel)
+            if a < b:
+                out.append((s.name, a - off, a - lo, b - a))
+        return out
+
+    def fingerprint(self) -> str:
+        """A stable hash of the plan, equal on every rank iff the plans are equal."""
+        text = repr((self.world_size, self.shard_size, self.align, tuple(
+            (s.name, s.shape, s.unit, o) for s, o in zip(self.specs, self.offset_list, strict=True))))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def validate(self) -> None:
+        """Check the plan's invariants; raises AssertionError naming the broken one."""
+        w, m = self.world_size, self.shard_size
+        if m < 0 or m % self.align:
+            raise AssertionError(f"shard_size {m} is not a non-negative multiple of align {self.align}")
+        if len(self.offset_list) != len(self.specs):
+            raise AssertionError(f"{len(self.offset_list)} offsets for {len(self.specs)} tensors")
+        spans = sorted((o, o + s.numel, s) for s, o in zip(self.specs, self.offset_list, strict=True))
+        prev_end = 0
+        for start, end, s in spans:
+            if start < prev_end or end > w * m:
+                raise AssertionError(f"tensor {s.name!r} at [{start}, {end}) overlaps or exceeds W*m={w * m}")
+            prev_end = end
+            # Interior boundaries are b, b + m, ...: all legal iff the first is and,
+            # when there are two or more, m is a multiple of the unit.
+            b = (start // m + 1) * m if m else end
+            u = s.effective_unit
+            if b < end and (not is_legal_cut(b - start, s.numel, u) or (b + m < end and m % u)):
+                raise AssertionError(
+                    f"a rank boundary (m={m}) cuts tensor {s.name!r} at offset {start} off its "
+                    f"unit {u}")
+
+
+def _check_specs(specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    specs = tuple(specs)
+    seen: set[str] = set()
+    for s in specs:
+        if not isinstance(s, TensorSpec):
+            raise TypeError(f"plan_group takes TensorSpec objects, got {s!r}")
+        if s.name in seen:
+            raise ValueError(f"duplicate tensor name {s.name!r} in group")
+        seen.add(s.name)
+    return specs
+
+
+def _round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def padding_lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
+    """``W * max(ceil(N / W), largest unit), rounded up to align`` minus N.
+
+    No plan pads less: every rank holds m >= ceil(N / W) elements, and a whole unit
+    (a block, or a whole tensor) can never be split, so m >= the largest unit.
+    """
+    specs = _check_specs(specs)
+    w = _check_world(world_size)
+    _check_positive_int("align", align)
+    n = sum(s.numel for s in specs)
+    if not specs:
+        return 0
+    m = max(_round_up(-(-n // w), align), _round_up(max(s.effective_unit for s in specs), align))
+    return w * m - n
+
+
+def fsdp2_row_padding(shapes: Iterable[Sequence[int]], world_size: int) -> int:
+    """Elements FSDP2 pads for the same tensors: each pads dim 0 to a multiple of W."""
+    w = _check_world(world_size)
+    total = 0
+    for shape in shapes:
+        shape = check_shape(shape) or (1,)
+        rows, row = shape[0], math.prod(shape[1:])
+        total += (_round_up(rows, w) - rows) * row
+    return total
+
+
+# [Note: planner heuristic]
+# For a fixed tensor order and a fixed m, placing each tensor at its earliest legal
+# offset minimises every later position (a legal offset stays legal whatever came
+# before), so an order and an m define one placement. The heuristic
+#   1. scans m upward from the lower bound (in steps of align, then geometrically),
+#      adding the multiples of each unit, since m % u == 0 lets a tensor of unit u span
+#      any number of ranks;
+#   2. for each m tries a few orders: coarse units first (fine tensors then fill the
+#      tail), largest first, and the given order (so it is never worse than that);
+#   3. when a tensor must be pushed forward to reach a legal cut, first fills the gap
+#      with the largest remaining tensors that fit it (fine-grained ones, usually).
+# The first m with a placement wins: padding W * m - N grows with m.
+
+
+def _first_fit(pos: int, n: int, u: int, m: int) -> int | None:
+    """Earliest offset >= pos at which a tensor of numel n, unit u is legally placed."""
+    for start in (pos, (pos // m + 1) * m) if pos % m else (pos,):
+        b = (start // m + 1) * m  # first rank boundary after start
+        if start + n <= b:
+            return start
+        o = start + (b - start) % u
+        if o >= b:
+            continue  # cannot reach a legal cut before b from this rank
+        if o + n <= b + m or m % u == 0:
+            return o
+    return None
+
+
+def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: int, cap: int) -> list[int] | None:
+    offsets = [0] * len(sizes)
+    remaining = list(order)
+    # fill candidates: indices by size descending, for gap filling
+    pos = 0
+    while remaining:
+        i = remaining[0]
+        o = _first_fit(pos, sizes[i], units[i], m)
+        if o is None:
+            return None
+        if o > pos:
+            pos = _fill_gap(pos, o, remaining, sizes, units, m, offsets)
+            o = _first_fit(pos, sizes[i], units[i], m)
+            if o is None:  # pragma: no cover - filling never makes a legal offset illegal
+                return None
+        offsets[i] = o
+        pos = o + sizes[i]
+        remaining.remove(i)
+        if pos > cap:
+            return None
+    return offsets
+
+
+def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offsets) -> int:
+    """Place remaining tensors (not remaining[0]) into [pos, limit), largest first."""
+    head = remaining[0]
+    while True:
+        best, best_o = None, None
+        for j in remaining:
+            if j == head or sizes[j] > limit - pos:
+                continue
+            o = _first_fit(pos, sizes[j], units[j], m)
+            if o is not None and o + sizes[j] <= limit and (best is None or sizes[j] > sizes[best]):
+                best, best_o = j, o
+        if best is None:
+            return pos
+        offsets[best] = best_o
+        pos = best_o + sizes[best]
+        remaining.remove(best)
+
+
+def _candidate_ms(m0: int, align: int, units: Sequence[int], linear: int = 64) -> Iterable[int]:
+    seen: set[int] = set()
+    extra = sorted({_round_up(m0, math.lcm(u, align)) for u in set(units) if u > 1})
+    queue = sorted({m0 + k * align for k in range(linear)} | set(extra))
+    for m in queue:
+        seen.add(m)
+        yield m
+    m = queue[-1]
+    while True:
+        m = _round_up(max(m + align, int(m * 1.02)), align)
+        for mm in sorted({m} | {_round_up(m, math.lcm(u, align)) for u in set(units) if u > 1}):
+            if mm not in seen:
+                seen.add(mm)
+                yield mm
+
+
+def plan_group(specs: Iterable[TensorSpec], world_size: int, align: int = 1) -> GroupPlan:
+    """Plan one group: order and offsets of its tensors in a W * m buffer.
+
+    Deterministic: the same arguments give the same plan on every rank and every run.
+    """
+    specs = _check_specs(specs)
+    w = _check_world(world_size)
+    _check_positive_int("align", align)
+    return _plan_cached(specs, w, align)
+
+
+@lru_cache(maxsize=4096)
+def _plan_cached(specs: tuple[TensorSpec, ...], w: int, align: int) -> GroupPlan:
+    if not specs:
+        return GroupPlan(w, 0, align, (), ())
+    sizes = [s.numel for s in specs]
+    units = [s.effective_unit for s in specs]
+    n = sum(sizes)
+    m0 = max(_round_up(-(-n // w), align), _round_up(max(units), align))
+    idx = range(len(specs))
+    orders = []
+    for key in (lambda i: (-units[i], -sizes[i], i), lambda i: (-sizes[i], i), None):
+        o = sorted(idx, key=key) if key else list(idx)
+        if o not in orders:
+            orders.append(o)
+    for m in _candidate_ms(m0, align, units):
+        for order in orders:
+            offsets = _place(order, sizes, units, m, w * m)
+            if offsets is not None:
+                return GroupPlan(w, m, align, specs, tuple(offsets))
+    raise AssertionError("unreachable: m >= N always admits a plan")  # pragma: no cover

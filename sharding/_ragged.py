@@ -1,0 +1,156 @@
+"""RaggedShard: where each rank's contiguous slice of one tensor lies in flat space."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._requirement import Requirement, check_shape, is_legal_cut
+
+__all__ = ["RaggedShard"]
+
+
+def _as_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedShard:
+    """Layout of one tensor over W ranks.
+
+    ``extents[r] = (start, length)`` is rank r's slice of the tensor's row-major flat
+    element space. Slices are contiguous and in rank order: ``extents[0][0] == 0`` and
+    each start is the previous end, so the extents tile ``[0, numel)`` exactly. Lengths
+    may be 0 (an empty shard starts where the previous one ended). FSDP2's ``Shard(0)``
+    and "whole tensor on rank r" are special cases.
+    """
+
+    extents: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        ext = tuple(
+            (_as_int("extent start", s), _as_int("extent length", n)) for s, n in self.extents
+        )
+        if not ext:
+            raise ValueError("RaggedShard needs one extent per rank, got none")
+        expected = 0
+        for r, (s, n) in enumerate(ext):
+            if n < 0:
+                raise ValueError(f"extent of rank {r} has negative length {n}: {ext}")
+            if s != expected:
+                raise ValueError(
+                    f"extents must tile the tensor in rank order; rank {r} starts at {s}, "
+                    f"expected {expected}: {ext}"
+                )
+            expected = s + n
+        object.__setattr__(self, "extents", ext)
+
+    # -- constructors -------------------------------------------------------------
+
+    @classmethod
+    def from_boundaries(cls, boundaries: Sequence[int]) -> RaggedShard:
+        """From W + 1 nondecreasing cut points ``0 = b_0 <= ... <= b_W = numel``."""
+        b = [_as_int("boundary", x) for x in boundaries]
+        if len(b) < 2 or b[0] != 0:
+            raise ValueError(f"boundaries must start at 0 and have W + 1 >= 2 entries, got {b}")
+        if any(y < x for x, y in zip(b, b[1:], strict=False)):
+            raise ValueError(f"boundaries must be nondecreasing, got {b}")
+        return cls(tuple((x, y - x) for x, y in zip(b, b[1:], strict=False)))
+
+    @classmethod
+    def shard0(cls, shape: Sequence[int], world_size: int) -> RaggedShard:
+        """FSDP2's ``Shard(0)``: torch.chunk on dim 0, empty trailing shards included."""
+        shape = check_shape(shape)
+        w = _check_world(world_size)
+        rows = shape[0] if shape else 1
+        row = math.prod(shape[1:]) if shape else 1
+        chunk = -(-rows // w) if rows else 0
+        bounds = [min(r * chunk, rows) * row for r in range(w + 1)]
+        bounds[-1] = rows * row
+        return cls.from_boundaries(bounds)
+
+    @classmethod
+    def whole(cls, numel: int, world_size: int, rank: int) -> RaggedShard:
+        """The whole tensor on ``rank``, empty slices elsewhere."""
+        w = _check_world(world_size)
+        numel = _as_int("numel", numel)
+        rank = _as_int("rank", rank)
+        if not 0 <= rank < w:
+            raise ValueError(f"rank must be in [0, {w}), got {rank}")
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        return cls.from_boundaries([0] * (rank + 1) + [numel] * (w - rank))
+
+    @classmethod
+    def replicated_on_one(cls, numel: int) -> RaggedShard:
+        """The single-rank layout (W = 1) of a plain, unsharded tensor."""
+        return cls.whole(numel, 1, 0)
+
+    # -- queries ------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.extents)
+
+    @property
+    def numel(self) -> int:
+        s, n = self.extents[-1]
+        return s + n
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """W + 1 cut points: rank r holds ``[b[r], b[r + 1])``."""
+        return (0, *(s + n for s, n in self.extents))
+
+    def local(self, rank: int) -> tuple[int, int]:
+        """``(start, length)`` of ``rank``'s slice."""
+        return self.extents[rank]
+
+    def owner(self) -> int | None:
+        """The rank holding the whole tensor, if one does (None if it is split)."""
+        for r, (_, n) in enumerate(self.extents):
+            if n == self.numel:
+                return r
+        return None
+
+    def satisfies(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> bool:
+        """Whether every interior cut is legal for ``requirement`` (a Requirement or a unit)."""
+        unit = self._unit(requirement, shape)
+        n = self.numel
+        return all(is_legal_cut(b, n, unit) for b in self.boundaries[1:-1])
+
+    def snapped(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> RaggedShard:
+        """The nearest layout that satisfies ``requirement``: each boundary moves to the
+        nearest legal cut (ties go down), so only the pieces at boundaries change rank."""
+        unit = self._unit(requirement, shape)
+        n = self.numel
+        out = []
+        for b in self.boundaries:
+            lo = (b // unit) * unit
+            hi = min(lo + unit, n) if lo != b else b
+            out.append(lo if b - lo <= hi - b else hi)
+        out[0], out[-1] = 0, n
+        return RaggedShard.from_boundaries(out)
+
+    def _unit(self, requirement: Requirement | int, shape: Sequence[int] | None) -> int:
+        if isinstance(requirement, Requirement):
+            if shape is None:
+                raise TypeError("a Requirement needs the tensor's shape to resolve its unit")
+            shape = check_shape(shape)
+            if math.prod(shape) != self.numel:
+                raise ValueError(f"shape {shape} has {math.prod(shape)} elements, layout has {self.numel}")
+            return requirement.unit(shape)
+        unit = _as_int("unit", requirement)
+        if unit < 1:
+            raise ValueError(f"unit must be >= 1, got {unit}")
+        return unit
+
+
+def _check_world(world_size: object) -> int:
+    w = _as_int("world_size", world_size)
+    if w < 1:
+        raise ValueError(f"world_size must be >= 1, got {w}")
+    return w
