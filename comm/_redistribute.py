@@ -1,0 +1,260 @@
+"""Move many tensors between RaggedShard layouts in one batched all_to_all_single.
+
+See [Note: one exchange per bucket]. Every rank must pass the same layouts, in the same
+order: a mismatch is not detected by the collective (it would exchange wrong sizes or
+hang), so callers run :func:`check_same_on_all_ranks` on a fingerprint of their layouts
+once, before the first exchange.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from vefsdp_optim.sharding import RaggedShard
+
+__all__ = ["RedistributeHandle", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
+
+# [Note: one exchange per bucket]
+# Tensor i lives on this rank as the slice [a_i, b_i) of its flat storage under src[i]
+# and must end as [c_i, d_i) under dst[i]. For each peer p the outgoing pieces are the
+# intersections of [a_i, b_i) with p's dst slice, in tensor order; the send buffer is
+# one torch.cat of these pieces, peer-major (rank order), so split sizes are per-peer
+# sums. Pieces that stay on this rank never enter the send buffer. Incoming pieces
+# arrive peer-major too, and since src slices are in rank order, the pieces of one
+# output sorted by peer are also sorted by position: an output is a single view (of an
+# input or of the receive buffer) when one source covers it, else one torch.cat.
+# Nothing crosses ranks iff src[i] == dst[i] for every i: if two boundary lists differ
+# at position k, say b_src[k] < b_dst[k], the element b_src[k] has src owner >= k and
+# dst owner < k. So equal layouts are the only case without a collective.
+
+
+class _Piece(NamedTuple):
+    tensor: int  # index into the batch
+    lo: int  # flat start in the tensor
+    hi: int  # flat end in the tensor (exclusive)
+
+
+def _overlaps(lo: int, hi: int, layout: RaggedShard) -> list[tuple[int, int, int]]:
+    """``(peer, lo', hi')`` for each peer whose slice under ``layout`` meets ``[lo, hi)``."""
+    if lo >= hi:
+        return []
+    b = layout.boundaries
+    first = bisect_right(b, lo) - 1  # last rank starting at or before lo
+    last = bisect_left(b, hi) - 1  # last rank starting before hi
+    out = []
+    for p in range(max(first, 0), min(last, layout.world_size - 1) + 1):
+        x, y = max(lo, b[p]), min(hi, b[p + 1])
+        if x < y:
+            out.append((p, x, y))
+    return out
+
+
+def _routes(
+    src: Sequence[RaggedShard], dst: Sequence[RaggedShard], rank: int
+) -> tuple[list[list[_Piece]], list[list[_Piece]]]:
+    """Per peer: the pieces this rank sends and receives (self included), tensor order."""
+    w = src[0].world_size if src else 1
+    send: list[list[_Piece]] = [[] for _ in range(w)]
+    recv: list[list[_Piece]] = [[] for _ in range(w)]
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+        a, n = s.local(rank)
+        for p, x, y in _overlaps(a, a + n, d):
+            send[p].append(_Piece(i, x, y))
+        c, m = d.local(rank)
+        for p, x, y in _overlaps(c, c + m, s):
+            recv[p].append(_Piece(i, x, y))
+    return send, recv
+
+
+def _check_layouts(src: Sequence[RaggedShard], dst: Sequence[RaggedShard]) -> int:
+    if len(src) != len(dst):
+        raise ValueError(f"src and dst must list the same tensors, got {len(src)} and {len(dst)} layouts")
+    w = None
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+        for name, lay in (("src", s), ("dst", d)):
+            if not isinstance(lay, RaggedShard):
+                raise TypeError(f"{name}[{i}] must be a RaggedShard, got {type(lay).__name__}")
+        if s.numel != d.numel:
+            raise ValueError(f"tensor {i}: src has {s.numel} elements, dst has {d.numel}")
+        if s.world_size != d.world_size or (w is not None and s.world_size != w):
+            raise ValueError(
+                f"tensor {i}: all layouts must have one world size, got src {s.world_size}, "
+                f"dst {d.world_size}" + (f", expected {w}" if w is not None else "")
+            )
+        w = s.world_size
+    return 1 if w is None else w
+
+
+def transfer_sizes(
+    src: Sequence[RaggedShard], dst: Sequence[RaggedShard], rank: int
+) -> tuple[list[int], list[int]]:
+    """Elements ``rank`` sends to and receives from each peer in ``redistribute(src -> dst)``.
+
+    These are the split sizes of the all_to_all_single: the entry for ``rank`` itself is
+    0, since what stays on a rank is copied locally, not sent.
+    """
+    w = _check_layouts(src, dst)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < w:
+        raise ValueError(f"rank must be an int in [0, {w}), got {rank!r}")
+    send, recv = _routes(src, dst, rank)
+    sc = [sum(q.hi - q.lo for q in pieces) for pieces in send]
+    rc = [sum(q.hi - q.lo for q in pieces) for pieces in recv]
+    sc[rank] = rc[rank] = 0
+    return sc, rc
+
+
+class RedistributeHandle:
+    """An exchange in flight; :meth:`wait` returns this rank's slices under dst.
+
+    The send buffer is held until the exchange completes (the backend reads it
+    asynchronously). ``wait()`` may be called more than once.
+    """
+
+    def __init__(self, work: dist.Work | None, buffers: tuple[torch.Tensor, ...], finish) -> None:
+        self._work = work
+        self._buffers = buffers  # (send 1-D, recv 1-D): kept alive until wait()
+        self._finish = finish
+        self._result: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._work, self._buffers, self._finish = None, (), None
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._work is None or self._work.is_completed()
+
+
+def redistribute(
+    locals: Sequence[torch.Tensor],
+    src: Sequence[RaggedShard],
+    dst: Sequence[RaggedShard],
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+) -> list[torch.Tensor] | RedistributeHandle:
+    """Move tensors from their ``src`` layouts to their ``dst`` layouts.
+
+    ``locals[i]`` is this rank's 1-D slice of tensor i under ``src[i]``; the result's
+    entry i is its slice under ``dst[i]``. All tensors move in one
+    ``all_to_all_single`` on ``group`` (none when nothing crosses ranks or the group
+    has one rank; ``group`` may be None only then). All locals share one dtype and
+    device. Outputs may be views of the inputs (pieces that stay on this rank) or of one
+    receive buffer, so write to them only when that is intended. Every rank must pass
+    the same layouts: see :func:`check_same_on_all_ranks`. With ``async_op=True`` the
+    exchange is launched and a :class:`RedistributeHandle` is returned.
+    """
+    locals = list(locals)
+    w = _check_layouts(src, dst)
+    if len(locals) != len(src):
+        raise ValueError(f"got {len(locals)} local tensors for {len(src)} layouts")
+    if not locals:
+        return RedistributeHandle(None, (), list) if async_op else []
+    if group is None:
+        if w != 1:
+            raise ValueError(f"layouts over {w} ranks need a process group, got None")
+        rank = 0
+    else:
+        if group.size() != w:
+            raise ValueError(f"layouts have {w} ranks but the group has {group.size()}")
+        rank = dist.get_rank(group)
+    _check_locals(locals, src, rank)
+
+    if w == 1 or all(s == d for s, d in zip(src, dst, strict=True)):
+        out = [t[:] for t in locals]
+        return RedistributeHandle(None, (), lambda: out) if async_op else out
+
+    send, recv = _routes(src, dst, rank)
+    ref = locals[0]
+    out_pieces = []
+    for p in range(w):
+        if p != rank:
+            for q in send[p]:
+                a = src[q.tensor].local(rank)[0]
+                out_pieces.append(locals[q.tensor][q.lo - a : q.hi - a])
+    send_counts = [0 if p == rank else sum(q.hi - q.lo for q in send[p]) for p in range(w)]
+    recv_counts = [0 if p == rank else sum(q.hi - q.lo for q in recv[p]) for p in range(w)]
+    send_buf = torch.cat(out_pieces) if out_pieces else ref.new_empty(0)
+    recv_buf = ref.new_empty(sum(recv_counts))
+    work = dist.all_to_all_single(
+        recv_buf, send_buf, recv_counts, send_counts, group=group, async_op=async_op
+    )
+
+    def finish() -> list[torch.Tensor]:
+        incoming: list[list[torch.Tensor]] = [[] for _ in locals]
+        pos = 0
+        for p in range(w):
+            for q in recv[p]:
+                if p == rank:
+                    a = src[q.tensor].local(rank)[0]
+                    incoming[q.tensor].append(locals[q.tensor][q.lo - a : q.hi - a])
+                else:
+                    incoming[q.tensor].append(recv_buf[pos : pos + q.hi - q.lo])
+                    pos += q.hi - q.lo
+        if pos != recv_buf.numel():
+            raise AssertionError(f"unpacked {pos} of {recv_buf.numel()} received elements")
+        result = []
+        for i, pieces in enumerate(incoming):
+            n = dst[i].local(rank)[1]
+            if not pieces:
+                result.append(ref.new_empty(0))
+            elif len(pieces) == 1:
+                result.append(pieces[0])
+            else:
+                result.append(torch.cat(pieces))
+            if result[-1].numel() != n:
+                raise AssertionError(f"tensor {i}: assembled {result[-1].numel()} elements, dst gives {n}")
+        return result
+
+    if async_op:
+        return RedistributeHandle(work, (send_buf, recv_buf), finish)
+    return finish()
+
+
+def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: int) -> None:
+    for i, (t, s) in enumerate(zip(locals, src, strict=True)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"locals[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1:
+            raise ValueError(f"locals[{i}] must be 1-D, got shape {tuple(t.shape)}")
+        n = s.local(rank)[1]
+        if t.numel() != n:
+            raise ValueError(
+                f"locals[{i}] has {t.numel()} elements; src[{i}] gives rank {rank} {n}: {s.extents}"
+            )
+    if locals:
+        dtypes = sorted({str(t.dtype) for t in locals})
+        devices = sorted({str(t.device) for t in locals})
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"all locals must share one dtype and device (batch them per dtype), got "
+                f"dtypes {dtypes} on devices {devices}"
+            )
+
+
+def check_same_on_all_ranks(obj_fingerprint: str, group: dist.ProcessGroup | None) -> None:
+    """Raise ValueError on every rank unless all ranks of ``group`` pass the same string.
+
+    Run once before the first collective on layouts or plans (e.g. with
+    ``GroupPlan.fingerprint()``): a mismatch then raises here instead of hanging or
+    exchanging wrong data later. A no-op when ``group`` is None (one rank).
+    """
+    if not isinstance(obj_fingerprint, str):
+        raise TypeError(f"obj_fingerprint must be a str, got {type(obj_fingerprint).__name__}")
+    if group is None:
+        return
+    gathered: list[object] = [None] * group.size()
+    dist.all_gather_object(gathered, obj_fingerprint, group=group)
+    if any(g != gathered[0] for g in gathered):
+        by_value: dict[str, list[int]] = {}
+        for r, g in enumerate(gathered):
+            by_value.setdefault(str(g), []).append(r)
+        detail = "; ".join(f"ranks {rs}: {v[:80]!r}" for v, rs in by_value.items())
+        raise ValueError(f"ranks disagree on the fingerprint (group ranks {group.size()}): {detail}")
