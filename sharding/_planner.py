@@ -200,9 +200,18 @@ def fsdp2_row_padding(shapes: Iterable[Sequence[int]], world_size: int) -> int:
 #      any number of ranks;
 #   2. for each m tries a few orders: coarse units first (fine tensors then fill the
 #      tail), largest first, and the given order (so it is never worse than that);
+#      for small groups also each of those with one tensor moved to the front;
 #   3. when a tensor must be pushed forward to reach a legal cut, first fills the gap
-#      with the largest remaining tensors that fit it (fine-grained ones, usually).
-# The first m with a placement wins: padding W * m - N grows with m.
+#      with the largest remaining tensors that fit it (fine-grained ones, usually);
+#   4. then tries a dynamic order: at each position, the remaining tensor that wastes
+#      the least (earliest legal offset minus position), coarse or large ones on ties.
+#      It packs whole tensors next to the pieces of splittable ones that fill a rank.
+# The first m with a placement wins: padding W * m - N grows with m. Work per m is
+# O(k^3) for k tensors in a small group, O(k^2) beyond _ROTATE_MAX, and the dynamic
+# order is skipped beyond _GREEDY_MAX tensors, so big groups stay fast.
+
+_ROTATE_MAX = 16
+_GREEDY_MAX = 64
 
 
 def _first_fit(pos: int, n: int, u: int, m: int) -> int | None:
@@ -260,6 +269,29 @@ def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offse
         remaining.remove(best)
 
 
+def _place_dynamic(sizes: Sequence[int], units: Sequence[int], key: Sequence[tuple[int, ...]], m: int,
+                   cap: int) -> list[int] | None:
+    """Step 4 of [Note: planner heuristic]: least waste next, ties by ``key``."""
+    offsets = [0] * len(sizes)
+    remaining = list(range(len(sizes)))
+    pos = 0
+    while remaining:
+        best, best_o, best_k = -1, 0, None
+        for j in remaining:
+            o = _first_fit(pos, sizes[j], units[j], m)
+            if o is None or o + sizes[j] > cap:
+                continue
+            k = (o - pos, key[j])
+            if best_k is None or k < best_k:
+                best, best_o, best_k = j, o, k
+        if best_k is None:
+            return None
+        offsets[best] = best_o
+        pos = best_o + sizes[best]
+        remaining.remove(best)
+    return offsets
+
+
 def _candidate_ms(m0: int, align: int, units: Sequence[int], linear: int = 64) -> Iterable[int]:
     seen: set[int] = set()
     extra = sorted({_round_up(m0, math.lcm(u, align)) for u in set(units) if u > 1})
@@ -295,15 +327,26 @@ def _plan_cached(specs: tuple[TensorSpec, ...], w: int, align: int) -> GroupPlan
     units = [s.effective_unit for s in specs]
     n = sum(sizes)
     m0 = max(_round_up(-(-n // w), align), _round_up(max(units), align))
-    idx = range(len(specs))
-    orders = []
-    for key in (lambda i: (-units[i], -sizes[i], i), lambda i: (-sizes[i], i), None):
-        o = sorted(idx, key=key) if key else list(idx)
+    k = len(specs)
+    keys = [[(-units[i], -sizes[i], i) for i in range(k)], [(-sizes[i], i) for i in range(k)]]
+    orders: list[list[int]] = []
+    for o in (*(sorted(range(k), key=key.__getitem__) for key in keys), list(range(k))):
         if o not in orders:
             orders.append(o)
+    if k <= _ROTATE_MAX:
+        for base in orders[:2]:
+            for i in range(1, k):
+                o = [base[i], *base[:i], *base[i + 1:]]
+                if o not in orders:
+                    orders.append(o)
     for m in _candidate_ms(m0, align, units):
         for order in orders:
             offsets = _place(order, sizes, units, m, w * m)
             if offsets is not None:
                 return GroupPlan(w, m, align, specs, tuple(offsets))
+        if k <= _GREEDY_MAX:
+            for key in keys:
+                offsets = _place_dynamic(sizes, units, key, m, w * m)
+                if offsets is not None:
+                    return GroupPlan(w, m, align, specs, tuple(offsets))
     raise AssertionError("unreachable: m >= N always admits a plan")  # pragma: no cover

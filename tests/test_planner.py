@@ -17,7 +17,6 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from vefsdp_optim.sharding import (
     GroupPlan,
     RaggedShard,
@@ -254,7 +253,7 @@ def _feasible_brute(sizes, units, w: int, m: int) -> bool:
 
 def _m_start(sizes, units, w: int, align: int) -> int:
     return max(_round_up(_ceil_div(sum(sizes), w), align),
-               _round_up(max(min(u, n) for u, n in zip(units, sizes)), align))
+               _round_up(max(min(u, n) for u, n in zip(units, sizes, strict=True)), align))
 
 
 def _optimal_m(sizes, units, w: int, align: int, feasible=_feasible_any_order) -> int:
