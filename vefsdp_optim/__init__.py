@@ -1,1 +1,23 @@
-"""x"""
+"""vefsdp-optim: structure-aware sharded optimizers on RaggedShard FSDP.
+
+Drop-in replacements for ``torch.optim`` optimizers that work on plain tensors,
+FSDP2 DTensors and this library's own sharded parameters, and give the result of a
+single device at any world size.
+"""
+
+from ._adamw import AdamW
+from ._block_optimizer import BlockContext, BlockOptimizer
+from ._muon import Muon
+from ._registry import get_optimizer, list_optimizers, register_optimizer
+
+__all__ = [
+    "AdamW",
+    "Muon",
+    "BlockOptimizer",
+    "BlockContext",
+    "register_optimizer",
+    "get_optimizer",
+    "list_optimizers",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,60 @@
+"""Name -> optimizer class registry, for places that take optimizer names."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["register_optimizer", "get_optimizer", "list_optimizers"]
+
+_REGISTRY: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = False) -> Callable[[T], T] | type:
+    """Register an optimizer class under ``name`` (case-insensitive).
+
+    Use as a decorator (``@register_optimizer("tile_sgd")``) or a call
+    (``register_optimizer("tile_sgd", TileSGD)``). Re-registering a name with a
+    different class raises ValueError unless ``overwrite=True``.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"optimizer name must be a non-empty str, got {name!r}")
+    key = name.strip().lower()
+
+    def deco(c: T) -> T:
+        if not isinstance(c, type):
+            raise TypeError(f"register_optimizer takes a class, got {c!r}")
+        old = _REGISTRY.get(key)
+        if old is not None and old is not c and not overwrite:
+            raise ValueError(f"optimizer name {name!r} is already registered to {old.__qualname__}")
+        _REGISTRY[key] = c
+        return c
+
+    return deco if cls is None else deco(cls)
+
+
+def get_optimizer(name: str) -> type:
+    """The class registered as ``name``, or ``"package.module:Class"`` imported."""
+    if not isinstance(name, str):
+        raise TypeError(f"optimizer name must be a str, got {name!r}")
+    key = name.strip().lower()
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    if ":" in name:
+        mod, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot import optimizer {name!r}: {e}") from e
+        if not isinstance(obj, type):
+            raise TypeError(f"{name!r} is not a class: {obj!r}")
+        return obj
+    raise ValueError(
+        f"unknown optimizer {name!r}; registered: {sorted(_REGISTRY)} "
+        "(or give 'package.module:Class')")
+
+
+def list_optimizers() -> list[str]:
+    return sorted(_REGISTRY)
