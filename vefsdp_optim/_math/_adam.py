@@ -1,0 +1,92 @@
+"""The Adam / AdamW update on local tensors, in torch.optim's exact op order.
+
+``adamw_step_`` mirrors ``torch.optim.adam._single_tensor_adam`` (the non-capturable,
+non-differentiable path) op for op: the same lerp, mul_/addcmul_, Python-float bias
+corrections, sqrt / divide / add eps and addcdiv_. Every op is elementwise, so applying
+it to any slice of a parameter gives the same bits as applying it to the whole
+parameter: this is what makes sharded AdamW bit-identical to the single-device one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["adamw_step_"]
+
+
+def _check_same(name: str, t: Tensor, ref: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != ref.shape:
+        raise ValueError(
+            f"{name} must have the parameter's shape {tuple(ref.shape)}, got {tuple(t.shape)}"
+        )
+
+
+def adamw_step_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool = True,
+) -> None:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step, in place.
+
+    Updates ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` when
+    ``amsgrad``) in place; ``grad`` is read only. All tensors have one shape (flat
+    shards are the usual case) and live on one device.
+
+    Args:
+        step: the step number after this update (1 on the first call), as torch's
+            ``state["step"]`` after its increment.
+        decoupled: True for AdamW (``param *= 1 - lr * weight_decay``), False for
+            Adam's L2 penalty (``grad + weight_decay * param``).
+
+    The result equals ``torch.optim.AdamW`` / ``torch.optim.Adam`` (``foreach`` either
+    way, ``capturable=False``, float ``lr``) bit for bit on the same device.
+    """
+    _check_same("grad", grad, param)
+    _check_same("exp_avg", exp_avg, param)
+    _check_same("exp_avg_sq", exp_avg_sq, param)
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("amsgrad=True needs a max_exp_avg_sq tensor, got None")
+        _check_same("max_exp_avg_sq", max_exp_avg_sq, param)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the count after this update), got {step!r}")
+
+    if maximize:
+        grad = -grad
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+    # torch reads the step back from a float tensor: the same double after float().
+    t = float(step)
+    bias_correction1 = 1 - beta1**t
+    bias_correction2 = 1 - beta2**t
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+
+    if amsgrad:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)

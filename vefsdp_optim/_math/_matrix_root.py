@@ -1,0 +1,67 @@
+"""Shampoo's math: inverse p-th roots of symmetric PSD matrices, and tiling of large matrices."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["matrix_inverse_root", "shampoo_tiles"]
+
+
+def matrix_inverse_root(
+    a: Tensor, root: int, epsilon: float, *, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, bool]:
+    """``(A + epsilon I)^(-1/root)`` of a symmetric PSD matrix, by eigendecomposition.
+
+    Computes ``A = Q diag(lam) Q^T`` with ``torch.linalg.eigh`` in ``dtype`` (only the
+    lower triangle of ``a`` is read), then ``Q diag((max(lam, 0) + epsilon)^(-1/root)) Q^T``.
+    Negative eigenvalues (rounding noise of a PSD matrix) are clamped to 0 first.
+
+    Returns:
+        ``(root_matrix, ok)``: ``root_matrix`` has ``a``'s shape and dtype. ``ok`` is
+        False when ``a`` or the result is not finite or the decomposition fails (no
+        exception is raised for those); ``root_matrix`` is then the identity and the
+        caller should keep its previous root.
+    """
+    if not isinstance(a, Tensor):
+        raise TypeError(f"a must be a torch.Tensor, got {type(a).__name__}")
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"a must be a square 2-D matrix, got shape {tuple(a.shape)}")
+    if not a.is_floating_point():
+        raise TypeError(f"a must have a floating dtype, got {a.dtype}")
+    if isinstance(root, bool) or not isinstance(root, int) or root < 1:
+        raise ValueError(f"root must be a positive int, got {root!r}")
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    failed = (torch.eye(a.shape[0], dtype=a.dtype, device=a.device), False)
+    a_work = a.to(dtype)
+    if not bool(torch.isfinite(a_work).all()):
+        return failed
+    try:
+        eigvals, eigvecs = torch.linalg.eigh(a_work)  # (n,), (n, n)
+    except (torch.linalg.LinAlgError, RuntimeError):
+        return failed
+    scale = (eigvals.clamp(min=0) + epsilon) ** (-1.0 / root)  # (n,)
+    result = (eigvecs * scale) @ eigvecs.T  # (n, n)
+    if not bool(torch.isfinite(result).all()):
+        return failed
+    return result.to(a.dtype), True
+
+
+def shampoo_tiles(rows: int, cols: int, max_dim: int) -> list[tuple[slice, slice]]:
+    """Cut a (rows, cols) matrix into tiles of at most ``max_dim`` x ``max_dim``.
+
+    Tiles are ``max_dim`` on a side except at the bottom and right edges (ragged), and
+    listed in row-major tile order: ``(row_slice, col_slice)`` pairs, so
+    ``matrix[row_slice, col_slice]`` is a tile. An empty matrix has no tiles.
+    """
+    for name, value in (("rows", rows), ("cols", cols)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
+        raise ValueError(f"max_dim must be a positive int, got {max_dim!r}")
+    return [
+        (slice(r, min(r + max_dim, rows)), slice(c, min(c + max_dim, cols)))
+        for r in range(0, rows, max_dim)
+        for c in range(0, cols, max_dim)
+    ]

@@ -1,0 +1,220 @@
+"""Block-wise 8-bit quantization with a dynamic code map, and the 8-bit Adam step.
+
+Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022): a tensor
+is cut into blocks of ``block_size`` consecutive elements, counted from element 0 (the
+last block may be shorter); each block is divided by its absolute maximum and every
+element is stored as the uint8 index of the nearest value of a fixed, non-linear code
+map of 256 values. Blocks never interact, so quantizing a run of whole blocks gives the
+same bits as quantizing the whole tensor (the property sharding relies on).
+
+[Note: dynamic code map]
+The map is built from a "dynamic tree" bit layout. Unsigned (8 magnitude bits): the
+number ``e`` of leading zero bits is a decimal exponent, the next bit (the first 1) is
+an indicator, and the remaining ``f = 7 - e`` bits are a linear fraction, giving the
+``2**f`` magnitudes
+
+    10**-e * (0.1 + 0.9 * (k + 1) / 2**f),   k = 0 .. 2**f - 1,   e = 0 .. 7
+
+(so each decade ``(10**-(e+1), 10**-e]`` is cut into equal steps and its top value is
+exactly ``10**-e``; 1.0 is a code value) plus the all-zero byte, which is 0.0: 256
+values in [0, 1], smallest positive 1e-7. Signed: the first bit is the sign and the
+seven others the same tree with ``e = 0 .. 6`` (127 magnitudes in [1e-6, 1], 1.0
+included); the byte with only the sign bit set, which would be a second zero, is the
+tree's next tier, ``-1e-7``. 256 values in [-1, 1], +-1.0 and 0.0 included. The values
+are computed in float64 and rounded once to float32, so the map is deterministic and
+identical on every device. Each decade's steps are equal and continue across the
+decade boundary, so the largest gap between neighbours is ``0.9 / 2**f`` of the top
+decade: 0.9/128 unsigned, 0.9/64 signed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._adam import adamw_step_
+
+__all__ = [
+    "adam8bit_block_step_",
+    "dequantize_blockwise",
+    "dynamic_code_map",
+    "num_blocks",
+    "quantize_blockwise",
+]
+
+
+def _tree_magnitudes(magnitude_bits: int) -> list[float]:
+    """The positive magnitudes of the dynamic tree on ``magnitude_bits`` bits (ascending)."""
+    out: list[float] = []
+    for e in range(magnitude_bits):
+        n = 2 ** (magnitude_bits - 1 - e)
+        out.extend(10.0**-e * (0.1 + 0.9 * (k + 1) / n) for k in range(n))
+    return sorted(out)
+
+
+def dynamic_code_map(signed: bool) -> Tensor:
+    """The 256 sorted float32 values of the dynamic code map (see [Note: dynamic code map]).
+
+    ``signed=True``: values in [-1, 1] (for Adam's first moment); ``signed=False``:
+    values in [0, 1] (for the second moment). Both contain 0.0 and 1.0 exactly, the
+    signed one -1.0 as well. Returned on the CPU; move it once with ``.to(device)``.
+    """
+    if not isinstance(signed, bool):
+        raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
+    if signed:
+        mags = _tree_magnitudes(7)
+        values = [-m for m in mags] + [-1e-7, 0.0] + mags
+    else:
+        values = [0.0] + _tree_magnitudes(8)
+    code = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
+    if code.numel() != 256 or not bool((code[1:] > code[:-1]).all()):
+        raise AssertionError(f"dynamic code map must be 256 strictly increasing values: {code}")
+    return code
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """``ceil(numel / block_size)``: the number of blocks (and absmax values) of a tensor."""
+    return -(-numel // block_size)
+
+
+def _check_code(code: Tensor) -> None:
+    if not isinstance(code, Tensor) or code.dtype != torch.float32 or code.shape != (256,):
+        got = f"{code.dtype} {tuple(code.shape)}" if isinstance(code, Tensor) else type(code)
+        raise ValueError(f"code must be a float32 tensor of 256 sorted values, got {got}")
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def _blocks(x: Tensor, block_size: int) -> Tensor:
+    """``x`` (1-D, numel) zero-padded and viewed as (num_blocks, block_size)."""
+    pad = num_blocks(x.numel(), block_size) * block_size - x.numel()
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(-1, block_size)
+
+
+def quantize_blockwise(x: Tensor, code: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Quantize a 1-D float32 tensor block by block to the nearest code value.
+
+    Each block of ``block_size`` elements (counted from element 0; the last may be
+    short) is divided by its absolute maximum and each element becomes the index of the
+    nearest value of ``code``; a value exactly halfway between two code values (as the
+    float32 midpoint) takes the lower one. A block of zeros has absmax 0 and codes of
+    0.0, so it comes back as exact zeros.
+
+    Returns:
+        ``(codes, absmax)``: uint8 of shape (numel,), float32 of shape
+        (ceil(numel / block_size),), on ``x``'s device.
+    """
+    if not isinstance(x, Tensor) or x.ndim != 1 or x.dtype != torch.float32:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 1-D float32 tensor, got {got}")
+    _check_code(code)
+    _check_block_size(block_size)
+    code = code.to(x.device)
+    blocks = _blocks(x, block_size)  # (num_blocks, block_size)
+    absmax = blocks.abs().amax(dim=1)  # (num_blocks,)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normed = blocks / scale[:, None]  # (num_blocks, block_size), in [-1, 1]
+    midpoints = (code[:-1] + code[1:]) / 2  # (255,)
+    idx = torch.searchsorted(midpoints, normed.reshape(-1))  # (num_blocks * block_size,)
+    codes = idx[: x.numel()].to(torch.uint8)
+    return codes, absmax
+
+
+def dequantize_blockwise(
+    codes: Tensor, absmax: Tensor, code: Tensor, block_size: int
+) -> Tensor:
+    """Inverse of ``quantize_blockwise``: ``code[codes] * absmax`` of each element's block.
+
+    Returns a new 1-D float32 tensor of ``codes.numel()`` elements.
+    """
+    if not isinstance(codes, Tensor) or codes.ndim != 1 or codes.dtype != torch.uint8:
+        got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, Tensor) else codes
+        raise ValueError(f"codes must be a 1-D uint8 tensor, got {got}")
+    _check_code(code)
+    _check_block_size(block_size)
+    nb = num_blocks(codes.numel(), block_size)
+    if not isinstance(absmax, Tensor) or absmax.shape != (nb,) or absmax.dtype != torch.float32:
+        got = f"{absmax.dtype} {tuple(absmax.shape)}" if isinstance(absmax, Tensor) else absmax
+        raise ValueError(
+            f"absmax must be float32 of shape ({nb},) for {codes.numel()} codes in blocks "
+            f"of {block_size}, got {got}"
+        )
+    values = code.to(codes.device)[codes.long()]  # (numel,)
+    return (_blocks(values, block_size) * absmax[:, None]).reshape(-1)[: codes.numel()]
+
+
+def adam8bit_block_step_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg_codes: Tensor,
+    exp_avg_absmax: Tensor,
+    exp_avg_sq_codes: Tensor,
+    exp_avg_sq_absmax: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    block_size: int,
+    signed_code: Tensor,
+    unsigned_code: Tensor,
+) -> None:
+    """One 8-bit Adam / AdamW step on a run of whole quantization blocks, in place.
+
+    Dequantizes both moments (``exp_avg`` with ``signed_code``, ``exp_avg_sq`` with
+    ``unsigned_code``), applies ``adamw_step_`` in float32 (``decoupled=True``: AdamW;
+    False: Adam with L2), updates ``param`` with the float32 moments, then requantizes
+    both moments into the given code and absmax tensors.
+
+    ``param`` and ``grad`` have ``numel`` elements (any shape; a non-float32 ``param``
+    is updated through a float32 copy); the codes are uint8 (numel,), the absmax
+    float32 (ceil(numel / block_size),). Blocks start at ``param``'s element 0, so
+    callers pass slices that start on a block boundary of the full parameter; then
+    each slice's result is bit-identical to that part of the whole-tensor result.
+    """
+    if grad.numel() != param.numel():
+        raise ValueError(
+            f"grad must have the parameter's {param.numel()} elements, got {grad.numel()}"
+        )
+    if exp_avg_codes.numel() != param.numel() or exp_avg_sq_codes.numel() != param.numel():
+        raise ValueError(
+            f"moment codes must have the parameter's {param.numel()} elements, got "
+            f"{exp_avg_codes.numel()} and {exp_avg_sq_codes.numel()}"
+        )
+    exp_avg = dequantize_blockwise(exp_avg_codes, exp_avg_absmax, signed_code, block_size)
+    exp_avg_sq = dequantize_blockwise(
+        exp_avg_sq_codes, exp_avg_sq_absmax, unsigned_code, block_size
+    )
+    p32 = param.reshape(-1) if param.dtype == torch.float32 else param.reshape(-1).float()
+    adamw_step_(
+        p32,
+        grad.reshape(-1).float(),
+        exp_avg,
+        exp_avg_sq,
+        None,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=False,
+        maximize=False,
+        decoupled=decoupled,
+    )
+    if p32.data_ptr() != param.data_ptr():
+        param.copy_(p32.view(param.shape))
+    new_codes, new_absmax = quantize_blockwise(exp_avg, signed_code, block_size)
+    exp_avg_codes.copy_(new_codes)
+    exp_avg_absmax.copy_(new_absmax)
+    new_codes, new_absmax = quantize_blockwise(exp_avg_sq, unsigned_code, block_size)
+    exp_avg_sq_codes.copy_(new_codes)
+    exp_avg_sq_absmax.copy_(new_absmax)
