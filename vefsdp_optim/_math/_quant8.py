@@ -120,7 +120,7 @@ def quantize_blockwise(x: Tensor, code: Tensor, block_size: int) -> tuple[Tensor
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     normed = blocks / scale[:, None]  # (num_blocks, block_size), in [-1, 1]
     midpoints = (code[:-1] + code[1:]) / 2  # (255,)
-    idx = torch.searchsorted(midpoints, normed.reshape(-1))  # (num_blocks * block_size,)
+    idx = torch.searchsorted(midpoints, normed.reshape(-1), out_int32=True)  # (nb * bs,)
     codes = idx[: x.numel()].to(torch.uint8)
     return codes, absmax
 
