@@ -1,17 +1,24 @@
 """Communication: DistributedBuffer, redistribution between layouts, parameter views."""
 
+from ._buffer import DistributedBuffer
+from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, reduce_scatter_flat
 from ._owners import OwnerAssignment, assign_owners, muon_cost
 from ._redistribute import RedistributeHandle, check_same_on_all_ranks, redistribute, transfer_sizes
 from ._views import ShardedView, sharded_view
 
 __all__ = [
+    "DistributedBuffer",
+    "FlatWork",
     "OwnerAssignment",
     "RedistributeHandle",
     "ShardedView",
+    "all_gather_flat",
     "assign_owners",
+    "check_plan_consistent",
     "check_same_on_all_ranks",
     "muon_cost",
     "redistribute",
+    "reduce_scatter_flat",
     "sharded_view",
     "transfer_sizes",
 ]
