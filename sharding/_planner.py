@@ -228,10 +228,19 @@ def _first_fit(pos: int, n: int, u: int, m: int) -> int | None:
     return None
 
 
+def _placeable(n: int, u: int, m: int) -> bool:
+    """Whether a tensor of numel n, unit u has any legal offset for shard size m: it fits
+    in one rank, or m % u == 0, or it crosses one boundary with a multiple of u before it
+    and at most m elements on each side."""
+    return n <= m or m % u == 0 or _round_up(n - m, u) <= m
+
+
 def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: int, cap: int) -> list[int] | None:
     offsets = [0] * len(sizes)
     remaining = list(order)
-    # fill candidates: indices by size descending, for gap filling
+    placed = [False] * len(sizes)
+    by_size = sorted(order, key=sizes.__getitem__)  # for the smallest remaining size
+    small = 0
     pos = 0
     while remaining:
         i = remaining[0]
@@ -239,11 +248,15 @@ def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: 
         if o is None:
             return None
         if o > pos:
-            pos = _fill_gap(pos, o, remaining, sizes, units, m, offsets)
-            o = _first_fit(pos, sizes[i], units[i], m)
-            if o is None:  # pragma: no cover - filling never makes a legal offset illegal
-                return None
+            while placed[by_size[small]]:
+                small += 1
+            if o - pos >= sizes[by_size[small]]:
+                pos = _fill_gap(pos, o, remaining, sizes, units, m, offsets, placed)
+                o = _first_fit(pos, sizes[i], units[i], m)
+                if o is None:  # pragma: no cover - filling never makes a legal offset illegal
+                    return None
         offsets[i] = o
+        placed[i] = True
         pos = o + sizes[i]
         remaining.remove(i)
         if pos > cap:
@@ -251,7 +264,7 @@ def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: 
     return offsets
 
 
-def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offsets) -> int:
+def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offsets, placed) -> int:
     """Place remaining tensors (not remaining[0]) into [pos, limit), largest first."""
     head = remaining[0]
     while True:
@@ -265,6 +278,7 @@ def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offse
         if best is None:
             return pos
         offsets[best] = best_o
+        placed[best] = True
         pos = best_o + sizes[best]
         remaining.remove(best)
 
@@ -339,7 +353,10 @@ def _plan_cached(specs: tuple[TensorSpec, ...], w: int, align: int) -> GroupPlan
                 o = [base[i], *base[:i], *base[i + 1:]]
                 if o not in orders:
                     orders.append(o)
+    kinds = sorted(set(zip(sizes, units, strict=True)), reverse=True)
     for m in _candidate_ms(m0, align, units):
+        if not all(_placeable(n, u, m) for n, u in kinds):
+            continue
         for order in orders:
             offsets = _place(order, sizes, units, m, w * m)
             if offsets is not None:
