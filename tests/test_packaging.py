@@ -26,6 +26,12 @@ def test_wheel_top_level_is_only_vefsdp_optim(tmp_path):
                 "vefsdp_optim/py.typed"):
         assert pkg in names, (pkg, sorted(names))
     assert not any(n.startswith(("comm/", "sharding/", "tests/")) for n in names)
+    # every source module of the three folders is in the wheel
+    for folder, pkg in (("vefsdp_optim", "vefsdp_optim"), ("sharding", "vefsdp_optim/sharding"),
+                        ("comm", "vefsdp_optim/comm")):
+        for src in (ROOT / folder).rglob("*.py"):
+            rel = src.relative_to(ROOT / folder).as_posix()
+            assert f"{pkg}/{rel}" in names, f"{folder}/{rel} is missing from the wheel"
 
 
 def test_subpackages_import_under_the_library_name():

@@ -163,10 +163,18 @@ class BlockOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            items = self._collect(group)
-            for bucket in self._buckets(items):
-                self._step_bucket(bucket)
+        items = [it for group in self.param_groups for it in self._collect(group)]
+        self._check_consistent(items)
+        buckets = self._buckets(items)
+        # pipeline: bucket k+1's inputs are in flight while bucket k computes
+        pending = self._launch(buckets[0]) if buckets else None
+        for k, bucket in enumerate(buckets):
+            current = pending
+            pending = self._launch(buckets[k + 1]) if k + 1 < len(buckets) else None
+            outputs = self.compute_bucket(bucket, current.wait())
+            back = self._exchange(bucket, outputs, forward=False).wait()
+            for it, outs in zip(bucket, back, strict=True):
+                self.apply_results(it, outs)
         return loss
 
     def _collect(self, group: dict[str, Any]) -> list[_Item]:
@@ -208,7 +216,9 @@ class BlockOptimizer(Optimizer):
             owners = self._owner_cache.get(key)
             if owners is None:
                 owners = assign_owners(layouts, [self.cost(it.view.shape) for it in its]).owners
-                self._owner_cache = {key: owners}  # one step's assignment is reused until layouts change
+                if len(self._owner_cache) > 64:
+                    self._owner_cache.clear()
+                self._owner_cache[key] = owners
             for it, owner in zip(its, owners, strict=True):
                 it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
 
@@ -229,27 +239,25 @@ class BlockOptimizer(Optimizer):
         return buckets
 
     def _check_consistent(self, items: list[_Item]) -> None:
-        group = items[0].view.group
-        if group is None or id(group) in self._checked_groups:
-            return
-        fingerprint = repr([(tuple(it.view.shape), it.view.layout.extents, it.compute.extents)
-                            for it in items])
-        check_same_on_all_ranks(fingerprint, group)
-        self._checked_groups.add(id(group))
+        """Once per process group, before its first exchange: every rank must hold the
+        same parameters, layouts and compute layouts, or the exchange would hang."""
+        by_group: dict[int, list[_Item]] = {}
+        for it in items:
+            if it.moves and id(it.view.group) not in self._checked_groups:
+                by_group.setdefault(id(it.view.group), [])
+        for it in items:
+            if id(it.view.group) in by_group:
+                by_group[id(it.view.group)].append(it)
+        for key, its in by_group.items():
+            fingerprint = repr([(tuple(it.view.shape), it.view.layout.extents, it.compute.extents)
+                                for it in its])
+            check_same_on_all_ranks(fingerprint, its[0].view.group)
+            self._checked_groups.add(key)
 
-    def _step_bucket(self, bucket: list[_Item]) -> None:
-        moving = [it for it in bucket if it.moves]
-        if moving:
-            self._check_consistent(bucket)
-        inputs = [self.gather_inputs(it) for it in bucket]
-        # one all_to_all for every input of every moving parameter of the bucket
-        moved = self._exchange(bucket, inputs, forward=True)
-        outputs = self.compute_bucket(bucket, moved)
-        back = self._exchange(bucket, outputs, forward=False)
-        for it, outs in zip(bucket, back, strict=True):
-            self.apply_results(it, outs)
+    def _launch(self, bucket: list[_Item]) -> _Pending:
+        return self._exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)
 
-    def _exchange(self, bucket: list[_Item], tensors: list[list[torch.Tensor]], *, forward: bool) -> list[list[torch.Tensor]]:
+    def _exchange(self, bucket: list[_Item], tensors: list[list[torch.Tensor]], *, forward: bool) -> _Pending:
         out = [list(ts) for ts in tensors]
         sends, src, dst, where = [], [], [], []
         for i, it in enumerate(bucket):
@@ -261,16 +269,31 @@ class BlockOptimizer(Optimizer):
                 src.append(a)
                 dst.append(b)
                 where.append((i, j))
+        pending = _Pending(out)
         if not sends:
-            return out
+            return pending
         group = bucket[0].view.group
         by_dtype: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(sends):
             by_dtype.setdefault(t.dtype, []).append(k)
-        for ks in by_dtype.values():
-            res = redistribute([sends[k] for k in ks], [src[k] for k in ks], [dst[k] for k in ks], group)
-            for k, r in zip(ks, res, strict=True):
-                i, j = where[k]
-                out[i][j] = r
-        return out
+        for ks in by_dtype.values():  # one all_to_all per dtype (usually one)
+            handle = redistribute([sends[k] for k in ks], [src[k] for k in ks],
+                                  [dst[k] for k in ks], group, async_op=True)
+            pending.handles.append((handle, [where[k] for k in ks]))
+        return pending
+
+
+class _Pending:
+    """Exchanges in flight for one bucket; wait() fills the per-item tensor lists."""
+
+    def __init__(self, out: list[list[torch.Tensor]]) -> None:
+        self.out = out
+        self.handles: list[tuple[Any, list[tuple[int, int]]]] = []
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        for handle, where in self.handles:
+            for (i, j), r in zip(where, handle.wait(), strict=True):
+                self.out[i][j] = r
+        self.handles = []
+        return self.out
 
