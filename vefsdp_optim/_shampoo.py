@@ -1,0 +1,258 @@
+"""Block-diagonal Shampoo with Adam grafting; every tile band lives whole on one rank."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vefsdp_optim._math import matrix_inverse_root, shampoo_tiles
+from vefsdp_optim.sharding import Elementwise, Requirement, RowBlocks
+
+from ._adamw import check_adam_hparams
+from ._block_optimizer import BlockContext, BlockOptimizer
+from ._registry import register_optimizer
+
+__all__ = ["Shampoo"]
+
+logger = logging.getLogger(__name__)
+
+_GRAFTINGS = ("adam", "sgd", "none")
+_ROOT = 4  # P = L^(-1/4) M R^(-1/4): the 2-D Shampoo exponent
+
+# [Note: Shampoo tiles by global band]
+# A matrix (dim 0, rest) of shape (rows, cols) is cut into tiles of at most
+# max_preconditioner_dim (= d) on each side; tile (b, c) covers rows [b*d, (b+1)*d) and
+# columns [c*d, (c+1)*d), clipped at the edges. The requirement RowBlocks(d) makes every
+# rank's compute slice a run of whole row bands, so each tile lies on exactly one rank,
+# with its statistics. The state of a slice keys its tiles by GLOBAL (band, column)
+# index, the band counted from the slice's first row ctx.start // cols: the math on a
+# tile is then the same on any rank at any world size as on a single device.
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+
+
+def _matrix_cols(shape: torch.Size) -> int | None:
+    """Columns of the (dim 0, rest) matrix view, or None for 0-D / 1-D parameters."""
+    return math.prod(shape[1:]) if len(shape) >= 2 else None
+
+
+@register_optimizer("shampoo")
+class Shampoo(BlockOptimizer):
+    """Block-diagonal Shampoo with per-tile grafting, on plain, FSDP2 and fully_shard params.
+
+    A parameter with 2 or more dims is viewed as the matrix ``(dim 0, rest)`` and cut
+    into tiles of at most ``max_preconditioner_dim`` on each side (see
+    [Note: Shampoo tiles by global band]). Per step ``t`` (from 1), with
+    ``(beta1, beta2) = betas`` and ``g`` the raw gradient:
+
+    * ``m <- beta1 m + (1 - beta1) g`` (momentum, per element), ``m_hat = m / (1 - beta1^t)``;
+    * grafting ``"adam"`` also keeps ``v <- beta2 v + (1 - beta2) g^2`` and its direction is
+      ``A = m_hat / (sqrt(v / (1 - beta2^t)) + grafting_epsilon)`` (``grafting_epsilon``
+      default 1e-8, torch.optim.AdamW's eps); ``"sgd"`` and ``"none"``: ``A = m_hat``;
+    * per tile, ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2) G^T G``
+      from the RAW gradient tile ``G``; at ``t = start_preconditioning_step + k *
+      precondition_frequency`` the roots ``(L / (1 - beta2^t) + epsilon I)^(-1/4)`` (and
+      R's) are recomputed by a float64 symmetric eigendecomposition;
+    * from ``t >= start_preconditioning_step`` the tile's direction is
+      ``P = L^(-1/4) M R^(-1/4)`` with ``M`` the tile of the MOMENTUM ``m_hat`` (not the raw
+      gradient), rescaled to the Frobenius norm of ``A``'s tile (grafting ``"adam"`` or
+      ``"sgd"``; ``"none"`` keeps ``P`` as it is); before that step the direction is ``A``;
+    * ``p <- p (1 - lr weight_decay) - lr * direction``.
+
+    0-D and 1-D parameters always take ``A``: with ``grafting="adam"`` that is exactly
+    ``torch.optim.AdamW(lr, betas, eps=grafting_epsilon, weight_decay)``; with ``"sgd"`` or
+    ``"none"`` it is bias-corrected momentum SGD.
+
+    A root whose eigendecomposition fails or is not finite (e.g. from a non-finite
+    statistic) is not used: the tile keeps its previous root (the identity before the
+    first success), and a warning is given once per parameter.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 20,
+        start_preconditioning_step: int = 20,
+        grafting: str = "adam",
+        *,
+        grafting_epsilon: float = 1e-8,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            epsilon=epsilon, weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step, grafting=grafting,
+            grafting_epsilon=grafting_epsilon,
+        )
+        self._check_group(defaults)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> None:
+        check_adam_hparams(group["lr"], group["betas"], group["epsilon"], group["weight_decay"])
+        eps_g = group["grafting_epsilon"]
+        if isinstance(eps_g, bool) or not isinstance(eps_g, (int, float)) or not eps_g >= 0:
+            raise ValueError(f"grafting_epsilon must be a float >= 0, got {eps_g!r}")
+        _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
+        _check_int("precondition_frequency", group["precondition_frequency"], 1)
+        _check_int("start_preconditioning_step", group["start_preconditioning_step"], 0)
+        if group["grafting"] not in _GRAFTINGS:
+            raise ValueError(f"grafting must be one of {_GRAFTINGS}, got {group['grafting']!r}")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if isinstance(group["betas"], list):
+            group["betas"] = tuple(group["betas"])
+        self._check_group(group)
+
+    def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
+        if len(shape) >= 2:
+            return RowBlocks(group["max_preconditioner_dim"])
+        return Elementwise()
+
+    # -- state ------------------------------------------------------------------------
+
+    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "start": ctx.start,  # flat offset of the slice this state belongs to
+            "exp_avg": torch.zeros_like(p),  # 1-D, ctx.length elems
+        }
+        if group["grafting"] == "adam":
+            state["exp_avg_sq"] = torch.zeros_like(p)  # 1-D, ctx.length elems
+        cols = _matrix_cols(ctx.shape)
+        if cols is not None:
+            dtype = torch.promote_types(p.dtype, torch.float32)
+            tiles: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+            for (band, col), (rs, cs) in self._tiles(ctx, group):
+                r, c = rs.stop - rs.start, cs.stop - cs.start
+                tiles[(band, col)] = {
+                    "L": torch.zeros(r, r, dtype=dtype, device=p.device),  # (r, r)
+                    "R": torch.zeros(c, c, dtype=dtype, device=p.device),  # (c, c)
+                    "L_inv_root": torch.eye(r, dtype=dtype, device=p.device),  # (r, r)
+                    "R_inv_root": torch.eye(c, dtype=dtype, device=p.device),  # (c, c)
+                }
+            state["tiles"] = tiles
+            state["root_failures"] = 0
+        return state
+
+    @staticmethod
+    def _tiles(ctx: BlockContext, group: dict[str, Any]) -> list[tuple[tuple[int, int], tuple[slice, slice]]]:
+        """Tiles of the slice: ((global band, column tile), (local row slice, col slice))."""
+        cols = _matrix_cols(ctx.shape)
+        d = group["max_preconditioner_dim"]
+        if cols is None or cols == 0 or ctx.start % (d * cols) or ctx.length % cols:
+            raise AssertionError(
+                f"Shampoo slice [{ctx.start}, {ctx.start + ctx.length}) of shape "
+                f"{tuple(ctx.shape)} is not a run of whole {d}-row bands")
+        rows = ctx.length // cols
+        band0 = ctx.start // (d * cols)
+        out = []
+        for rs, cs in shampoo_tiles(rows, cols, d):
+            out.append(((band0 + rs.start // d, cs.start // d), (rs, cs)))
+        return out
+
+    # -- the per-slice update -------------------------------------------------------
+
+    def update_block(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext,
+        group: dict[str, Any],
+    ) -> None:
+        if state["start"] != ctx.start or state["exp_avg"].numel() != ctx.length:
+            raise AssertionError(
+                f"Shampoo state holds the slice at {state['start']} of "
+                f"{state['exp_avg'].numel()} elems, the step gives {ctx.start} of {ctx.length}")
+        lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        t = int(state["step"].item())
+        bc1 = 1 - beta1**t
+        bc2_sqrt = (1 - beta2**t) ** 0.5
+
+        m = state["exp_avg"]  # 1-D, ctx.length elems
+        m.lerp_(g, 1 - beta1)
+        denom = None
+        if grafting == "adam":
+            v = state["exp_avg_sq"]  # 1-D, ctx.length elems
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bc2_sqrt).add_(group["grafting_epsilon"])  # 1-D
+
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+
+        tiles = state.get("tiles")
+        if tiles is not None:
+            self._update_statistics(g, state, ctx, group, t)
+        if tiles is None or t < group["start_preconditioning_step"]:
+            # the grafted method alone (torch AdamW's op order for grafting="adam")
+            if denom is not None:
+                p.addcdiv_(m, denom, value=-lr / bc1)
+            else:
+                p.add_(m, alpha=-lr / bc1)
+            return
+
+        cols = _matrix_cols(ctx.shape)
+        rows = ctx.length // cols
+        m_hat = (m / bc1).view(rows, cols)  # (rows, cols)
+        graft = m_hat if denom is None else m_hat / denom.view(rows, cols)  # (rows, cols)
+        update = torch.empty_like(m_hat)  # (rows, cols)
+        for key, (rs, cs) in self._tiles(ctx, group):
+            tile = tiles[key]
+            dtype = tile["L"].dtype
+            direction = tile["L_inv_root"] @ m_hat[rs, cs].to(dtype) @ tile["R_inv_root"]
+            if grafting != "none":
+                target = torch.linalg.vector_norm(graft[rs, cs].to(dtype))
+                norm = torch.linalg.vector_norm(direction)
+                direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
+            update[rs, cs] = direction
+        p.add_(update.view(-1), alpha=-lr)
+
+    def _update_statistics(
+        self, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext, group: dict[str, Any],
+        t: int,
+    ) -> None:
+        beta2 = group["betas"][1]
+        cols = _matrix_cols(ctx.shape)
+        grad = g.reshape(ctx.length // cols, cols)  # (rows, cols)
+        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        recompute = t >= start and (t - start) % freq == 0
+        failed = 0
+        for key, (rs, cs) in self._tiles(ctx, group):
+            tile = state["tiles"][key]
+            gt = grad[rs, cs].to(tile["L"].dtype)  # (r, c)
+            tile["L"].mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
+            tile["R"].mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
+            if not recompute:
+                continue
+            bc2 = 1 - beta2**t
+            for stat in ("L", "R"):
+                root, ok = matrix_inverse_root(tile[stat] / bc2, _ROOT, group["epsilon"])
+                if ok:
+                    tile[f"{stat}_inv_root"] = root
+                else:
+                    failed += 1
+        if failed:
+            if state["root_failures"] == 0:
+                msg = (f"Shampoo: {failed} inverse root(s) of a parameter of shape "
+                       f"{tuple(ctx.shape)} failed or were not finite at step {t}; keeping "
+                       "the previous roots (reported once per parameter)")
+                logger.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            state["root_failures"] += failed
