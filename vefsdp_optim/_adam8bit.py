@@ -1,0 +1,203 @@
+"""Block-wise 8-bit Adam and AdamW (Dettmers et al., ICLR 2022) on sharded parameters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vefsdp_optim._math import (
+    adam8bit_block_step_,
+    dynamic_code_map,
+    num_blocks,
+    quantize_blockwise,
+)
+from vefsdp_optim.sharding import Elementwise, FlatBlocks, Requirement
+
+from ._adamw import adam_bucket_, check_adam_hparams
+from ._block_optimizer import BlockContext, BlockOptimizer, _Item
+from ._registry import register_optimizer
+
+__all__ = ["AdamW8bit", "Adam8bit"]
+
+# [Note: which tensors are 8-bit]
+# A parameter is quantized iff its GLOBAL numel (from its global shape, never the local
+# shard) is at least the group's ``min_8bit_size``. Every rank sees the same global
+# shapes and the same param groups, so every rank takes the same decision without
+# talking. Smaller tensors (biases, norms) keep float32 moments and plain Adam(W) math
+# with an elementwise requirement, so they never move; their 8-bit state would save
+# little and cost accuracy. Quantized tensors require FlatBlocks(block_size): each
+# compute slice starts on a block boundary of the full parameter, so the block-local
+# dequantize / update / requantize gives the same bits as on a single device.
+
+
+def _check_8bit_args(block_size: object, min_8bit_size: object) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
+
+
+class _Adam8bitBase(BlockOptimizer):
+    """Shared body of ``AdamW8bit`` and ``Adam8bit``; ``decoupled`` picks the decay."""
+
+    decoupled: bool
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        block_size: int,
+        *,
+        min_8bit_size: int,
+    ) -> None:
+        check_adam_hparams(lr, betas, eps, weight_decay)
+        _check_8bit_args(block_size, min_8bit_size)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        block_size=block_size, min_8bit_size=min_8bit_size)
+        # code maps per device, shared by every parameter
+        self._codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        merged = {**self.defaults, **param_group}
+        check_adam_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        _check_8bit_args(merged["block_size"], merged["min_8bit_size"])
+        super().add_param_group(param_group)
+
+    def is_quantized(self, shape: torch.Size, group: dict[str, Any]) -> bool:
+        """Whether a parameter of global ``shape`` in ``group`` keeps 8-bit moments
+        (see [Note: which tensors are 8-bit])."""
+        numel = math.prod(shape)
+        return numel > 0 and numel >= group["min_8bit_size"]
+
+    def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
+        if self.is_quantized(shape, group):
+            return FlatBlocks(group["block_size"])
+        return Elementwise()
+
+    def _code_maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        maps = self._codes.get(device)
+        if maps is None:
+            maps = self._codes[device] = (dynamic_code_map(True).to(device),
+                                          dynamic_code_map(False).to(device))
+        return maps
+
+    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+        signed, unsigned = self._code_maps(p.device)
+        zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        bs = group["block_size"]
+        m_codes, m_absmax = quantize_blockwise(zeros, signed, bs)
+        v_codes, v_absmax = quantize_blockwise(zeros, unsigned, bs)
+        if m_absmax.numel() != num_blocks(p.numel(), bs):
+            raise AssertionError(f"absmax has {m_absmax.numel()} blocks for {p.numel()} elements")
+        return {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg_codes": m_codes,  # uint8 (slice numel,)
+            "exp_avg_absmax": m_absmax,  # float32 (ceil(slice numel / block_size),)
+            "exp_avg_sq_codes": v_codes,  # uint8 (slice numel,)
+            "exp_avg_sq_absmax": v_absmax,  # float32 (ceil(slice numel / block_size),)
+        }
+
+    def update_block(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext,
+        group: dict[str, Any],
+    ) -> None:
+        bs = group["block_size"]
+        if ctx.start % bs != 0 and not ctx.is_whole:
+            raise AssertionError(
+                f"8-bit Adam slice starts at flat offset {ctx.start}, not a multiple of "
+                f"block_size {bs}, in a parameter of shape {tuple(ctx.shape)}")
+        if state["exp_avg_codes"].numel() != p.numel():
+            raise AssertionError(
+                f"8-bit state covers {state['exp_avg_codes'].numel()} elements but the compute "
+                f"slice has {p.numel()}: the compute layout changed between steps")
+        signed, unsigned = self._code_maps(p.device)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        adam8bit_block_step_(
+            p, g, state["exp_avg_codes"], state["exp_avg_absmax"],
+            state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"],
+            step=int(state["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
+            block_size=bs, signed_code=signed, unsigned_code=unsigned,
+        )
+
+    def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        out: list[list[torch.Tensor]] = [[] for _ in items]
+        fp32_by_group: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            if self.is_quantized(it.view.shape, it.group):
+                out[i] = self.compute(it, inputs[i])
+            else:
+                fp32_by_group.setdefault(id(it.group), []).append(i)
+        for idx in fp32_by_group.values():  # small tensors: fused fp32 Adam(W) per group
+            group = items[idx[0]].group
+            adam_bucket_(
+                self, [items[i] for i in idx], [inputs[i][0] for i in idx],
+                [inputs[i][1] for i in idx], lr=group["lr"], betas=group["betas"],
+                eps=group["eps"], weight_decay=group["weight_decay"], amsgrad=False,
+                maximize=False, decoupled=self.decoupled,
+            )
+            for i in idx:
+                out[i] = [inputs[i][0]]
+        return out
+
+
+@register_optimizer("adamw8bit")
+class AdamW8bit(_Adam8bitBase):
+    """AdamW with both moments stored as block-wise 8-bit codes.
+
+    Each moment of a parameter with at least ``min_8bit_size`` elements is kept as one
+    uint8 code per element (dynamic code map: signed for ``exp_avg``, unsigned for
+    ``exp_avg_sq``) and one float32 absmax per block of ``block_size`` consecutive
+    elements counted from the parameter's first element: about 2 + 8 / block_size
+    bytes per element. Smaller parameters keep float32 moments (see
+    [Note: which tensors are 8-bit]). On plain, FSDP2/HSDP and fully_shard parameters
+    the result is bit-identical to a single-device run at any world size: only whole
+    blocks are ever updated together, and only pieces of blocks cut by a shard
+    boundary move.
+    """
+
+    decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block_size: int = 256,
+        *,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, block_size,
+                         min_8bit_size=min_8bit_size)
+
+
+@register_optimizer("adam8bit")
+class Adam8bit(_Adam8bitBase):
+    """Adam (weight decay added to the gradient, as ``torch.optim.Adam``) with block-wise
+    8-bit moments; otherwise as :class:`AdamW8bit`."""
+
+    decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        block_size: int = 256,
+        *,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, block_size,
+                         min_8bit_size=min_8bit_size)
