@@ -1,0 +1,251 @@
+"""A group of parameters that communicate together: one fully_shard'd module's own.
+
+Per original dtype the group has one plan and one master DistributedBuffer (the
+sharded parameters' storage), plus, under mixed precision, a compute buffer in
+``param_dtype`` (same plan; one cast of the local shard per all-gather) and a reduce
+buffer in ``reduce_dtype``. The hooks that fully_shard installs call into this class:
+unshard before forward and backward, reshard after, one reduce-scatter when the
+group's gradients are complete. See [Note: grads into the buffer] in _param.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from vefsdp_optim.comm import DistributedBuffer
+from vefsdp_optim.comm._collectives import supports_native_avg
+from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
+
+from ._param import ManagedParam
+
+__all__ = ["ParamGroup", "Bucket"]
+
+ALIGN = 16
+
+
+class Bucket:
+    """One dtype's parameters of a group: plan, master / compute / reduce buffers."""
+
+    plan: GroupPlan
+    params: list[ManagedParam]
+    master: DistributedBuffer  # original dtype; sharded params view master.local
+    compute: DistributedBuffer  # param_dtype (is master without mixed precision)
+    reduce: DistributedBuffer  # reduce_dtype (is master or compute when dtypes agree)
+
+    def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ParamGroup,
+                 dtype: torch.dtype, data: dict[str, torch.Tensor]) -> None:
+        self.params = params
+        self.dtype = dtype
+        self._group = group
+        self.build(units, data, validate=True)
+
+    def specs(self, units: dict[str, int]) -> list[TensorSpec]:
+        return [TensorSpec(p.fqn, tuple(p.shape) or (1,), units.get(p.fqn, 1)) for p in self.params]
+
+    def build(self, units: dict[str, int], data: dict[str, torch.Tensor], validate: bool,
+              plan: GroupPlan | None = None) -> None:
+        """(Re)create the buffers for ``units`` and fill the local shard from ``data``.
+
+        ``data[fqn]`` is the whole tensor (any shape, flattened here). The same
+        sharded Parameter objects are re-pointed when they already exist.
+        """
+        g = self._group
+        w = g.shard_world
+        self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
+        pg = g.shard_pg if w > 1 else None
+        self.master = DistributedBuffer(self.plan, pg, dtype=self.dtype, device=g.device,
+                                        rank=g.shard_rank if pg is None else None, validate=validate)
+        mp = g.mp_policy
+        pdt = mp.param_dtype or self.dtype
+        rdt = mp.reduce_dtype or pdt
+        self.compute = self.master if pdt == self.dtype else DistributedBuffer(
+            self.plan, pg, dtype=pdt, device=g.device, validate=False)
+        if rdt == self.dtype:
+            self.reduce = self.master
+        elif rdt == pdt:
+            self.reduce = self.compute
+        else:
+            self.reduce = DistributedBuffer(self.plan, pg, dtype=rdt, device=g.device, validate=False)
+        for p in self.params:
+            a, n = self.master.local_extent(p.fqn)
+            local = self.master.local_view(p.fqn)
+            with torch.no_grad():
+                local.copy_(data[p.fqn].reshape(-1)[a:a + n])
+            layout = self.plan.layout(p.fqn)
+            if hasattr(p, "sharded"):
+                p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
+            else:
+                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0)
+            p.unsharded = None
+
+    # -- all-gather / free -------------------------------------------------------------
+
+    def unshard(self, async_op: bool) -> Any:
+        c = self.compute
+        if c is not self.master:
+            with torch.no_grad():
+                c.local.copy_(self.master.local)  # the one cast per all-gather
+        c.alloc_global()
+        with torch.autograd._unsafe_preserve_version_counter(c.global_buffer):
+            work = c.all_gather(async_op=async_op)
+        for p in self.params:
+            if p.unsharded is None:
+                p.make_unsharded(c.full_view(p.fqn))
+        return work
+
+    def free(self) -> None:
+        self.compute.free_global()
+
+    @property
+    def gathered(self) -> bool:
+        return self.compute.global_allocated
+
+    # -- gradients ---------------------------------------------------------------------
+
+    @property
+    def direct(self) -> bool:
+        """W == 1 without mixed precision: autograd accumulates into master.local_grad."""
+        return self._group.shard_world == 1 and self.compute is self.master and self.reduce is self.master
+
+    def attach_grads(self, fresh: bool) -> None:
+        """Point each unsharded param's .grad at the compute gradient buffer.
+
+        ``fresh``: first backward since the last reduction, so the buffer starts at zero
+        (for ``direct`` buckets: except where a kept sharded .grad is accumulated).
+        """
+        c = self.compute
+        c.alloc_grad_global()
+        if fresh and self._group.shard_world == 1:
+            with torch.no_grad():
+                if self.direct:
+                    for p in self.params:
+                        if p.requires_grad and p.sharded.grad is None:
+                            self.master.local_grad_view(p.fqn).zero_()
+                else:
+                    c.grad_global.zero_()
+        for p in self.params:
+            if p.requires_grad and p.unsharded is not None:
+                p.unsharded.grad = c.grad_full_view(p.fqn).view(p.shape)
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter (avg) the accumulated gradients into the master's local grad."""
+        g, c, r, m = self._group, self.compute, self.reduce, self.master
+        if not any(p.requires_grad for p in self.params) or not c.grad_global_allocated:
+            return
+        accumulate = [] if self.direct else [
+            p for p in self.params if p.requires_grad and p.sharded.grad is not None]
+        prev = None
+        if accumulate:  # the user kept last step's grads: add the new ones to them
+            prev = torch.zeros_like(m.local_grad)
+            for p in accumulate:
+                v = m.local_grad_view(p.fqn)
+                a = v.storage_offset() - m.local_grad.storage_offset()
+                prev[a:a + v.numel()] = v
+        if r is not c:
+            r.alloc_grad_global()
+            with torch.no_grad():
+                r.grad_global.copy_(c.grad_global)
+            c.free_grad_global()
+        if g.shard_world > 1:
+            r.reduce_scatter(op="avg")
+        if g.replicate_pg is not None:
+            _all_reduce_avg(r.local_grad, g.replicate_pg)
+        with torch.no_grad():
+            if r is not m:
+                m.local_grad.copy_(r.local_grad)
+            if prev is not None:
+                m.local_grad.add_(prev)
+        if g.shard_world > 1:
+            r.free_grad_global()
+            c.free_grad_global()
+        from ._sharded_tensor import ShardedParameter
+
+        for p in self.params:
+            if p.requires_grad:
+                if p.sharded.grad is None:
+                    sp = p.sharded
+                    p.sharded.grad = ShardedParameter(m.local_grad_view(p.fqn), sp._layout, sp._group,
+                                                      p.shape, sp._rank)
+                if p.unsharded is not None:
+                    p.unsharded.grad = None
+
+
+def _all_reduce_avg(t: torch.Tensor, pg: dist.ProcessGroup) -> None:
+    if supports_native_avg(pg):
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg)
+        t.div_(pg.size())
+
+
+class ParamGroup:
+    """The parameters one ``fully_shard(module)`` call manages, by dtype in Buckets."""
+
+    def __init__(self, params: list[ManagedParam], *, shard_pg: dist.ProcessGroup,
+                 replicate_pg: dist.ProcessGroup | None, device: torch.device,
+                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor]) -> None:
+        self.shard_pg = shard_pg
+        self.shard_world = shard_pg.size()
+        self.shard_rank = shard_pg.rank()
+        self.replicate_pg = replicate_pg if replicate_pg is not None and replicate_pg.size() > 1 else None
+        self.device = device
+        self.mp_policy = mp_policy
+        self.params = params
+        by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
+        for p in params:
+            by_dtype.setdefault(data[p.fqn].dtype, []).append(p)
+        self.buckets = [Bucket(ps, {}, self, dt, data) for dt, ps in by_dtype.items()]
+        self.requires_gradient_sync = True
+        self._pending: Any = None  # async all-gather works from a prefetch
+        self._grads_live = False  # gradient buffer holds unreduced gradients
+
+    # -- state transitions -------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        if self._pending is not None:
+            if not async_op:
+                self.wait_unshard()
+            return
+        works = [b.unshard(async_op) for b in self.buckets]
+        if async_op:
+            self._pending = [w for w in works if w is not None]
+            if not self._pending:
+                self._pending = None
+
+    def wait_unshard(self) -> None:
+        if self._pending is not None:
+            for w in self._pending:
+                w.wait()
+            self._pending = None
+
+    def reshard(self) -> None:
+        self.wait_unshard()
+        for b in self.buckets:
+            b.free()
+        self.register(sharded=True)
+
+    def register(self, sharded: bool) -> None:
+        for b in self.buckets:
+            for p in b.params:
+                p.register(sharded)
+
+    @property
+    def gathered(self) -> bool:
+        return all(b.gathered for b in self.buckets)
+
+    def attach_grads(self) -> None:
+        for b in self.buckets:
+            b.attach_grads(fresh=not self._grads_live)
+        self._grads_live = True
+
+    def reduce_grads(self) -> None:
+        """End of this group's backward: reduce unless accumulating without sync."""
+        if not self.requires_gradient_sync:
+            return
+        for b in self.buckets:
+            b.reduce_grads()
+        self._grads_live = False

@@ -1,0 +1,252 @@
+"""ShardedParameter: a tensor with a global shape whose data is one rank's ragged slice.
+
+Like FSDP2's DTensor, but the placement is a :class:`RaggedShard` of the flattened
+storage and the local data is a 1-D view into the group's DistributedBuffer. Only the
+ops an optimizer and ``clip_grad_norm_`` need are supported: elementwise ops between
+tensors of the same layout (and with Python scalars or 0-d plain tensors), their
+in-place and ``_foreach_`` forms, ``*_like``/clone/copy_/detach, and vector norms,
+which return a plain replicated tensor. See [Note: sharded dispatch].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from vefsdp_optim.comm import ShardedView, all_gather_flat
+from vefsdp_optim.sharding import RaggedShard
+
+__all__ = ["ShardedParameter"]
+
+aten = torch.ops.aten
+
+# [Note: sharded dispatch]
+# Every op is run on the local slices. An op is legal on slices when its result at each
+# flat element depends only on the inputs at that element (torch.Tag.pointwise), so all
+# sharded operands must have the same layout on the same group; Python scalars and 0-d
+# plain tensors broadcast. Reductions are partial sums on the slices followed by one
+# all_reduce, giving a plain tensor equal on every rank. Anything else raises
+# NotImplementedError naming the op, never a silently wrong local result.
+
+_LIKE_OPS = {
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.copy_.default,
+}
+_NORM_OPS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
+
+
+class ShardedParameter(torch.Tensor):
+    """A tensor of global ``shape`` stored as this rank's slice ``layout.local(rank)``.
+
+    ``_local`` is a 1-D view of the flat row-major storage (may be empty);
+    ``nn.Parameter(ShardedParameter(...))`` keeps the subclass, as for DTensor.
+    """
+
+    _local: torch.Tensor  # 1-D, layout.local(rank)[1] elems
+    _layout: RaggedShard
+    _group: dist.ProcessGroup | None  # None iff layout.world_size == 1
+    _rank: int
+
+    @staticmethod
+    def __new__(
+        cls,
+        local: torch.Tensor,
+        layout: RaggedShard,
+        group: dist.ProcessGroup | None,
+        shape: Sequence[int],
+        rank: int,
+        requires_grad: bool = False,
+    ) -> ShardedParameter:
+        shape = torch.Size(shape)
+        if local.dim() != 1 or local.numel() != layout.local(rank)[1]:
+            raise ValueError(
+                f"local data must be 1-D with {layout.local(rank)[1]} elements for rank {rank} of "
+                f"layout {layout.extents}, got shape {tuple(local.shape)}")
+        if math.prod(shape) != layout.numel:
+            raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has {layout.numel}")
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
+        t._local = local
+        t._layout = layout
+        t._group = group
+        t._rank = rank
+        return t
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # state set in __new__
+        super().__init__()
+
+    # -- public accessors -------------------------------------------------------------
+
+    @property
+    def ragged_layout(self) -> RaggedShard:
+        """The :class:`RaggedShard` of this tensor over its shard group."""
+        return self._layout
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's 1-D slice (a view of the shared storage, no copy)."""
+        return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, gathered from every rank (a plain tensor, new storage)."""
+        w = self._layout.world_size
+        local = self._local.detach()
+        if w == 1:
+            return local.clone().view(self.shape)
+        n = max(length for _, length in self._layout.extents)
+        padded = local.new_zeros(n)
+        padded[: local.numel()] = local
+        out = local.new_empty(w * n)
+        all_gather_flat(out, padded, self._group)
+        parts = [out[r * n: r * n + length] for r, (_, length) in enumerate(self._layout.extents)]
+        return torch.cat(parts).view(self.shape)
+
+    def __sharded_view__(self) -> ShardedView:
+        return ShardedView(
+            local=self._local.detach() if self._local.requires_grad else self._local,
+            layout=self._layout, group=self._group, shape=self.shape, rank=self._rank)
+
+    def _same(self, local: torch.Tensor) -> ShardedParameter:
+        return ShardedParameter(local, self._layout, self._group, self.shape, self._rank)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, rank={self._rank}, "
+                f"extents={self._layout.extents}, local={self._local!r})")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise NotImplementedError("ShardedParameter does not pickle; call full_tensor() first")
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        if func in _NORM_OPS:
+            return _norm(func, args, kwargs)
+        if func.overloadpacket.__name__.startswith("_foreach_"):
+            return _foreach(func, args, kwargs)
+        if func in _LIKE_OPS or torch.Tag.pointwise in func.tags:
+            return _pointwise(func, args, kwargs)
+        if func is aten.is_same_size.default:
+            return args[0].shape == args[1].shape
+        raise NotImplementedError(
+            f"ShardedParameter does not support {func}; supported: elementwise ops between tensors "
+            "of the same RaggedShard layout (and with scalars), their in-place and _foreach_ forms, "
+            "*_like/clone/copy_/detach, linalg_vector_norm and _foreach_norm. "
+            "Use full_tensor() or to_local() for anything else.")
+
+
+def _pointwise(func, args, kwargs):  # noqa: ANN001, ANN202
+    flat, spec = tree_flatten((args, kwargs))
+    ref: ShardedParameter | None = None
+    for a in flat:
+        if isinstance(a, ShardedParameter):
+            if ref is None:
+                ref = a
+            elif a._layout != ref._layout or a._group is not ref._group or a.shape != ref.shape:
+                raise ValueError(
+                    f"{func}: sharded operands differ in shape or layout: {tuple(ref.shape)} "
+                    f"{ref._layout.extents} vs {tuple(a.shape)} {a._layout.extents}")
+    if ref is None:
+        raise AssertionError(f"{func} dispatched to ShardedParameter without a sharded operand")
+
+    def unwrap(a: Any) -> Any:
+        if isinstance(a, ShardedParameter):
+            return a._local
+        if isinstance(a, torch.Tensor) and a.dim() != 0:
+            raise NotImplementedError(
+                f"{func}: a plain tensor of shape {tuple(a.shape)} mixed with a ShardedParameter; "
+                "supported: sharded tensors of the same layout, Python scalars and 0-d tensors")
+        return a
+
+    local_args, local_kwargs = tree_unflatten([unwrap(a) for a in flat], spec)
+    out = func(*local_args, **local_kwargs)
+    if func._schema.is_mutable or func is aten.copy_.default:
+        return args[0]
+
+    def wrap(o: Any) -> Any:
+        if isinstance(o, torch.Tensor) and o.dim() == 1 and o.numel() == ref._local.numel():
+            return ref._same(o)
+        raise AssertionError(f"{func} on local slices gave {o!r}, not a slice of the layout")
+
+    return tree_map(wrap, out)
+
+
+def _foreach(func, args, kwargs):  # noqa: ANN001, ANN202
+    """Run a ``_foreach_`` op as its per-element op (its lists may mix groups)."""
+    name = func.overloadpacket.__name__
+    inplace = name.endswith("_")
+    base = name[len("_foreach_"):]
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    n = len(args[lists[0]])
+    per = getattr(torch.ops.aten, base)
+    results = []
+    for k in range(n):
+        a_k = [a[k] if i in lists else a for i, a in enumerate(args)]
+        kw = dict(kwargs)
+        if base.startswith(("addcmul", "addcdiv")) and len(a_k) == 4:
+            v = a_k.pop()  # positional in the foreach schema, keyword-only per element
+            kw["value"] = v[k].item() if isinstance(v, torch.Tensor) else v
+        results.append(per(*a_k, **kw))
+    return None if inplace else results
+
+
+def _norm(func, args, kwargs):  # noqa: ANN001, ANN202
+    tensors = list(args[0]) if func is aten._foreach_norm.Scalar else [args[0]]
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if func is aten.linalg_vector_norm.default:
+        if (len(args) > 2 and args[2] is not None) or kwargs.get("dim") is not None:
+            raise NotImplementedError("linalg_vector_norm over a dim of a ShardedParameter; only full norms")
+    ord_ = float(ord_)
+    dtype = kwargs.get("dtype")
+    outs = []
+    for t in tensors:
+        local = t._local if isinstance(t, ShardedParameter) else t.reshape(-1)
+        if dtype is not None:
+            local = local.to(dtype)
+        if ord_ == math.inf:
+            part = local.abs().amax() if local.numel() else local.new_zeros(())
+        elif ord_ == 0:
+            part = (local != 0).sum().to(local.dtype)
+        else:
+            part = local.abs().pow(ord_).sum() if local.numel() else local.new_zeros(())
+        outs.append((t, part))
+    # one all_reduce per (group, kind) of partials
+    results: list[torch.Tensor | None] = [None] * len(outs)
+    by_group: dict[int, list[int]] = {}
+    for i, (t, _) in enumerate(outs):
+        g = t._group if isinstance(t, ShardedParameter) else None
+        by_group.setdefault(id(g), []).append(i)
+    for idx in by_group.values():
+        t0 = outs[idx[0]][0]
+        g = t0._group if isinstance(t0, ShardedParameter) else None
+        parts = torch.stack([outs[i][1].float() if outs[i][1].dtype in (torch.float16, torch.bfloat16)
+                             else outs[i][1] for i in idx])
+        if g is not None:
+            op = dist.ReduceOp.MAX if ord_ == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(parts, op=op, group=g)
+        for j, i in enumerate(idx):
+            v = parts[j]
+            if ord_ not in (math.inf, 0.0):
+                v = v.pow(1.0 / ord_)
+            results[i] = v.to(outs[i][1].dtype)
+    return results if func is aten._foreach_norm.Scalar else results[0]
