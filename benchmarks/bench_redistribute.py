@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from vefsdp_optim.comm import assign_owners, muon_cost, redistribute, transfer_sizes
 from vefsdp_optim.sharding import RaggedShard, RowBlocks
 

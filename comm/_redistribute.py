@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
 from vefsdp_optim.sharding import RaggedShard
 
 __all__ = ["RedistributeHandle", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from vefsdp_optim.sharding import RaggedShard
 
 __all__ = ["ShardedView", "sharded_view"]

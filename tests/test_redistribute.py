@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+
 from vefsdp_optim.comm import (
     OwnerAssignment,
     RedistributeHandle,
@@ -120,6 +121,12 @@ def _redistribute_cases(n_cases: int, seed: int) -> dict:
             sa, sn = src[i].local(rank)
             if n > 0 and sa <= a and a + n <= sa + sn:
                 assert res[i].untyped_storage().data_ptr() == locals_[i].untyped_storage().data_ptr(), (case, i)
+            # an output from a single remote source is a view of the receive buffer (no copy)
+            srcs = {r for r, (x, m) in enumerate(src[i].extents) if m and x < a + n and a < x + m}
+            if n > 0 and len(srcs) == 1 and srcs != {rank}:
+                assert res[i]._is_view(), (case, i)
+            elif len(srcs) > 1:
+                assert not res[i]._is_view(), (case, i)  # one copy (torch.cat), not a view
         # round trip is exact
         with _CountA2A() as cnt2:
             back = redistribute(res, dst, src, group)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 from torch import nn
+
 from vefsdp_optim.comm import ShardedView, redistribute, sharded_view
 from vefsdp_optim.sharding import RaggedShard
 
