@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vefsdp_optim.comm import (
     OwnerAssignment,
@@ -325,3 +327,24 @@ def test_muon_cost() -> None:
     assert muon_cost((8, 2, 3)) == 8 * 6 * 6
     assert muon_cost((5,)) == 5.0
     assert muon_cost(()) == 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_transfer_sizes_properties(data) -> None:
+    w = data.draw(st.integers(1, 6))
+    k = data.draw(st.integers(1, 4))
+    src, dst = [], []
+    for _ in range(k):
+        n = data.draw(st.integers(0, 50))
+        for out in (src, dst):
+            cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=w - 1, max_size=w - 1)))
+            out.append(RaggedShard.from_boundaries([0, *cuts, n]))
+    sizes = [transfer_sizes(src, dst, r) for r in range(w)]
+    for r in range(w):
+        assert sizes[r][0][r] == 0 and sizes[r][1][r] == 0
+        for p in range(w):
+            assert sizes[r][0][p] == sizes[p][1][r]  # r sends to p what p receives from r
+    moved = sum(int((_owner_array(s) != _owner_array(d)).sum()) for s, d in zip(src, dst, strict=True))
+    assert sum(sum(s) for s, _ in sizes) == moved
+    assert (moved == 0) == all(s == d for s, d in zip(src, dst, strict=True))
