@@ -262,3 +262,44 @@ def test_beats_adamw_on_ill_conditioned_least_squares():
     print(f"least squares, {steps} steps: AdamW best {best_a:.3e} (lr grid {adamw}); "
           f"Shampoo best {best_s:.3e} (lr grid {shampoo})")
     assert best_s < 0.2 * best_a
+
+
+# -- this library's fully_shard (planned RaggedShard layout) -----------------------------
+
+
+def _fully_shard():
+    fn = getattr(vefsdp_optim, "fully_shard", None)
+    if fn is None:
+        from vefsdp_optim._fsdp import fully_shard as fn
+    return fn
+
+
+class _Linear(_Bag):
+    def forward(self, gs):  # d(loss)/d(p) = g for every parameter
+        return sum((p * g).sum() for p, g in zip(self.ps, gs, strict=True))
+
+
+def _fully_shard_cases():
+    """Lockstep with a plain run fed the gradients fully_shard produced (its averaging
+    over ranks may round them, and near-singular statistics amplify any difference)."""
+    for kw in CASES[:2]:
+        model = _Linear(_params())
+        _fully_shard()(model)
+        ps = list(model.ps)
+        opt = Shampoo(ps, **kw)
+        ref = [nn.Parameter(t) for t in _params()]
+        ref_opt = Shampoo(ref, **kw)
+        for step in range(STEPS):
+            opt.zero_grad()
+            model(_grads(step)).backward()
+            for p, q in zip(ps, ref, strict=True):
+                q.grad = p.grad.full_tensor()
+            opt.step()
+            ref_opt.step()
+        _close([p.full_tensor() for p in ps], [q.detach() for q in ref])
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_fully_shard_params_match_single_device(world_size):
+    assert all(run_distributed(_fully_shard_cases, world_size))
