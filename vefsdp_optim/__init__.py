@@ -9,10 +9,12 @@ from ._adamw import AdamW
 from ._block_optimizer import BlockContext, BlockOptimizer
 from ._muon import Muon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
+from ._shampoo import Shampoo
 
 __all__ = [
     "AdamW",
     "Muon",
+    "Shampoo",
     "BlockOptimizer",
     "BlockContext",
     "register_optimizer",
