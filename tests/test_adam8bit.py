@@ -101,6 +101,25 @@ def test_single_device_equals_whole_tensor_math(name, kw):
     _assert_equal(got, _whole_tensor_reference(name, kw))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_quantizer_equals_quantize_blockwise(signed):
+    from vefsdp_optim._adam8bit import _TableQuantizer
+
+    code = dynamic_code_map(signed)
+    tq = _TableQuantizer(code)
+    mid = (code[:-1] + code[1:]) / 2
+    g = torch.Generator().manual_seed(2)
+    n = 20001
+    wide = torch.randn(n, generator=g) * 10.0 ** torch.randint(-9, 2, (n,), generator=g).float()
+    ties = torch.cat([code, mid, -mid, torch.nextafter(mid, torch.tensor(2.0)),
+                      torch.nextafter(mid, torch.tensor(-2.0)), torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    for x in (wide, ties, torch.zeros(300)):
+        x = x if signed else x.abs()
+        for bs in (256, 7, 1, 4096):
+            want, got = quantize_blockwise(x, code, bs), tq(x, bs)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), bs
+
+
 def test_close_to_fp32_but_not_equal():
     """8-bit moments change the bits (the path is really quantized) but stay close."""
     got, opt = _run_plain("adamw8bit", dict(min_8bit_size=256))
