@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import vefsdp_optim
-from vefsdp_optim._shampoo import Shampoo
+from vefsdp_optim import Shampoo
 
 SHAPES = [(256, 256), (256, 512), (512, 512), (512, 1024), (512,)]
 
