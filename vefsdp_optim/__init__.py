@@ -5,6 +5,7 @@ FSDP2 DTensors and this library's own sharded parameters, and give the result of
 single device at any world size.
 """
 
+from ._adam8bit import Adam8bit, AdamW8bit
 from ._adamw import AdamW
 from ._block_optimizer import BlockContext, BlockOptimizer
 from ._muon import Muon
@@ -13,6 +14,8 @@ from ._shampoo import Shampoo
 
 __all__ = [
     "AdamW",
+    "AdamW8bit",
+    "Adam8bit",
     "Muon",
     "Shampoo",
     "BlockOptimizer",
