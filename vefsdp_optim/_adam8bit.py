@@ -10,7 +10,6 @@ import torch
 
 from vefsdp_optim._math import (
     adamw_step_,
-    dequantize_blockwise,
     dynamic_code_map,
     num_blocks,
     quantize_blockwise,
@@ -85,17 +84,30 @@ class _TableQuantizer:
         return idx.to(torch.uint8), absmax
 
 
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
+    """``dequantize_blockwise`` (same products, same bits) with an int32 index_select,
+    several times faster on the CPU than advanced indexing with int64 indices."""
+    n = codes.numel()
+    values = code.index_select(0, codes.to(torch.int32))  # (n,)
+    full = n // bs * bs
+    out = torch.empty_like(values)
+    out[:full].view(-1, bs).copy_(values[:full].view(-1, bs) * absmax[: n // bs, None])
+    if full < n:
+        out[full:] = values[full:] * absmax[-1]
+    return out
+
+
 def _adam8bit_step_(
     p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], *, step: int, group: dict[str, Any],
     decoupled: bool, codes: tuple[torch.Tensor, torch.Tensor],
     quantizers: tuple[_TableQuantizer, _TableQuantizer],
 ) -> None:
-    """``adam8bit_block_step_`` with the table quantizer (same bits, see its tests)."""
+    """``adam8bit_block_step_`` with the table quantizer and ``_dequantize`` (same bits:
+    the tests compare the optimizer with it)."""
     bs = group["block_size"]
     beta1, beta2 = group["betas"]
-    exp_avg = dequantize_blockwise(state["exp_avg_codes"], state["exp_avg_absmax"], codes[0], bs)
-    exp_avg_sq = dequantize_blockwise(
-        state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], codes[1], bs)
+    exp_avg = _dequantize(state["exp_avg_codes"], state["exp_avg_absmax"], codes[0], bs)
+    exp_avg_sq = _dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], codes[1], bs)
     p32 = p if p.dtype == torch.float32 else p.float()
     adamw_step_(p32, g.float(), exp_avg, exp_avg_sq, None, step=step, lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
