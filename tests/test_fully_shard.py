@@ -231,23 +231,47 @@ _COPY_OPS = {"copy_", "cat", "split", "split_with_sizes", "chunk", "_to_copy", "
 
 
 class _CountCopies(TorchDispatchMode):
+    """Counts copy-like kernels, and collectives by name."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.collectives: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        if func.overloadpacket.__name__ in _COPY_OPS:
+        name = func.overloadpacket.__name__
+        if name in _COPY_OPS:
             self.count += 1
+        if func.namespace == "c10d":
+            self.collectives[name] = self.collectives.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
-def _copies(model: nn.Module, x: torch.Tensor) -> int:
+def _copies(model: nn.Module, x: torch.Tensor) -> _CountCopies:
+    model.zero_grad()
     with _CountCopies() as c:
         _loss(model, x).backward()
-    return c.count
+    return c
 
 
-def _zero_copy() -> tuple[int, int, int]:
+def _backend_copies() -> dict[str, int]:
+    """Copies the backend itself makes inside one flat collective (gloo splits the
+    reduce-scatter input and copies its shard out; NCCL makes none)."""
+    import torch.distributed as dist
+
+    w = dist.get_world_size()
+    small, big = torch.zeros(4), torch.ones(4 * w)
+    out = {}
+    with _CountCopies() as c:
+        dist.reduce_scatter_single(small, big)
+    out["_reduce_scatter_base_"] = c.count
+    with _CountCopies() as c:
+        dist.all_gather_single(big, small)
+    out["_allgather_base_"] = c.count
+    return out
+
+
+def _zero_copy() -> tuple[int, int, int, int]:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     from vefsdp_optim._fsdp import fully_shard
@@ -262,13 +286,20 @@ def _zero_copy() -> tuple[int, int, int]:
     fsdp2_shard(theirs)
     x = data[0]
     _copies(ours, x)  # warm-up: lazy init, first allocations
-    return _copies(ref, x), _copies(ours, x), _copies(theirs, x)
+    per = _backend_copies()
+    c = _copies(ours, x)
+    backend = sum(per.get(k, 0) * n for k, n in c.collectives.items())
+    n_groups = len(list(ours.blocks)) + 1
+    ok_colls = (c.collectives.get("_allgather_base_", 0) == 2 * n_groups - 1
+                and c.collectives.get("_reduce_scatter_base_", 0) == n_groups)
+    return _copies(ref, x).count, c.count - backend, _copies(theirs, x).count, int(ok_colls)
 
 
 def test_zero_copy_forward_backward() -> None:
-    for plain, ours, fsdp2 in run_distributed(_zero_copy, 3):
+    for plain, ours, fsdp2, ok_colls in run_distributed(_zero_copy, 3):
         assert ours == plain, (plain, ours, fsdp2)
         assert fsdp2 > plain  # the counter does see FSDP2's copy-in / copy-out
+        assert ok_colls  # one all-gather per group in forward and per resharded group in backward
 
 
 # -- plan mismatch ----------------------------------------------------------------------------
@@ -289,3 +320,93 @@ def _mismatch() -> str:
 def test_plan_mismatch_raises() -> None:
     for msg in run_distributed(_mismatch, 3):
         assert msg, "a plan mismatch across ranks must raise ValueError"
+
+
+# -- frozen / tied parameters, prefetch, explicit unshard, HSDP, mixed precision --------------
+
+class TiedMLP(OddMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l4 = nn.Linear(3, 7)
+        self.l1.weight.requires_grad_(False)  # frozen
+        self.back = nn.Linear(13, 7, bias=False)
+        self.back.weight = self.l1.weight  # tied (and frozen), shared by two submodules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l4(super().forward(x)) + x @ self.back.weight.t() @ self.l1.weight
+
+
+def _features() -> dict[str, float]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from vefsdp_optim._fsdp import fully_shard
+
+    w = dist.get_world_size()
+    out: dict[str, float] = {}
+    torch.manual_seed(2)
+    data = torch.randn(4, 3, 7)
+    # frozen + tied within one group, prefetch between groups
+    ref = TiedMLP()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours.l2)
+    fully_shard(ours.l3)
+    fully_shard(ours)
+    ours.l2.set_modules_to_forward_prefetch([ours.l3])
+    ours.l3.set_modules_to_backward_prefetch([ours.l2])
+    out["frozen_no_grad"] = float(not ours.l1.weight.requires_grad)
+    out["tied_same_object"] = float(ours.back.weight is ours.l1.weight)
+    _train(ref, data, 3, average_over=w)
+    _train(ours, data, 3)
+    out["tied_frozen_prefetch"] = max(_close(_full(ours), _full(ref)))
+    ours.unshard()
+    out["unshard_registers_full"] = float(ours.l4.weight.shape == (7, 3) and
+                                          not hasattr(ours.l4.weight, "full_tensor"))
+    out["unshard_values"] = float(torch.equal(ours.l4.weight.detach(), ref.l4.weight.detach()))
+    ours.reshard()
+    out["reshard_registers_sharded"] = float(hasattr(ours.l4.weight, "full_tensor"))
+    # mixed precision: bf16 compute, fp32 reduce; FSDP2 with the same policy is the reference
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(3)
+    base, blocks, tok = _build("transformer")
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    for m in a.blocks:
+        fully_shard(m, mp_policy=mp)
+    fully_shard(a, mp_policy=mp)
+    for m in b.blocks:
+        fsdp2_shard(m, mp_policy=mp)
+    fsdp2_shard(b, mp_policy=mp)
+    _train(a, tok, 2)
+    _train(b, tok, 2)
+    out["mp_vs_fsdp2"] = max(_close(_full(a), _full(b)))
+    out["mp_master_fp32"] = float(all(p.dtype == torch.float32 for p in a.parameters()))
+    _loss(a, tok[0]).backward()
+    out["mp_grad_fp32"] = float(all(p.grad.dtype == torch.float32 and p.grad.to_local().dtype == torch.float32
+                                    for p in a.parameters()))
+    out["mp_compute_bf16"] = float(a(tok[0]).dtype == torch.bfloat16)
+    # HSDP: (replicate, shard) mesh; every rank sees the same data
+    if w == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(4)
+        base, blocks, tok = _build("odd")
+        h, r = copy.deepcopy(base), copy.deepcopy(base)
+        fully_shard(h.l1, mesh=mesh)
+        fully_shard(h, mesh=mesh)
+        _train(h, tok, 3)
+        _train(r, tok, 3, average_over=2)  # avg over 2 shard ranks, then over 2 replicas
+        out["hsdp"] = max(_close(_full(h), _full(r)))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_tied_prefetch_mixed_precision_hsdp(world_size: int) -> None:
+    for res in run_distributed(_features, world_size):
+        for key in ("frozen_no_grad", "tied_same_object", "unshard_registers_full", "unshard_values",
+                    "reshard_registers_sharded", "mp_master_fp32", "mp_grad_fp32", "mp_compute_bf16"):
+            assert res[key] == 1.0, (key, res)
+        assert res["tied_frozen_prefetch"] < RTOL, res
+        assert res["mp_vs_fsdp2"] < RTOL, res
+        if world_size == 4:
+            assert res["hsdp"] < 1e-5, res

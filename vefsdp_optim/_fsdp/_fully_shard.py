@@ -98,7 +98,7 @@ class FSDPState:
         g = self.group
         if g is not None:
             g.register(sharded=True)
-            if self.reshard_after_forward and not (self.is_root and False):
+            if self.reshard_after_forward and not self.is_root:  # as FSDP2: root keeps its params for backward
                 g.wait_unshard()
                 for b in g.buckets:
                     b.free()
@@ -119,7 +119,7 @@ class FSDPState:
         if not idx:
             return args, kwargs
         outs = _PostBackward.apply(self, *[flat[i] for i in idx])
-        for i, o in zip(idx, outs):
+        for i, o in zip(idx, outs, strict=True):
             flat[i] = o
         return tree_unflatten(flat, spec)
 

@@ -90,12 +90,18 @@ class Bucket:
             with torch.no_grad():
                 c.local.copy_(self.master.local)  # the one cast per all-gather
         c.alloc_global()
-        with torch.autograd._unsafe_preserve_version_counter(c.global_buffer):
+        # [Note: version counter] the unsharded params (saved for backward) alias the
+        # global buffer; re-gathering the same values must not bump their version, and
+        # gloo's async work writes the output from its own thread, so the version is
+        # restored after wait() too, as FSDP2 does around its all-gather copy-out.
+        out = c.global_buffer
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            version = out._version
             work = c.all_gather(async_op=async_op)
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(c.full_view(p.fqn))
-        return work
+        return None if work is None else (work, out, version)
 
     def free(self) -> None:
         self.compute.free_global()
@@ -218,8 +224,9 @@ class ParamGroup:
 
     def wait_unshard(self) -> None:
         if self._pending is not None:
-            for w in self._pending:
-                w.wait()
+            for work, out, version in self._pending:
+                work.wait()
+                torch._C._autograd._unsafe_set_version_counter((out,), (version,))
             self._pending = None
 
     def reshard(self) -> None:
