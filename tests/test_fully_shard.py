@@ -410,3 +410,50 @@ def test_frozen_tied_prefetch_mixed_precision_hsdp(world_size: int) -> None:
         assert res["mp_vs_fsdp2"] < RTOL, res
         if world_size == 4:
             assert res["hsdp"] < 1e-5, res
+
+
+# -- requirements flow in ---------------------------------------------------------------------
+
+def _replan() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from vefsdp_optim._fsdp import fully_shard, request_requirements
+    from vefsdp_optim.sharding import FlatBlocks, RowBlocks, WholeTensor
+
+    w = dist.get_world_size()
+    torch.manual_seed(5)
+    ref = nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 9), nn.Tanh(), nn.Linear(9, 64),
+                        nn.Linear(64, 64))
+    ours = copy.deepcopy(ref)
+    fully_shard(ours[5])
+    fully_shard(ours)
+    params = list(ours.parameters())
+    before = [p.full_tensor() for p in params]
+    reqs = {ours[2].weight: RowBlocks(4), ours[0].weight: FlatBlocks(10),
+            ours[5].weight: WholeTensor(), ours[4].weight: WholeTensor()}
+    report = request_requirements(reqs)
+    out: dict[str, object] = {"report": report}
+    out["same_objects"] = all(a is b for a, b in zip(params, ours.parameters(), strict=True))
+    out["same_values"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params, strict=True))
+    refused = {n for n, _ in report.kept}
+    out["refused"] = sorted(refused)
+    out["satisfied"] = all(
+        p.ragged_layout.satisfies(r, tuple(p.shape)) for p, r in reqs.items()
+        if not (w > 1 and (p is ours[5].weight or p is ours[4].weight)))
+    # a whole 64x64 or 9x64 matrix on one rank of a small group pads far beyond 1%
+    out["whole_refused_w>1"] = (w == 1) or refused == {"weight", "4.weight"}
+    x = torch.randn(4, 3, 7)
+    _train(ref, x, 3, average_over=w)
+    _train(ours, x, 3)
+    out["parity"] = max(_close(_full(ours), _full(ref)))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_request_requirements_replans_and_keeps_parameters(world_size: int) -> None:
+    for res in run_distributed(_replan, world_size):
+        assert res["same_objects"] and res["same_values"] and res["satisfied"], res
+        assert res["whole_refused_w>1"], res
+        assert res["parity"] < RTOL, res
+        if world_size > 1:
+            assert res["report"].groups >= 1 and res["report"].changed, res

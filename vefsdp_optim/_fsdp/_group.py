@@ -41,6 +41,7 @@ class Bucket:
         self.params = params
         self.dtype = dtype
         self._group = group
+        self.units: dict[str, int] = dict(units)  # fqn -> unit; absent: 1
         self.build(units, data, validate=True)
 
     def specs(self, units: dict[str, int]) -> list[TensorSpec]:
@@ -55,6 +56,7 @@ class Bucket:
         """
         g = self._group
         w = g.shard_world
+        self.units = dict(units)
         self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
         pg = g.shard_pg if w > 1 else None
         self.master = DistributedBuffer(self.plan, pg, dtype=self.dtype, device=g.device,
@@ -80,6 +82,7 @@ class Bucket:
                 p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
             else:
                 p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0)
+                p.sharded._vefsdp_bucket = self  # for request_requirements
             p.unsharded = None
 
     # -- all-gather / free -------------------------------------------------------------
