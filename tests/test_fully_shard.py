@@ -331,9 +331,10 @@ class TiedMLP(OddMLP):
         self.l1.weight.requires_grad_(False)  # frozen
         self.back = nn.Linear(13, 7, bias=False)
         self.back.weight = self.l1.weight  # tied (and frozen), shared by two submodules
+        self.temp = nn.Parameter(torch.tensor(0.7))  # 0-d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l4(super().forward(x)) + x @ self.back.weight.t() @ self.l1.weight
+        return self.l4(super().forward(x)) * self.temp + x @ self.back.weight.t() @ self.l1.weight
 
 
 def _features() -> dict[str, float]:
@@ -361,6 +362,16 @@ def _features() -> dict[str, float]:
     _train(ref, data, 3, average_over=w)
     _train(ours, data, 3)
     out["tied_frozen_prefetch"] = max(_close(_full(ours), _full(ref)))
+    # gradients of two synced backward calls without zero_grad add up
+    for model in (ref, ours):
+        for k in range(2):
+            _loss(model, data[k]).backward()
+    _average_like_ranks(ref, w)
+    out["grad_accumulates"] = max(_close([p.grad.full_tensor() for p in ours.parameters() if p.requires_grad],
+                                         [p.grad for p in ref.parameters() if p.requires_grad]))
+    out["zero_d"] = float(ours.temp.shape == () and ours.temp.grad.shape == ())
+    ours.zero_grad()
+    ref.zero_grad()
     ours.unshard()
     out["unshard_registers_full"] = float(ours.l4.weight.shape == (7, 3) and
                                           not hasattr(ours.l4.weight, "full_tensor"))
@@ -406,7 +417,8 @@ def test_frozen_tied_prefetch_mixed_precision_hsdp(world_size: int) -> None:
         for key in ("frozen_no_grad", "tied_same_object", "unshard_registers_full", "unshard_values",
                     "reshard_registers_sharded", "mp_master_fp32", "mp_grad_fp32", "mp_compute_bf16"):
             assert res[key] == 1.0, (key, res)
-        assert res["tied_frozen_prefetch"] < RTOL, res
+        assert res["tied_frozen_prefetch"] < RTOL and res["grad_accumulates"] < RTOL, res
+        assert res["zero_d"] == 1.0, res
         assert res["mp_vs_fsdp2"] < RTOL, res
         if world_size == 4:
             assert res["hsdp"] < 1e-5, res

@@ -8,6 +8,7 @@ single device at any world size.
 from ._adam8bit import Adam8bit, AdamW8bit
 from ._adamw import AdamW
 from ._block_optimizer import BlockContext, BlockOptimizer
+from ._fsdp import ShardedParameter, fully_shard
 from ._muon import Muon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
 from ._shampoo import Shampoo
@@ -23,6 +24,8 @@ __all__ = [
     "register_optimizer",
     "get_optimizer",
     "list_optimizers",
+    "fully_shard",
+    "ShardedParameter",
 ]
 
 __version__ = "0.1.0"
