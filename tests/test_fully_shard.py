@@ -215,6 +215,25 @@ def _semantics() -> dict[str, object]:
     _loss(m, torch.randn(3, 7)).backward()
     gv = sharded_view(m.l1.weight.grad)
     out["grad_view"] = gv.layout == p.ragged_layout and gv.local.numel() == n
+    # the library's own AdamW consumes ShardedParameters through __sharded_view__
+    import vefsdp_optim
+
+    ref2 = OddMLP()
+    ours2 = copy.deepcopy(ref2)
+    fully_shard(ours2.l1)
+    fully_shard(ours2)
+    opt = vefsdp_optim.AdamW(ours2.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref2.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(3, 4, 7)
+    for k in range(3):
+        _loss(ours2, x[k]).backward()
+        opt.step()
+        opt.zero_grad()
+        _loss(ref2, x[k]).backward()
+        _average_like_ranks(ref2, dist.get_world_size())
+        ropt.step()
+        ropt.zero_grad()
+    out["block_adamw"] = max(_close(_full(ours2), _full(ref2))) < RTOL
     return out
 
 
