@@ -488,3 +488,38 @@ def test_request_requirements_replans_and_keeps_parameters(world_size: int) -> N
         assert res["parity"] < RTOL, res
         if world_size > 1:
             assert res["report"].groups >= 1 and res["report"].changed, res
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def _errors() -> dict[str, bool]:
+    from vefsdp_optim._fsdp import fully_shard
+
+    out = {}
+    m = nn.Linear(3, 4)
+    fully_shard(m)
+    try:
+        fully_shard(m)
+        out["twice"] = False
+    except ValueError as e:
+        out["twice"] = "already" in str(e)
+    # a parameter tied between a nested fully_shard'd module and its parent's own module
+    outer = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))
+    outer[1].weight = outer[0].weight
+    fully_shard(outer[0])
+    try:
+        fully_shard(outer)
+        out["tied_across_groups"] = False
+    except ValueError as e:
+        out["tied_across_groups"] = "lowest common ancestor" in str(e)
+    try:
+        fully_shard(nn.Linear(2, 2), mp_policy="bf16")  # type: ignore[arg-type]
+        out["bad_policy"] = False
+    except TypeError as e:
+        out["bad_policy"] = "MixedPrecisionPolicy" in str(e)
+    return out
+
+
+def test_bad_input_raises() -> None:
+    for res in run_distributed(_errors, 2):
+        assert all(res.values()), res

@@ -297,7 +297,8 @@ def fully_shard(
     if group is not None:
         group.register(sharded=True)
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
-    state.originals = weakref.WeakSet(mp.original for mp in params)
+    # id -> original Parameter (weak: tensors compare elementwise, so no WeakSet)
+    state.originals = weakref.WeakValueDictionary({id(mp.original): mp.original for mp in params})
     for mp in params:
         del mp.original
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
@@ -346,7 +347,7 @@ def _collect(module: nn.Module, device: torch.device) -> list[ManagedParam]:
                        if sub is not module and isinstance(sub, FSDPModule)]
     for mp in order:
         for orig in inner_originals:
-            if mp.original in orig:
+            if orig.get(id(mp.original)) is mp.original:
                 raise ValueError(
                     f"parameter {mp.fqn} is shared with a nested fully_shard'd module; tied "
                     "parameters must be managed by one group: apply fully_shard to their lowest "
