@@ -223,3 +223,57 @@ def test_muon_newton_schulz_once_per_matrix(world_size):
     n_matrices = sum(len(s) >= 2 for s in SHAPES)
     assert sum(c["ns"] for c in calls) == n_matrices
     assert all(c["a2a"] == 2 for c in calls)  # one bucket: one exchange each way
+
+
+# -- the library's own fully_shard parameters -----------------------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(6, 13)
+        self.b = nn.Linear(13, 5)
+        self.c = nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _fully_shard_case(kind, kw):
+    model = _Net()
+    init = [p.detach().clone() for p in model.parameters()]
+    vefsdp_optim.fully_shard(model.a)
+    vefsdp_optim.fully_shard(model)
+    ps = list(model.parameters())
+    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw)
+    ref_ps = [nn.Parameter(t.clone()) for t in init]
+    if kind == "adamw":
+        refs = [torch.optim.AdamW(ref_ps, **kw)]
+    else:
+        refs = [torch.optim.Muon([q for q in ref_ps if q.ndim == 2], **kw),
+                torch.optim.AdamW([q for q in ref_ps if q.ndim < 2], lr=kw.get("lr", 1e-3),
+                                  betas=(0.9, 0.95), eps=1e-8, weight_decay=kw.get("weight_decay", 0.1))]
+    x = torch.randn(9, 6, generator=torch.Generator().manual_seed(5))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        for q, p in zip(ref_ps, ps, strict=True):
+            q.grad = p.grad.full_tensor().detach().clone()  # the very gradients the sharded run sees
+        opt.step()
+        for r in refs:
+            r.step()
+    _assert_same([p.full_tensor().detach() for p in ps], [q.detach() for q in ref_ps],
+                 exact=(kind == "muon"))
+    return opt.replan_report is not None
+
+
+def _fully_shard_all():
+    return [_fully_shard_case("adamw", {}), _fully_shard_case("muon", {}),
+            _fully_shard_case("muon", dict(nesterov=False, lr=0.02))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fully_shard_params_match_unsharded_torch(world_size):
+    for got in run_distributed(_fully_shard_all, world_size):
+        assert all(got)  # the optimizer asked fully_shard for its requirements

@@ -104,10 +104,21 @@ class BlockOptimizer(Optimizer):
         super().__init__(params, defaults)
         self._checked_groups: set[int] = set()
         self._owner_cache: dict[tuple, tuple[int, ...]] = {}
+        wanted: dict[torch.Tensor, Requirement] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 view = sharded_view(p)  # raises NotImplementedError for unsupported kinds
-                self.requirement(view.shape, group)  # validates the shape for this optimizer
+                req = self.requirement(view.shape, group)  # validates the shape too
+                if hasattr(p, "_vefsdp_bucket"):
+                    wanted[p] = req
+        # [Note: requirements flow in] fully_shard groups are re-planned once, here, so
+        # that blocks are whole on single ranks where the padding rule allows it; what
+        # the rule refuses is still exact, through the exchange of the step loop.
+        self.replan_report = None
+        if wanted:
+            from vefsdp_optim._fsdp import request_requirements
+
+            self.replan_report = request_requirements(wanted)
 
     # -- subclass API ---------------------------------------------------------------
 
