@@ -1,6 +1,6 @@
 """Planner benchmark on real model shapes: padding against the bound and FSDP2, and time.
 
-    python -m benchmarks.bench_planner --out benchmarks/out/planner.json [--quick]
+    python -m benchmarks.bench_planner [--quick|--full] [--out benchmarks/out/planner.json]
 
 For each group of ``benchmarks.model_shapes`` (one fully_shard unit), world size and
 requirement kind, plans the group with align 16 and reports padding as a percentage of
@@ -12,19 +12,18 @@ planning a whole 80-layer LLaMA-3-70B (82 groups) at W = 10,000.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import statistics
 import time
 
 from vefsdp_optim.sharding import TensorSpec, fsdp2_row_padding, plan_group
 from vefsdp_optim.sharding._planner import _plan_cached
 
+from ._common import cli, result, stats
 from .model_shapes import GROUPS, UNIT_KINDS, ParamShape, llama3_70b_model, unit_for
 
 WORLDS = (8, 64, 512, 1024, 10_000)
+QUICK_WORLDS = (8, 1024, 10_000)
 ALIGN = 16
 MODEL_WORLD = 10_000
 
@@ -43,15 +42,15 @@ def _time_plan(specs: list[TensorSpec], w: int, repeats: int):
     return plan, statistics.median(times)
 
 
-def bench_groups(repeats: int) -> list[dict]:
+def bench_groups(repeats: int, worlds: tuple[int, ...] = WORLDS) -> list[dict]:
     rows = []
     for gname, make in GROUPS.items():
         group = make()
         n = sum(math.prod(p.shape) for p in group)
-        fsdp2 = {w: fsdp2_row_padding([p.shape for p in group], w) for w in WORLDS}
+        fsdp2 = {w: fsdp2_row_padding([p.shape for p in group], w) for w in worlds}
         for kind in UNIT_KINDS:
             specs = _specs(group, kind)
-            for w in WORLDS:
+            for w in worlds:
                 plan, t = _time_plan(specs, w, repeats)
                 rows.append(dict(
                     group=gname, tensors=len(group), numel=n, world=w, unit=kind,
@@ -79,7 +78,8 @@ def bench_model(repeats: int) -> list[dict]:
     out = []
     for kind in UNIT_KINDS:
         spec_groups = [_specs(g, kind) for g in groups]
-        times, pad, total = [], 0, 0
+        times: list[float] = []
+        pad = total = 0
         for _ in range(repeats):
             _plan_cached.cache_clear()
             t0 = time.perf_counter()
@@ -89,24 +89,8 @@ def bench_model(repeats: int) -> list[dict]:
             total = sum(p.total_numel for p in plans)
         out.append(dict(model="llama3-70b", groups=len(groups), world=MODEL_WORLD, unit=kind,
                         numel=total, padding=pad, padding_pct=100 * pad / total,
-                        plan_s=statistics.median(times)))
+                        plan_s=stats(times)))
     return out
-
-
-def _markdown(rows: list[dict], model_rows: list[dict]) -> str:
-    lines = ["| group | W | unit | m | padding % | bound % | FSDP2 % | plan ms |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['group']} | {r['world']} | {r['unit']} | {r['shard_size']} | "
-            f"{r['padding_pct']:.4f} | {r['lower_bound_pct']:.4f} | {r['fsdp2_padding_pct']:.4f} | "
-            f"{r['plan_ms']:.2f} |")
-    lines += ["", "| model | groups | W | unit | padding % | plan s (all groups) |",
-              "|---|---:|---:|---|---:|---:|"]
-    for r in model_rows:
-        lines.append(f"| {r['model']} | {r['groups']} | {r['world']} | {r['unit']} | "
-                     f"{r['padding_pct']:.4f} | {r['plan_s']:.3f} |")
-    return "\n".join(lines)
 
 
 def _goals(rows: list[dict], model_rows: list[dict]) -> list[str]:
@@ -126,34 +110,31 @@ def _goals(rows: list[dict], model_rows: list[dict]) -> list[str]:
         notes.append(f"large padding: {r['group']} W={r['world']} {r['unit']}: "
                      f"{r['padding_pct']:.1f}% (bound {r['lower_bound_pct']:.1f}%): the group "
                      f"has fewer legal pieces than ranks; plan several layers as one group")
-    slow = max(model_rows, key=lambda r: r["plan_s"])
-    notes.append(f"whole-model planning at W={MODEL_WORLD}: worst {slow['plan_s']:.3f} s "
-                 f"({slow['unit']}); goal < 1 s: {'met' if slow['plan_s'] < 1 else 'MISSED'}")
+    slow = max(model_rows, key=lambda r: r["plan_s"]["median"])
+    t = slow["plan_s"]["median"]
+    notes.append(f"whole-model planning at W={MODEL_WORLD}: worst {t:.3f} s "
+                 f"({slow['unit']}); goal < 1 s: {'met' if t < 1 else 'MISSED'}")
     return notes
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/out/planner.json")
-    ap.add_argument("--quick", action="store_true", help="one timing per case")
-    ap.add_argument("--repeats", type=int, default=None)
-    args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 5)
+_COLUMNS = ("group", "world", "unit", "shard_size", "padding_pct", "lower_bound_pct",
+            "fsdp2_padding_pct", "plan_ms")
+
+
+def run(quick: bool = True) -> dict:
+    """Padding and planning time per group, kind and W (quick: W in QUICK_WORLDS, one
+    timing each; full: every W of WORLDS, 5 timings), and whole-model planning at
+    W = 10,000. No processes, no collectives: the planner is pure."""
     t0 = time.perf_counter()
-    rows = bench_groups(repeats)
-    model_rows = bench_model(1 if args.quick else 3)
-    print(_markdown(rows, model_rows))
-    notes = _goals(rows, model_rows)
-    print()
-    print("\n".join(notes))
-    result = dict(align=ALIGN, worlds=list(WORLDS), repeats=repeats, groups=rows,
-                  model=model_rows, notes=notes, wall_s=time.perf_counter() - t0)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.out}")
-    return result
+    rows = bench_groups(1 if quick else 5, QUICK_WORLDS if quick else WORLDS)
+    model_rows = bench_model(1 if quick else 3)
+    table = [{k: r[k] for k in _COLUMNS} for r in rows]
+    return result("planner", table, _goals(rows, model_rows), model_rows=model_rows,
+                  align=ALIGN, groups_detail=rows, wall_s=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(run, "planner", argv)
 
 
 if __name__ == "__main__":
