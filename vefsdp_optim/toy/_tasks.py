@@ -346,7 +346,7 @@ TASKS: dict[str, Task] = {
     t.name: t
     for t in [
         Task("gpt", f"tiny GPT (2 layers, d=64) on an order-1 Markov language, vocab {GPT_VOCAB}; "
-             "floor = entropy rate", 300, _excess(0.15, 1.0), _build_gpt),
+             "floor = entropy rate", 200, _excess(0.15, 1.0), _build_gpt),
         Task("mlp", "teacher-student tanh MLP regression; floor = noise variance", 600,
              _excess(0.05, 0.5), _build_mlp),
         Task("conv", "teacher-student conv net (4-D weights) on random 3x8x8 images; "

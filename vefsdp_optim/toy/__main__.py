@@ -1,0 +1,169 @@
+"""``python -m vefsdp_optim.toy`` (console script ``vefsdp-optim-toy``): bundled toy runs.
+
+With no arguments: every built-in optimizer on the toy GPT, sharded by this library's
+fully_shard over 2 gloo ranks on the CPU. ``--help`` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from vefsdp_optim._registry import list_optimizers
+
+from ._report import check_results, curve_departure, format_table, write_outputs
+from ._runner import (
+    BUILTIN_OPTIMIZERS,
+    SHARDINGS,
+    RunConfig,
+    RunResult,
+    check_tolerance,
+    launch,
+    train_all,
+)
+from ._tasks import TASKS
+
+__all__ = ["main", "parse_args", "configs_from_args"]
+
+
+def _split(values: Sequence[str] | None) -> list[str]:
+    return [v.strip() for item in values or () for v in item.split(",") if v.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vefsdp_optim.toy",
+        description="Train bundled toy tasks on the CPU with vefsdp_optim optimizers, sharded "
+                    "or not, and compare them (loss floors, single-device references).")
+    p.add_argument("--task", action="append", metavar="NAME",
+                   help=f"task(s), repeatable or comma-separated: {', '.join(TASKS)} or 'all' "
+                        "(default: gpt)")
+    p.add_argument("--optimizer", action="append", metavar="NAME",
+                   help="optimizer(s), repeatable or comma-separated: a registered name "
+                        f"({', '.join(BUILTIN_OPTIMIZERS)}, ...), 'all' for the built-ins, or "
+                        "'package.module:Class' (default: all)")
+    p.add_argument("--sharding", choices=SHARDINGS, default="fully_shard",
+                   help="none (one process), fsdp2 (torch's fully_shard) or fully_shard "
+                        "(vefsdp_optim's) (default: fully_shard)")
+    p.add_argument("--world-size", type=int, default=None, metavar="W",
+                   help="ranks to spawn (gloo, CPU); under torchrun its WORLD_SIZE "
+                        "(default: 2, or 1 with --sharding none)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: each task's own, see --list)")
+    p.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate for every optimizer (default: a per-optimizer, per-task "
+                        "value; runs with --lr are not held to the task thresholds)")
+    p.add_argument("--out", default="toy_out", metavar="DIR",
+                   help="where losses.csv, results.json and loss_curves.png go (default: toy_out)")
+    p.add_argument("--check", action="store_true",
+                   help="also run each configuration on a single device and exit non-zero if a "
+                        "sharded loss curve departs from it or a task misses its threshold")
+    p.add_argument("--no-plot", action="store_true", help="do not write loss_curves.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list tasks and optimizers and exit")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[list[RunConfig], int]:
+    """The runs the arguments ask for and the world size; ValueError on bad values."""
+    tasks = _split(args.task) or ["gpt"]
+    if any(t.lower() == "all" for t in tasks):
+        tasks = list(TASKS)
+    opts = _split(args.optimizer) or ["all"]
+    if any(o.lower() == "all" for o in opts):
+        opts = [o for o in opts if o.lower() != "all"]
+        opts = list(BUILTIN_OPTIMIZERS) + [o for o in opts if o.lower() not in BUILTIN_OPTIMIZERS]
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = args.world_size
+    if world is None:
+        world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (1 if args.sharding == "none" else 2)
+    if world < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world}")
+    if args.sharding == "none" and world != 1:
+        raise ValueError(f"--sharding none runs on one process; got --world-size {world} "
+                         "(use fsdp2 or fully_shard to shard)")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    configs = []
+    for t in tasks:
+        steps = args.steps if args.steps is not None else TASKS.get(t.lower(), TASKS["gpt"]).steps
+        for o in opts:
+            configs.append(RunConfig(t.lower(), o, args.sharding, steps, args.seed, args.lr))
+    return configs, world
+
+
+def _list() -> str:
+    lines = ["tasks:"]
+    for t in TASKS.values():
+        lines.append(f"  {t.name:<8} {t.steps:>4} steps  {t.description}")
+    lines.append("optimizers (registered): " + ", ".join(list_optimizers()))
+    lines.append("  or any 'package.module:Class' (e.g. examples.custom_tile_sgd:TileNormalizedSGD)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the toy runs the arguments ask for; 0 on success, 1 when a --check fails."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        print(_list())
+        return 0
+    try:
+        configs, world = configs_from_args(args)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    show = not args.quiet
+    if args.sharding == "none":
+        results = train_all(configs, show)
+        rank = 0
+    else:
+        results = launch(configs, world, show)
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if dist.is_initialized():  # torchrun: the other ranks are done
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    references: list[RunResult | None] = [None] * len(results)
+    if args.check:
+        todo = [i for i, r in enumerate(results) if r.config.sharding != "none"]
+        if todo:
+            if show:
+                print("single-device references:", file=sys.stderr)
+            refs = train_all([RunConfig(results[i].config.task, results[i].config.optimizer,
+                                        "none", results[i].config.steps, results[i].config.seed,
+                                        results[i].config.lr) for i in todo], show)
+            for i, ref in zip(todo, refs, strict=True):
+                references[i] = ref
+    failures = check_results(results, references) if args.check else []
+    print(format_table(results))
+    for note in write_outputs(args.out, results, references, failures, plot=not args.no_plot):
+        print(f"wrote {note}" if os.path.exists(note) else note)
+    if args.check:
+        for r, ref in zip(results, references, strict=True):
+            if ref is not None:
+                d, _ = curve_departure(r.losses, ref.losses)
+                tol = check_tolerance(r.config.optimizer)
+                print(f"check {r.config.task}/{r.config.optimizer}: largest relative loss "
+                      f"difference to the single device {d:.2g} (tolerance {tol:g}) "
+                      f"{'ok' if d <= tol else 'FAILED'}")
+        for f in failures:
+            print(f, file=sys.stderr)
+        if failures:
+            return 1
+        print("all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
