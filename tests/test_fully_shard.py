@@ -523,3 +523,153 @@ def _errors() -> dict[str, bool]:
 def test_bad_input_raises() -> None:
     for res in run_distributed(_errors, 2):
         assert all(res.values()), res
+
+
+# -- unshard handle, repeated use, grads across a re-plan, signatures, buffers, dtypes --------
+
+class Reuse(nn.Module):
+    """A shared block used three times in one forward: chained, in parallel, on raw input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 12)
+        self.shared = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+        self.raw = nn.Linear(7, 7)  # applied twice to inputs that need no grad
+        self.bn = nn.BatchNorm1d(12)  # running buffers stay replicated
+        self.out = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(self.raw(x) + self.raw(x * 2))
+        y = self.shared(self.shared(h)) + self.shared(h * 0.5)
+        return self.out(self.bn(y))
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 9)
+        self.b = nn.Linear(9, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).double())
+
+
+class _CountColls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func.namespace == "c10d":
+            name = func.overloadpacket.__name__
+            self.n[name] = self.n.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gaps() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from vefsdp_optim._fsdp import fully_shard, request_requirements
+    from vefsdp_optim.sharding import FlatBlocks, RowBlocks
+
+    w, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[str, object] = {}
+    torch.manual_seed(6)
+    x = torch.randn(4, 6, 7)
+    # async unshard returns a handle; forward after it waits; sync unshard returns None
+    ref = OddMLP()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours.l1)
+    fully_shard(ours)
+    h = ours.l1.unshard(async_op=True)
+    out["handle"] = h is not None and callable(getattr(h, "wait", None))
+    _loss(ours, x[0]).backward()  # forward waits on the pending gather
+    _loss(ref, x[0]).backward()
+    _average_like_ranks(ref, w)
+    out["async_fwd_grads"] = max(_close([p.grad.full_tensor() for p in ours.parameters()],
+                                        [p.grad for p in ref.parameters()]))
+    h = ours.l1.unshard(async_op=True)
+    h.wait()
+    h.wait()
+    out["wait_registers"] = (not hasattr(ours.l1.weight, "full_tensor")
+                             and torch.equal(ours.l1.weight.detach(), ours.l1.weight.detach()))
+    out["wait_values"] = float(torch.equal(ours.l1.weight.detach(), ref.l1.weight.detach()))
+    out["sync_none"] = ours.l1.unshard() is None
+    ours.l1.reshard()
+    out["reshard_sharded"] = hasattr(ours.l1.weight, "full_tensor")
+    # a module used several times in one forward: single-device gradients, one reduce per group
+    torch.manual_seed(7)
+    ref = Reuse()
+    ours = copy.deepcopy(ref)
+    for m in (ours.inp, ours.shared, ours.raw):
+        fully_shard(m)
+    fully_shard(ours)
+    _train(ref, x, 3, average_over=w)
+    _train(ours, x, 3)
+    out["reuse_params"] = max(_close(_full(ours), _full(ref)))
+    out["reuse_bn_buffers"] = max(_close(list(ours.bn.buffers())[:2], list(ref.bn.buffers())[:2]))
+    ours.zero_grad()
+    ref.zero_grad()
+    with _CountColls() as c:
+        _loss(ours, x[1]).backward()
+    out["reuse_reduce_scatters"] = c.n.get("_reduce_scatter_base_", 0)
+    _loss(ref, x[1]).backward()
+    _average_like_ranks(ref, w)
+    out["reuse_grads"] = max(_close([p.grad.full_tensor() for p in ours.parameters()],
+                                    [p.grad for p in ref.parameters()]))
+    # request_requirements keeps reduced gradients (re-laid with their parameters)
+    grads_before = [p.grad.full_tensor() for p in ours.parameters()]
+    report = request_requirements({ours.shared[0].weight: FlatBlocks(7), ours.shared[2].weight: RowBlocks(5),
+                                   ours.out.weight: RowBlocks(3)})
+    out["replan_moved"] = w == 1 or bool(report.changed)
+    out["replan_grads"] = all(torch.equal(a, p.grad.full_tensor())
+                              for a, p in zip(grads_before, ours.parameters(), strict=True))
+    out["replan_grad_views"] = all(
+        p.grad.ragged_layout == p.ragged_layout for p in ours.parameters())
+    opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref))
+    opt.step()
+    ropt.step()
+    _loss(ours, x[2]).backward()  # accumulates onto the kept (re-laid) gradients
+    _loss(ref, x[2]).backward()
+    _average_like_ranks(ref, w)
+    out["replan_then_accumulate"] = max(_close([p.grad.full_tensor() for p in ours.parameters()],
+                                               [p.grad for p in ref.parameters()]))
+    ours.set_requires_gradient_sync(False)
+    _loss(ours, x[3]).backward()
+    try:
+        request_requirements({ours.out.weight: RowBlocks(5)})
+        out["replan_live_raises"] = False
+    except RuntimeError as e:
+        out["replan_live_raises"] = "without sync" in str(e)
+    ours.set_requires_gradient_sync(True)
+    # parameters of two dtypes in one module: one bucket each, single-device results
+    torch.manual_seed(8)
+    ref = TwoDtypes()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours)
+    out["two_dtypes_kept"] = [p.dtype for p in ours.parameters()] == [p.dtype for p in ref.parameters()]
+    _train(ref, x, 2, average_over=w)
+    _train(ours, x, 2)
+    out["two_dtypes"] = max(_close(_full(ours), _full(ref)))
+    # ranks that disagree on dtypes, or on having parameters at all, raise (not hang)
+    for key, make in (("dtype_mismatch", lambda: nn.Linear(4, 4).to(torch.float64 if rank == 0 else torch.float32)),
+                      ("params_on_some_ranks", lambda: nn.Linear(4, 4) if rank == w - 1 else nn.ReLU())):
+        try:
+            fully_shard(make())
+            out[key] = False
+        except ValueError as e:
+            out[key] = "rank" in str(e)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unshard_handle_reuse_replan_grads_dtypes(world_size: int) -> None:
+    for res in run_distributed(_gaps, world_size):
+        for key in ("handle", "wait_registers", "wait_values", "sync_none", "reshard_sharded",
+                    "replan_moved", "replan_grads", "replan_grad_views", "replan_live_raises",
+                    "two_dtypes_kept", "dtype_mismatch", "params_on_some_ranks"):
+            assert res[key], (key, res)
+        for key in ("async_fwd_grads", "reuse_params", "reuse_bn_buffers", "reuse_grads",
+                    "replan_then_accumulate", "two_dtypes"):
+            assert res[key] < RTOL, (key, res)
+        assert res["reuse_reduce_scatters"] == 4, res  # one per group: inp, shared, raw, root

@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._group import ParamGroup
+from ._group import ParamGroup, check_group_consistent
 from ._param import ManagedParam
 from ._sharded_tensor import ShardedParameter
 
-__all__ = ["fully_shard", "FSDPModule", "FSDPState"]
+__all__ = ["fully_shard", "FSDPModule", "FSDPState", "UnshardHandle"]
 
 _CLS_CACHE: dict[type, type] = {}
 
@@ -53,6 +53,11 @@ class FSDPState:
         self.fwd_prefetch: list[FSDPState] = []
         self.bwd_prefetch: list[FSDPState] = []
         self._in_backward = False  # pre-backward ran, post-backward not yet
+        # [Note: repeated use] forward calls (grad enabled) since the last backward whose
+        # inputs carry a post-backward hook; the group is reduced when the last of them
+        # has run backward, or by the root's final callback when some call had no hook.
+        self._uses = 0
+        self._untracked = False  # a forward call with grad whose inputs need no grad
 
     # -- lazy root init ----------------------------------------------------------------
 
@@ -91,7 +96,11 @@ class FSDPState:
                 s.group.unshard(async_op=True)
         g.register(sharded=False)
         if torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
+            args, kwargs, hooked = self._register_post_backward(args, kwargs)
+            if hooked:
+                self._uses += 1
+            else:
+                self._untracked = True
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -113,15 +122,16 @@ class FSDPState:
                     t.register_hook(self._pre_backward)
         return output
 
-    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
-            return args, kwargs
+            return args, kwargs, False
         outs = _PostBackward.apply(self, *[flat[i] for i in idx])
         for i, o in zip(idx, outs, strict=True):
             flat[i] = o
-        return tree_unflatten(flat, spec)
+        args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs, True
 
     # -- backward ----------------------------------------------------------------------
 
@@ -145,7 +155,16 @@ class FSDPState:
                 s.group.unshard(async_op=True)
         return grad
 
-    def post_backward(self) -> None:
+    def post_backward(self, final: bool = False) -> None:
+        """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
+
+        From a use's post-backward hook (``final=False``) only the last outstanding use
+        finishes the group; the root's final callback (``final=True``) finishes it always.
+        """
+        if not final:
+            self._uses -= 1
+            if self._uses > 0 or self._untracked:
+                return
         if not self._in_backward:
             return
         self._in_backward = False
@@ -161,7 +180,8 @@ class FSDPState:
 def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
     def callback() -> None:
         for s in ctx.states:
-            s.post_backward()
+            s.post_backward(final=True)
+            s._uses, s._untracked = 0, False
             if s.group is not None:
                 s.group.wait_unshard()
         ctx.callback_queued = False
@@ -184,18 +204,44 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+class UnshardHandle:
+    """A pending :meth:`FSDPModule.unshard` (FSDP2's ``UnshardHandle``).
+
+    ``wait()`` completes the all-gather and registers the unsharded parameters on the
+    module; calling it again does nothing. Forward waits by itself when not called.
+    """
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        g, self._group = self._group, None
+        if g is not None:
+            g.wait_unshard()
+            g.register(sharded=False)
+
+
 class FSDPModule:
     """Mixin added to a fully_shard'd module's class, mirroring FSDP2's FSDPModule."""
 
     _vefsdp_state: FSDPState
 
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather this module's parameters and register the unsharded ones."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters and register the unsharded ones.
+
+        Not recursive. ``async_op=True`` returns an :class:`UnshardHandle` whose
+        ``wait()`` completes it (forward also waits); otherwise returns None, done.
+        """
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
+        handle = UnshardHandle(self._vefsdp_state.group)
         g = self._vefsdp_state.group
         if g is not None:
             g.unshard(async_op=async_op)
-            if not async_op:
-                g.register(sharded=False)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free the all-gathered parameters and register the sharded ones."""
@@ -296,6 +342,10 @@ def fully_shard(
                        mp_policy=mp_policy, data=data) if params else None
     if group is not None:
         group.register(sharded=True)
+    else:  # ranks that do hold parameters here check their signature against this one
+        check_group_consistent([], shard_pg, replicate_pg if replicate_pg is not None and
+                               replicate_pg.size() > 1 else None)
+    _move_buffers(module, device)
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
     # id -> original Parameter (weak: tensors compare elementwise, so no WeakSet)
     state.originals = weakref.WeakValueDictionary({id(mp.original): mp.original for mp in params})
@@ -311,6 +361,14 @@ def fully_shard(
     module.__class__ = new_cls
     module._vefsdp_state = state
     return module
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers stay replicated (as in FSDP2); only their device follows the mesh."""
+    for sub in module.modules():
+        for name, b in list(sub._buffers.items()):
+            if b is not None and b.device != device:
+                sub._buffers[name] = b.to(device)
 
 
 def _collect(module: nn.Module, device: torch.device) -> list[ManagedParam]:

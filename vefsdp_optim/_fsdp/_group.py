@@ -22,7 +22,7 @@ from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
 
 from ._param import ManagedParam
 
-__all__ = ["ParamGroup", "Bucket"]
+__all__ = ["ParamGroup", "Bucket", "check_group_consistent"]
 
 ALIGN = 16
 
@@ -37,12 +37,12 @@ class Bucket:
     reduce: DistributedBuffer  # reduce_dtype (is master or compute when dtypes agree)
 
     def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ParamGroup,
-                 dtype: torch.dtype, data: dict[str, torch.Tensor]) -> None:
+                 dtype: torch.dtype, data: dict[str, torch.Tensor], validate: bool = True) -> None:
         self.params = params
         self.dtype = dtype
         self._group = group
         self.units: dict[str, int] = dict(units)  # fqn -> unit; absent: 1
-        self.build(units, data, validate=True)
+        self.build(units, data, validate=validate)
 
     def specs(self, units: dict[str, int]) -> list[TensorSpec]:
         return [TensorSpec(p.fqn, tuple(p.shape) or (1,), units.get(p.fqn, 1)) for p in self.params]
@@ -183,6 +183,27 @@ class Bucket:
                     p.unsharded.grad = None
 
 
+def check_group_consistent(signature: list, shard_pg: dist.ProcessGroup,
+                           replicate_pg: dist.ProcessGroup | None) -> None:
+    """Raise ValueError on every rank unless all ranks hold the same group signature.
+
+    One ``all_gather_object`` per process group before the first collective on the
+    group's buffers: dtypes, plans and frozen flags that differ (or a module with
+    parameters on some ranks only) raise instead of hanging or mixing buffers.
+    """
+    for pg in (shard_pg, replicate_pg):
+        if pg is None or pg.size() == 1:
+            continue
+        gathered: list[Any] = [None] * pg.size()
+        dist.all_gather_object(gathered, signature, group=pg)
+        bad = [r for r, g in enumerate(gathered) if g != gathered[0]]
+        if bad:
+            raise ValueError(
+                f"fully_shard: ranks {bad} of a group of {pg.size()} hold parameters different from "
+                f"rank 0's (dtype, plan fingerprint, requires_grad per bucket): {gathered[bad[0]]} vs "
+                f"{gathered[0]}; every rank must shard the same module structure")
+
+
 def _all_reduce_avg(t: torch.Tensor, pg: dist.ProcessGroup) -> None:
     if supports_native_avg(pg):
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
@@ -207,18 +228,37 @@ class ParamGroup:
         by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
         for p in params:
             by_dtype.setdefault(data[p.fqn].dtype, []).append(p)
-        self.buckets = [Bucket(ps, {}, self, dt, data) for dt, ps in by_dtype.items()]
+        self.buckets = [Bucket(ps, {}, self, dt, data, validate=False) for dt, ps in by_dtype.items()]
+        check_group_consistent(self.signature(), shard_pg, self.replicate_pg)
         self.requires_gradient_sync = True
         self._pending: Any = None  # async all-gather works from a prefetch
         self._grads_live = False  # gradient buffer holds unreduced gradients
+        self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
+
+    def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
+        """Per bucket: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
+        return [(str(b.dtype), b.plan.fingerprint()[:16], tuple(p.requires_grad for p in b.params))
+                for b in self.buckets]
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(b.master.local._version for b in self.buckets)
+
+    @property
+    def fresh(self) -> bool:
+        """Gathered, and no master shard was written since (in-place ops bump versions)."""
+        return self.gathered and self._gathered_versions == self._versions()
 
     # -- state transitions -------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
+        """All-gather every bucket; no-op while a gather is pending or still fresh."""
         if self._pending is not None:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.fresh:
+            return
+        self._gathered_versions = self._versions()
         works = [b.unshard(async_op) for b in self.buckets]
         if async_op:
             self._pending = [w for w in works if w is not None]

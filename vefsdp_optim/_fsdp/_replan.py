@@ -8,10 +8,12 @@ all-gather of the old buffer, and the same Parameter objects are re-pointed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from vefsdp_optim.comm import all_gather_flat
 from vefsdp_optim.sharding import GroupPlan, Requirement, plan_group
 
 from ._group import ALIGN, Bucket
@@ -68,8 +70,10 @@ def request_requirements(mapping: dict[torch.Tensor, Requirement]) -> ReplanRepo
     """Re-plan the groups of the ShardedParameters in ``mapping`` for their requirements.
 
     Collective: every rank of each affected group must call it with the same mapping
-    (same order). Tensors that fully_shard does not manage are ignored. Call it before
-    any optimizer state exists: gradients of re-planned groups are dropped.
+    (same order). Tensors that fully_shard does not manage are ignored. Reduced
+    gradients (``.grad``) move to the new layout with their parameters; calling it
+    while a ``set_requires_gradient_sync(False)`` accumulation holds unreduced
+    gradients raises RuntimeError. Optimizer state is not moved: call it before any exists.
     """
     if not isinstance(mapping, dict):
         raise TypeError(f"mapping must be a dict[Tensor, Requirement], got {type(mapping).__name__}")
@@ -104,14 +108,65 @@ def request_requirements(mapping: dict[torch.Tensor, Requirement]) -> ReplanRepo
 
 
 def _move(bucket: Bucket, units: dict[str, int], plan: GroupPlan) -> None:
-    """Gather the old master buffer once and rebuild the bucket's buffers on ``plan``."""
+    """Gather the old master buffer (and gradients) once; rebuild the buckets on ``plan``."""
+    g = bucket._group
+    if g._grads_live:
+        raise RuntimeError(
+            "request_requirements during a gradient accumulation without sync (unreduced "
+            "gradients in the buffer); build the optimizer before that backward, or after "
+            "a synced one")
     old = bucket.master
-    if bucket._group.shard_world > 1:
+    w = g.shard_world
+    has_grad = [p.sharded.grad is not None for p in bucket.params]
+    if w > 1:
         old.all_gather()
+        _check_same_grads(has_grad, g.shard_pg)
     data = {p.fqn: old.full_view(p.fqn) for p in bucket.params}
-    for p in bucket.params:
-        if p.sharded.grad is not None:
-            p.sharded.grad = None
+    grads = _gather_grads(bucket, has_grad) if any(has_grad) else {}
     bucket.build(units, data, validate=True, plan=plan)
-    if bucket._group.shard_world > 1:
+    if w > 1:
         old.free_global()
+    new = bucket.master
+    for p in bucket.params:
+        full = grads.get(p.fqn)
+        if full is None:
+            continue
+        a, n = new.local_extent(p.fqn)
+        view = new.local_grad_view(p.fqn)
+        with torch.no_grad():
+            view.copy_(full[a:a + n])
+        sp = p.sharded
+        sp.grad = ShardedParameter(view, sp._layout, sp._group, p.shape, sp._rank)
+
+
+def _check_same_grads(has_grad: list[bool], pg: torch.distributed.ProcessGroup) -> None:
+    mine = torch.tensor(has_grad, dtype=torch.uint8)
+    allg = mine.new_empty(pg.size() * mine.numel())
+    all_gather_flat(allg, mine, pg)
+    rows = allg.view(pg.size(), -1)
+    if not bool((rows == rows[0]).all()):
+        raise ValueError(
+            f"request_requirements: ranks disagree on which parameters have a .grad "
+            f"({rows.tolist()}); zero (or keep) gradients on every rank alike")
+
+
+def _gather_grads(bucket: Bucket, has_grad: list[bool]) -> dict[str, torch.Tensor]:
+    """The whole (reduced) gradient of each parameter that has one, flat, by name."""
+    old = bucket.master
+    flat = torch.zeros_like(old.local_grad)  # 1-D, m: the old layout, grads not in the buffer too
+    for p, h in zip(bucket.params, has_grad, strict=True):
+        if h:
+            view = old.local_grad_view(p.fqn)
+            local = p.sharded.grad.to_local() if isinstance(p.sharded.grad, ShardedParameter) else None
+            if local is None or local.numel() != view.numel():
+                raise AssertionError(f"{p.fqn}: .grad is not a ShardedParameter of the parameter's layout")
+            a = view.storage_offset() - old.local_grad.storage_offset()
+            flat[a:a + view.numel()] = local
+    w = bucket._group.shard_world
+    if w > 1:
+        full = flat.new_empty(w * flat.numel())  # 1-D, W * m
+        all_gather_flat(full, flat, bucket._group.shard_pg)
+    else:
+        full = flat
+    return {p.fqn: full[old.plan.offsets[p.fqn]:old.plan.offsets[p.fqn] + math.prod(p.shape)]
+            for p, h in zip(bucket.params, has_grad, strict=True) if h}
