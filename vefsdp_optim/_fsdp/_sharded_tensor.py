@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from vefsdp_optim.comm import ShardedView, all_gather_flat
 from vefsdp_optim.sharding import RaggedShard
 
-__all__ = ["ShardedParameter"]
+__all__ = ["ShardedParameter", "flat_range_boxes"]
 
 aten = torch.ops.aten
 
@@ -134,6 +134,43 @@ class ShardedParameter(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise NotImplementedError("ShardedParameter does not pickle; call full_tensor() first")
+
+    # -- torch.distributed.checkpoint protocol ([Note: ragged slices as DCP boxes]) -----
+
+    def _boxes(self) -> list[tuple[torch.Size, torch.Size, int]]:
+        start, length = self._layout.local(self._rank)
+        return flat_range_boxes(self.shape, start, length)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties.create_from_tensor(self._local)
+        return [
+            WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                                  properties=props, size=self.shape))
+            for offsets, sizes, _ in self._boxes()
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in self._boxes()]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """The view of the local data that holds the box at ``index.offset`` (no copy:
+        DCP's load writes into it, so the parameter is loaded in place)."""
+        for offsets, sizes, flat in self._boxes():
+            if index.offset is not None and torch.Size(index.offset) == offsets:
+                return self._local.detach()[flat: flat + math.prod(sizes)].view(sizes)
+        raise ValueError(
+            f"{index.fqn}: no box at offset {index.offset} on rank {self._rank}; this rank "
+            f"holds {[tuple(o) for o, _, _ in self._boxes()]} of shape {tuple(self.shape)}")
 
     # -- dispatch ---------------------------------------------------------------------
 
@@ -250,3 +287,53 @@ def _norm(func, args, kwargs):  # noqa: ANN001, ANN202
                 v = v.pow(1.0 / ord_)
             results[i] = v.to(outs[i][1].dtype)
     return results if func is aten._foreach_norm.Scalar else results[0]
+
+
+# [Note: ragged slices as DCP boxes]
+# DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
+# (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
+# which is the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row (itself
+# split recursively over the inner dims), a run of whole rows, and a partial trailing
+# row. Each box is contiguous in flat order, so it is a plain view of the local data,
+# and DCP reshards between these boxes and any other layout (FSDP2's Shard(0), a plain
+# tensor, another world size) by itself.
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[torch.Size, torch.Size, int]]:
+    """Boxes ``(offsets, sizes, flat offset in the range)`` covering the flat range
+    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if start < 0 or length < 0 or start + length > numel:
+        raise ValueError(f"flat range [{start}, {start + length}) is not inside a tensor of {numel} elements")
+    if length == 0:
+        return []
+    if not shape:
+        return [(torch.Size(()), torch.Size(()), 0)]
+    out: list[tuple[torch.Size, torch.Size, int]] = []
+
+    def rec(dims: tuple[int, ...], prefix: tuple[int, ...], s: int, e: int, base: int) -> None:
+        # [s, e) is a flat range inside the sub-tensor at index `prefix`, of shape `dims`
+        lead = len(prefix)
+        pad = (1,) * lead
+        if len(dims) == 1:
+            out.append((torch.Size(prefix + (s,)), torch.Size(pad + (e - s,)), base))
+            return
+        inner = math.prod(dims[1:])
+        r0, r1 = s // inner, e // inner
+        if s % inner:
+            stop = min(e, (r0 + 1) * inner)
+            rec(dims[1:], prefix + (r0,), s - r0 * inner, stop - r0 * inner, base)
+            base += stop - s
+            s, r0 = stop, r0 + 1
+        if s >= e:
+            return
+        if r1 > r0:
+            out.append((torch.Size(prefix + (r0,) + (0,) * (len(dims) - 1)),
+                        torch.Size(pad + (r1 - r0,) + tuple(dims[1:])), base))
+            base += (r1 - r0) * inner
+        if e % inner:
+            rec(dims[1:], prefix + (r1,), 0, e - r1 * inner, base)
+
+    rec(shape, (), start, start + length, 0)
+    return out

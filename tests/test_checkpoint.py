@@ -1,0 +1,240 @@
+"""Distributed checkpoints that survive a change of world size (issue #8).
+
+Each case trains k steps at W=a, saves with DCP (through torch's
+``torch.distributed.checkpoint.state_dict`` helpers), loads at W=b into a freshly built
+model and optimizer, trains on, and compares with the uninterrupted single-device run
+of the same optimizer on plain tensors. Gradients are set directly (the same full
+gradient on every rank, sliced), so the sharded runs see exactly the single-device
+gradients and AdamW, 8-bit Adam and Muon must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from torch import nn
+
+STEPS, SPLIT = 5, 3  # total steps; steps before the checkpoint
+
+OPTIMIZERS = {
+    "adamw": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    "muon": ("Muon", dict(lr=2e-2, weight_decay=0.1)),
+    "adamw8bit": ("AdamW8bit", dict(lr=1e-2, weight_decay=0.1, block_size=32, min_8bit_size=64)),
+    "adam8bit": ("Adam8bit", dict(lr=1e-2, weight_decay=0.01, block_size=16, min_8bit_size=64)),
+    "shampoo": ("Shampoo", dict(lr=1e-2, weight_decay=0.01, max_preconditioner_dim=8,
+                                precondition_frequency=2, start_preconditioning_step=2)),
+}
+EXACT = {"adamw", "muon", "adamw8bit", "adam8bit"}
+
+
+class Net(nn.Module):
+    """Uneven shapes: a 3-D weight, a (1, n) row, odd sizes everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(7, 37)
+        self.l2 = nn.Linear(37, 29, bias=False)
+        self.t = nn.Parameter(torch.randn(5, 29, 3) * 0.1)
+        self.scale = nn.Parameter(torch.randn(1, 15))
+        self.l3 = nn.Linear(15, 3)
+
+
+def _build(seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    import vefsdp_optim
+
+    cls_name, kw = OPTIMIZERS[name]
+    cls = getattr(vefsdp_optim, cls_name)
+    if name == "muon":  # Muon with an AdamW part (the 1-D parameters and the (1, n) row)
+        named = dict(model.named_parameters())
+        adam = [named[k] for k in ("scale", "l1.bias", "l3.bias")]
+        muon = [p for k, p in named.items() if k not in ("scale", "l1.bias", "l3.bias")]
+        return cls([{"params": muon}, {"params": adam, "use_muon": False}], **kw)
+    return cls(model.parameters(), **kw)
+
+
+def _shard(model: nn.Module, kind: str) -> nn.Module:
+    if kind == "single":
+        return model
+    if kind == "fully_shard":
+        from vefsdp_optim import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    fully_shard(model.l2)
+    fully_shard(model)
+    return model
+
+
+def _grad(step: int, name: str, shape: torch.Size) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+def _set_grads(model: nn.Module, step: int) -> None:
+    """Every parameter's .grad: this rank's slice of the same full gradient."""
+    from torch.distributed.tensor import DTensor
+
+    from vefsdp_optim import ShardedParameter
+
+    for name, p in model.named_parameters():
+        g = _grad(step, name, p.shape)
+        if isinstance(p, ShardedParameter):
+            lay = p.ragged_layout
+            s, n = lay.local(p._rank)
+            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), lay, p.process_group, p.shape, p._rank)
+        elif isinstance(p, DTensor):
+            from torch.distributed.tensor import distribute_tensor
+
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        else:
+            p.grad = g
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        _set_grads(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach().clone())
+            for k, p in model.named_parameters()}
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    model = _build(1)
+    opt = _optimizer(name, model)
+    _train(model, opt, range(STEPS))
+    return _full_params(model)
+
+
+def _compare(name: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        if name in EXACT:
+            assert torch.equal(got[k], ref[k]), (name, k, (got[k] - ref[k]).abs().max())
+        else:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=f"{name} {k}")
+
+
+# -- rank functions --------------------------------------------------------------------
+
+
+def _save_run(kind: str, names: list[str], root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    for name in names:
+        model = _shard(_build(1), kind)
+        opt = _optimizer(name, model)
+        _train(model, opt, range(SPLIT))
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(sd, checkpoint_id=os.path.join(root, name))
+
+
+def _load_run(kind: str, names: list[str], root: str) -> dict[str, dict[str, torch.Tensor]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    out = {}
+    for name in names:
+        model = _shard(_build(2), kind)  # other initial values: all must come from the checkpoint
+        opt = _optimizer(name, model)
+        before = _full_params(model)
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        after_init = _full_params(model)
+        for k in before:  # DCP's _init_optim_state step (zero grads, lr 0) changed nothing
+            assert torch.equal(before[k], after_init[k]), (name, k)
+        dcp.load(sd, checkpoint_id=os.path.join(root, name))
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        _train(model, opt, range(SPLIT, STEPS))
+        out[name] = _full_params(model)
+    return out
+
+
+def _in_process(fn, *args):  # noqa: ANN001, ANN202
+    """Run a rank function in this process, without a process group (single device)."""
+    if dist.is_initialized():
+        raise AssertionError("the test process has a process group")
+    torch.manual_seed(0)
+    return fn(*args)
+
+
+def _run(fn, world: int | str, *args):  # noqa: ANN001, ANN202
+    return _in_process(fn, *args) if world == "single" else run_distributed(fn, world, *args)[0]
+
+
+# -- model state: fully_shard boxes through DCP ----------------------------------------
+
+
+def _model_save(kind: str, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _shard(_build(1), kind)
+    dcp.save(get_model_state_dict(model), checkpoint_id=root)
+
+
+def _model_load(kind: str, root: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = _shard(_build(2), kind)
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=root)
+    set_model_state_dict(model, sd)
+    return _full_params(model)
+
+
+@pytest.mark.parametrize("src, dst", [
+    (("fully_shard", 3), ("fully_shard", 2)),
+    (("fully_shard", 2), ("fsdp2", 3)),
+    (("fully_shard", 4), ("single", "single")),
+    (("single", "single"), ("fully_shard", 3)),
+    (("fsdp2", 2), ("fully_shard", 4)),
+])
+def test_model_state_reshards(tmp_path, src, dst):
+    (skind, sw), (dkind, dw) = src, dst
+    _run(_model_save, sw if skind != "single" else "single", skind, str(tmp_path))
+    got = _run(_model_load, dw, dkind, str(tmp_path))
+    ref = _full_params(_build(1))
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_flat_range_boxes_tile_the_range():
+    from vefsdp_optim._fsdp._sharded_tensor import flat_range_boxes
+
+    for shape in [(5,), (3, 4), (2, 3, 4), (4, 1, 3, 2), (), (1,)]:
+        n = math.prod(shape)
+        t = torch.arange(n).view(shape)
+        for s in range(n + 1):
+            for length in range(n - s + 1):
+                boxes = flat_range_boxes(shape, s, length)
+                assert len(boxes) <= max(1, 2 * len(shape) - 1)
+                total = 0
+                for off, size, base in boxes:
+                    idx = tuple(slice(o, o + z) for o, z in zip(off, size, strict=True))
+                    want = torch.arange(s + base, s + base + math.prod(size))
+                    assert torch.equal(t[idx].reshape(-1), want), (shape, s, length, off, size)
+                    total += math.prod(size)
+                assert total == length
