@@ -1,9 +1,10 @@
 """DistributedBuffer all-gather + reduce-scatter against FSDP2's own path, CPU gloo.
 
-    python -m benchmarks.bench_buffer --out benchmarks/out/buffer.json [--steps 30]
+    python -m benchmarks.bench_buffer [--quick|--full] [--out benchmarks/out/buffer.json]
 
 One group of transformer-block-shaped parameters (uneven rows, ~3.2 M fp32 elements) on
-W = 2 and 4 gloo ranks (spawned with torch.multiprocessing). Per step:
+W = 2 and 4 ranks (spawned; gloo on the CPU, NCCL where there is one CUDA device per
+rank). Per step:
 
 - ours: ``buf.all_gather()`` (re-allocating the freed global buffer), then
   ``buf.reduce_scatter("avg")`` from a filled gradient buffer, then ``free_global()``;
@@ -21,22 +22,29 @@ step holds at its peak (from the tensors themselves), and the RSS high-water mar
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import resource
-import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
 from vefsdp_optim.comm import DistributedBuffer
 from vefsdp_optim.sharding import TensorSpec, plan_group
+
+from ._common import (
+    cli,
+    current_device,
+    device_for_world,
+    interleave,
+    not_run_row,
+    paired_ratio,
+    result,
+    spawn,
+    stats,
+)
 
 D = 512
 FF = 4 * D + 3  # uneven rows
@@ -98,9 +106,9 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _setup_ours(group, rank: int, w: int, full: dict[str, torch.Tensor]):
+def _setup_ours(group, rank: int, w: int, full: dict[str, torch.Tensor], device: str):
     plan = plan_group([TensorSpec(n, s) for n, s in SHAPES.items()], w)
-    buf = DistributedBuffer(plan, group, dtype=torch.float32)
+    buf = DistributedBuffer(plan, group, dtype=torch.float32, device=device)
     for name, t in full.items():
         start, n = buf.local_extent(name)
         buf.local_view(name).copy_(t.flatten()[start:start + n])
@@ -121,12 +129,12 @@ def _ours_step(buf: DistributedBuffer) -> tuple[float, float, dict[str, int]]:
     return t1 - t0, t2 - t1, peak
 
 
-def _setup_fsdp(w: int, rank: int, full: dict[str, torch.Tensor]):
+def _setup_fsdp(w: int, rank: int, full: dict[str, torch.Tensor], device: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (w,))
-    module = _Block()
+    mesh = init_device_mesh(torch.device(device).type, (w,))
+    module = _Block().to(device)
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(full[name])
@@ -159,17 +167,18 @@ def _fsdp_step(module, pg, grads) -> tuple[float, float, dict[str, int]]:
     return t1 - t0, t3 - t2, peak
 
 
-def _worker(rank: int, w: int, init_file: str, steps: int, mode: str, out_path: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=w)
+def _worker(w: int, steps: int, mode: str) -> dict[str, object]:
+    """One rank. ``mode``: "time" (both sides, interleaved, plus copy counts), or "ours" /
+    "fsdp" (that side alone, for its RSS high-water mark)."""
+    device = current_device()
+    rank = dist.get_rank()
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(0)
-    full = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    full = {n: torch.randn(s, generator=gen).to(device) for n, s in SHAPES.items()}
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     res: dict[str, object] = {}
-    buf = _setup_ours(group, rank, w, full) if mode in ("time", "ours") else None
-    fsdp = _setup_fsdp(w, rank, full) if mode in ("time", "fsdp") else None
+    buf = _setup_ours(group, rank, w, full, device) if mode in ("time", "ours") else None
+    fsdp = _setup_fsdp(w, rank, full, device) if mode in ("time", "fsdp") else None
     if buf is not None and fsdp is not None:  # same values as FSDP2's unsharded params
         buf.all_gather()
         fsdp[0].unshard()
@@ -178,103 +187,78 @@ def _worker(rank: int, w: int, init_file: str, steps: int, mode: str, out_path: 
                 raise AssertionError(f"all-gathered {name} differs from FSDP2's")
         fsdp[0].reshard()
         buf.free_global()
-    times: dict[str, list[float]] = {"ours_ag": [], "ours_rs": [], "fsdp_ag": [], "fsdp_rs": []}
-    peaks = {}
-    for step in range(steps + 2):
-        for side in ("ours", "fsdp") if step % 2 == 0 else ("fsdp", "ours"):
-            if side == "ours" and buf is not None:
-                ag, rs, peak = _ours_step(buf)
-            elif side == "fsdp" and fsdp is not None:
-                ag, rs, peak = _fsdp_step(*fsdp)
-            else:
-                continue
-            peaks[side] = peak
-            if step >= 2:  # warm-up
-                times[f"{side}_ag"].append(ag)
-                times[f"{side}_rs"].append(rs)
+    split: dict[str, list[float]] = {"ours_ag": [], "ours_rs": [], "fsdp_ag": [], "fsdp_rs": []}
+    peaks: dict[str, dict[str, int]] = {}
+
+    def side(name, step_fn, args):
+        def go():
+            ag, rs, peak = step_fn(*args)
+            split[f"{name}_ag"].append(ag)
+            split[f"{name}_rs"].append(rs)
+            peaks[name] = peak
+        return go
+
+    runners = {}
+    if buf is not None:
+        runners["ours"] = side("ours", _ours_step, (buf,))
+    if fsdp is not None:
+        runners["fsdp"] = side("fsdp", _fsdp_step, fsdp)
+    step_times = interleave(runners, steps, warmup=2, group=group, device=device)
     if mode == "time":
-        for side, step_fn, args in (("ours", _ours_step, (buf,)), ("fsdp", _fsdp_step, fsdp)):
+        for name, step_fn, args in (("ours", _ours_step, (buf,)), ("fsdp", _fsdp_step, fsdp)):
             with _CopyBytes() as cb:
                 step_fn(*args)
-            res[f"{side}_copy_bytes"] = cb.bytes
-            res[f"{side}_copy_ops"] = cb.ops
-        res["times"] = {k: statistics.median(v) for k, v in times.items() if v}
+            res[f"{name}_copy_bytes"] = cb.bytes
+            res[f"{name}_copy_ops"] = cb.ops
+        res["step_times"] = step_times
+        res["split"] = {k: v[2:] for k, v in split.items()}  # drop the warm-up calls
         res["peak_buffer_bytes"] = peaks
-        res["param_bytes"] = sum(math.prod(s) for s in SHAPES.values()) * 4
         res["ours_padding"] = buf.plan.padding
     else:
         res["rss_delta_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
-        res["rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    gathered = [None] * w
-    dist.all_gather_object(gathered, res, group=group)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
+        if device.startswith("cuda"):
+            res["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return res
 
 
-def _spawn(w: int, steps: int, mode: str) -> list[dict]:
-    fd, init_file = tempfile.mkstemp(prefix="vefsdp_bench_")
-    os.close(fd)
-    os.unlink(init_file)
-    fd, out_path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        mp.spawn(_worker, args=(w, init_file, steps, mode, out_path), nprocs=w, join=True)
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        for p in (init_file, out_path):
-            if os.path.exists(p):
-                os.unlink(p)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/out/buffer.json")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
-    a = ap.parse_args()
+def run(quick: bool = True) -> dict:
+    """Step = all-gather + reduce-scatter of one group, ours vs FSDP2's, at W = 2 and 4
+    (quick: 6 timed steps; full: 30)."""
+    t0 = time.perf_counter()
+    steps = 6 if quick else 30
     numel = sum(math.prod(s) for s in SHAPES.values())
-    rows = []
-    for w in (int(x) for x in a.worlds.split(",")):
-        per_rank = _spawn(w, a.steps, "time")
-        rss = {side: _spawn(w, max(4, a.steps // 5), side) for side in ("ours", "fsdp")}
-        t = {k: statistics.median(r["times"][k] for r in per_rank) for k in per_rank[0]["times"]}
-        r0 = per_rank[0]
-        row = {
-            "world_size": w,
-            "numel": numel,
+    rows, notes = [], []
+    for w in WORLDS:
+        device = device_for_world(w)[0]
+        per_rank = spawn(_worker, w, w, steps, "time")
+        rss = {s: spawn(_worker, w, w, max(3, steps // 5), s) for s in ("ours", "fsdp")}
+        r0 = per_rank[0]  # the step series are the max over ranks, equal on every rank
+        st, sp = r0["step_times"], r0["split"]
+        mib = 2**20
+        rows.append({
+            "device": device, "world": w,
+            "ours_step_ms": stats(st["ours"], 1e3), "fsdp2_step_ms": stats(st["fsdp"], 1e3),
+            "ratio_step": paired_ratio(st["ours"], st["fsdp"]),
+            "ratio_ag": paired_ratio(sp["ours_ag"], sp["fsdp_ag"]),
+            "ratio_rs": paired_ratio(sp["ours_rs"], sp["fsdp_rs"]),
+            "copy_MiB_ours": r0["ours_copy_bytes"] / mib, "copy_MiB_fsdp2": r0["fsdp_copy_bytes"] / mib,
+            "ag_peak_MiB_ours": r0["peak_buffer_bytes"]["ours"]["ag"] / mib,
+            "ag_peak_MiB_fsdp2": r0["peak_buffer_bytes"]["fsdp"]["ag"] / mib,
+            "rss_delta_MiB_ours": max(r["rss_delta_kib"] for r in rss["ours"]) / 1024,
+            "rss_delta_MiB_fsdp2": max(r["rss_delta_kib"] for r in rss["fsdp"]) / 1024,
             "ours_padding": r0["ours_padding"],
-            "median_s": t,
-            "ratio_ag": t["ours_ag"] / t["fsdp_ag"],
-            "ratio_rs": t["ours_rs"] / t["fsdp_rs"],
-            "ratio_step": (t["ours_ag"] + t["ours_rs"]) / (t["fsdp_ag"] + t["fsdp_rs"]),
-            "copy_bytes_per_step": {"ours": r0["ours_copy_bytes"], "fsdp2": r0["fsdp_copy_bytes"]},
-            "copy_ops": {"ours": r0["ours_copy_ops"], "fsdp2": r0["fsdp_copy_ops"]},
-            "peak_buffer_bytes": r0["peak_buffer_bytes"],
-            "rss_delta_kib_max_over_ranks": {s: max(r["rss_delta_kib"] for r in v) for s, v in rss.items()},
-            "rss_kib_max_over_ranks": {s: max(r["rss_kib"] for r in v) for s, v in rss.items()},
-        }
-        rows.append(row)
-    print(f"{numel / 1e6:.2f} M fp32 elements ({numel * 4 / 2**20:.1f} MiB), {a.steps} steps, medians")
-    hdr = (f"{'W':>2} {'AG ours ms':>10} {'AG fsdp ms':>10} {'RS ours ms':>10} {'RS fsdp ms':>10} "
-           f"{'step ratio':>10} {'copy MiB ours/fsdp':>19} {'AG peak MiB':>15} {'RS peak MiB':>15} "
-           f"{'RSS+ MiB ours/fsdp':>19}")
-    print(hdr)
-    for r in rows:
-        t, mib, pk = r["median_s"], 2**20, r["peak_buffer_bytes"]
-        print(f"{r['world_size']:>2} {t['ours_ag'] * 1e3:>10.2f} {t['fsdp_ag'] * 1e3:>10.2f} "
-              f"{t['ours_rs'] * 1e3:>10.2f} {t['fsdp_rs'] * 1e3:>10.2f} {r['ratio_step']:>10.3f} "
-              f"{r['copy_bytes_per_step']['ours'] / mib:>9.2f}/{r['copy_bytes_per_step']['fsdp2'] / mib:<9.2f} "
-              f"{pk['ours']['ag'] / mib:>7.1f}/{pk['fsdp']['ag'] / mib:<7.1f} "
-              f"{pk['ours']['rs'] / mib:>7.1f}/{pk['fsdp']['rs'] / mib:<7.1f} "
-              f"{r['rss_delta_kib_max_over_ranks']['ours'] / 1024:>9.1f}/"
-              f"{r['rss_delta_kib_max_over_ranks']['fsdp'] / 1024:<9.1f}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"shapes": SHAPES, "steps": a.steps, "rows": rows}, f, indent=1)
-    print(f"wrote {a.out}")
+        })
+        notes.append(f"W={w}: copy ops ours {r0['ours_copy_ops']}, FSDP2 {r0['fsdp_copy_ops']}")
+        if (nr := not_run_row(w)) is not None:
+            rows.append(nr)
+    notes.insert(0, f"one group of {numel / 1e6:.2f} M fp32 elements ({numel * 4 / 2**20:.1f} MiB); "
+                    "a step is one all-gather + one reduce-scatter (FSDP2: unshard + post_backward); "
+                    "times are the slowest rank's; ratio < 1 means this library is faster")
+    return result("buffer", rows, notes, shapes=SHAPES, steps=steps, wall_s=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(run, "buffer", argv)
 
 
 if __name__ == "__main__":

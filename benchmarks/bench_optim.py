@@ -1,27 +1,33 @@
-"""Optimizer step benchmarks on FSDP2 parameters (CPU gloo, W = 2 and 4).
+"""Optimizer step benchmarks on FSDP2 parameters (W = 2 and 4; gloo on the CPU, NCCL
+with one CUDA device per rank).
 
 Muon: vefsdp_optim.Muon vs torch.optim.Muon on the same FSDP2 model (DTensor
 dispatch) vs an all-gather-then-every-rank-computes Muon. AdamW: vefsdp_optim.AdamW
 vs torch.optim.AdamW (foreach) on the same FSDP2 parameters. Interleaved, medians;
 collectives per step and bytes moved counted by wrapping torch.distributed.
 
-    python -m benchmarks.bench_optim [--quick] [--out benchmarks/out/optim.json]
+    python -m benchmarks.bench_optim [--quick|--full] [--out benchmarks/out/optim.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from ._common import (
+    cli,
+    current_device,
+    device_for_world,
+    interleave,
+    not_run_row,
+    paired_ratio,
+    result,
+    spawn,
+    stats,
+)
 
 SHAPES = [(384, 256), (256, 384), (1024, 256), (256, 1024), (130, 257), (257,)]
 
@@ -89,20 +95,18 @@ def _allgather_muon_step(params, bufs, mesh, lr=1e-3, wd=0.1, momentum=0.95):
         local.add_(ortho[start:start + rows].reshape(local.shape), alpha=-muon_adjust_lr(lr, None, p.shape))
 
 
-def _worker(rank, world, init_file, steps, out_q):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(world: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     import vefsdp_optim
 
-    mesh = init_device_mesh("cpu", (world,))
+    device = current_device()
+    mesh = init_device_mesh(torch.device(device).type, (world,))
     g = torch.Generator().manual_seed(0)
-    init = [torch.randn(s, generator=g) * 0.02 for s in SHAPES]
-    grads = [torch.randn(s, generator=g) for s in SHAPES]
+    init = [(torch.randn(s, generator=g) * 0.02).to(device) for s in SHAPES]
+    grads = [torch.randn(s, generator=g).to(device) for s in SHAPES]
 
     def model():
         m = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
@@ -122,7 +126,6 @@ def _worker(rank, world, init_file, steps, out_q):
         "adamw_ours": (vefsdp_optim.AdamW(ps_aw).step),
         "adamw_torch": (torch.optim.AdamW(ps_taw, foreach=True).step),
     }
-    times = {k: [] for k in runners}
     comm = {}
     for k, fn in runners.items():  # warm-up + one counted step each
         fn()
@@ -136,79 +139,58 @@ def _worker(rank, world, init_file, steps, out_q):
         # the Python wrappers and the dispatcher both see c10d calls made through
         # torch.distributed; DTensor's own collectives are invisible to both here
         comm[k] = {"collectives": max(counter["calls"], mode.calls), "bytes_c10d": counter["bytes"]}
-    for _ in range(steps):
-        for k, fn in runners.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            times[k].append(time.perf_counter() - t0)
+    times = interleave(runners, steps, warmup=0, group=dist.group.WORLD, device=device)
     # owner balance of our Muon
     from vefsdp_optim.comm import assign_owners, sharded_view
 
     views = [sharded_view(p) for p in mats(ps_ours)]
     own = assign_owners([v.layout for v in views], [float(s[0] * s[1] * min(s)) for s in SHAPES if len(s) == 2])
-    if rank == 0:
-        out_q.put({"world_size": world, "times": times, "comm": comm,
-                   "owner_max_over_mean": own.max_over_mean})
-    dist.destroy_process_group()
+    return {"world_size": world, "times": times, "comm": comm,
+            "owner_max_over_mean": own.max_over_mean}
 
 
-def run(world: int, steps: int) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, init_file = tempfile.mkstemp()
-    os.close(fd)
-    os.unlink(init_file)
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    import queue
-
-    while True:
-        try:
-            res = q.get(timeout=5)
-            break
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a benchmark rank failed at W={world}") from None
-    for p in procs:
-        p.join()
-    med = {k: statistics.median(v) for k, v in res["times"].items()}
+def _row(world: int, steps: int) -> dict:
+    res = spawn(_worker, world, world, steps)[0]
+    t = res["times"]
     return {
-        "world_size": world,
-        "median_s": med,
-        "spread_s": {k: [min(v), max(v)] for k, v in res["times"].items()},
-        "comm_per_step": res["comm"],
+        "device": device_for_world(world)[0], "world": world,
+        "muon_ours_ms": stats(t["muon_ours"], 1e3), "muon_torch_ms": stats(t["muon_torch"], 1e3),
+        "muon_allgather_ms": stats(t["muon_allgather"], 1e3),
+        "ratio_muon_vs_torch_muon": paired_ratio(t["muon_ours"], t["muon_torch"]),
+        "ratio_muon_vs_allgather_muon": paired_ratio(t["muon_ours"], t["muon_allgather"]),
+        "adamw_ours_ms": stats(t["adamw_ours"], 1e3), "adamw_torch_ms": stats(t["adamw_torch"], 1e3),
+        "ratio_adamw_vs_torch_adamw": paired_ratio(t["adamw_ours"], t["adamw_torch"]),
+        "collectives_muon_ours/torch/allgather": "/".join(
+            str(res["comm"][k]["collectives"]) for k in ("muon_ours", "muon_torch", "muon_allgather")),
         "owner_max_over_mean": res["owner_max_over_mean"],
-        "ratio_muon_vs_torch_muon": med["muon_ours"] / med["muon_torch"],
-        "ratio_muon_vs_allgather_muon": med["muon_ours"] / med["muon_allgather"],
-        "ratio_adamw_vs_torch_adamw": med["adamw_ours"] / med["adamw_torch"],
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/out/optim.json")
-    args = ap.parse_args()
-    steps = 5 if args.quick else 20
-    rows = [run(w, steps) for w in (2, 4)]
-    print("| W | Muon ours (ms) | torch.optim.Muon (ms) | all-gather Muon (ms) | ratio vs torch | ratio vs all-gather "
-          "| collectives ours / torch / all-gather | AdamW ours / torch (ms) | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        m, c = r["median_s"], r["comm_per_step"]
-        print(f"| {r['world_size']} | {m['muon_ours'] * 1e3:.1f} | {m['muon_torch'] * 1e3:.1f} | "
-              f"{m['muon_allgather'] * 1e3:.1f} | {r['ratio_muon_vs_torch_muon']:.3f} | "
-              f"{r['ratio_muon_vs_allgather_muon']:.3f} | {c['muon_ours']['collectives']} / "
-              f"{c['muon_torch']['collectives']} / {c['muon_allgather']['collectives']} | "
-              f"{m['adamw_ours'] * 1e3:.2f} / {m['adamw_torch'] * 1e3:.2f} | "
-              f"{r['ratio_adamw_vs_torch_adamw']:.3f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
+def run(quick: bool = True) -> dict:
+    """Muon and AdamW steps on the same FSDP2 model, interleaved (quick: 5 timed steps;
+    full: 20), at W = 2 and 4."""
+    t0 = time.perf_counter()
+    steps = 5 if quick else 20
+    rows, headline = [], []
+    for w in (2, 4):
+        r = _row(w, steps)
+        rows.append(r)
+        headline += [
+            {"comparison": f"Muon step / torch.optim.Muon on FSDP2, W={w}", "ratio": r["ratio_muon_vs_torch_muon"]},
+            {"comparison": f"Muon step / all-gather Muon, W={w}", "ratio": r["ratio_muon_vs_allgather_muon"]},
+            {"comparison": f"AdamW step / torch.optim.AdamW (foreach) on FSDP2, W={w}",
+             "ratio": r["ratio_adamw_vs_torch_adamw"]},
+        ]
+        if (nr := not_run_row(w)) is not None:
+            rows.append(nr)
+    notes = [f"parameters {SHAPES} (fp32), Muon on the 2-D ones; the same gradients every step; "
+             "a step time is the slowest rank's; collectives counted on one step (DTensor's own "
+             "redistributions are counted through the dispatcher)"]
+    return result("optim", rows, notes, headline=headline, wall_s=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(run, "optim", argv)
 
 
 if __name__ == "__main__":

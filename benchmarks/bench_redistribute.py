@@ -1,9 +1,10 @@
 """Optimizer-side redistribution from FSDP2 row shards, CPU gloo.
 
-    python -m benchmarks.bench_redistribute [--out benchmarks/out/redistribute.json] [--iters 15]
+    python -m benchmarks.bench_redistribute [--quick|--full] [--out benchmarks/out/redistribute.json]
 
 Matrices of a small transformer block (uneven rows) start sharded like FSDP2's
-``Shard(0)`` on W = 2 and 4 gloo ranks (spawned with torch.multiprocessing). Three ways
+``Shard(0)`` on W = 2 and 4 spawned ranks (gloo on the CPU, NCCL with one CUDA device
+per rank). Three ways
 to give an optimizer what it needs, one exchange each:
 
 - aligned: ``redistribute`` to the layouts snapped to 128-row bands (Shampoo tiles,
@@ -15,25 +16,31 @@ to give an optimizer what it needs, one exchange each:
 
 Bytes moved = elements that cross ranks, summed over ranks, times the element size (the
 padding FSDP2's equal chunks add is counted for all-gather). Times: per iteration the
-slowest rank's time, median over iterations. One direction only; the update goes back
+slowest rank's time, the three methods interleaved; medians with quartiles. One direction only; the update goes back
 the same way at the same cost.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from vefsdp_optim.comm import assign_owners, muon_cost, redistribute, transfer_sizes
 from vefsdp_optim.sharding import RaggedShard, RowBlocks
+
+from ._common import (
+    cli,
+    current_device,
+    device_for_world,
+    interleave,
+    not_run_row,
+    paired_ratio,
+    result,
+    spawn,
+    stats,
+)
 
 D = 512
 SHAPES = {
@@ -47,28 +54,16 @@ WORLDS = (2, 4)
 BAND = 128
 
 
-def _timed(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        times.append(dt.item())
-    return statistics.median(times)
-
-
 def _moved(src: list[RaggedShard], dst: list[RaggedShard], w: int) -> int:
     return sum(sum(transfer_sizes(src, dst, r)[1]) for r in range(w))
 
 
-def _worker(rank: int, w: int, init_file: str, iters: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=w)
+def _worker(w: int, iters: int) -> dict:
+    device = current_device()
+    rank = dist.get_rank()
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(s, generator=gen) for s in SHAPES.values()]
+    fulls = [torch.randn(s, generator=gen).to(device) for s in SHAPES.values()]
     shapes = list(SHAPES.values())
     src = [RaggedShard.shard0(s, w) for s in shapes]
     locals_ = [f.reshape(-1)[a : a + n].clone() for f, (a, n) in zip(fulls, (s.local(rank) for s in src), strict=True)]
@@ -101,64 +96,52 @@ def _worker(rank: int, w: int, init_file: str, iters: int, out_path: str) -> Non
         if not torch.equal(r, f.reshape(-1)[a : a + n]):
             raise AssertionError("aligned redistribution does not match the full tensor")
 
-    rows = {
-        "aligned_128_rows": (
-            _moved(src, aligned, w) * elem,
-            _timed(lambda: redistribute(locals_, src, aligned, group), iters),
-        ),
-        "owners": (
-            _moved(src, whole, w) * elem,
-            _timed(lambda: redistribute(locals_, src, whole, group), iters),
-        ),
-        "all_gather": (
-            sum(c * w * (w - 1) for c in chunks) * elem,
-            _timed(all_gather, iters),
-        ),
+    runners = {
+        "aligned_128_rows": lambda: redistribute(locals_, src, aligned, group),
+        "owners": lambda: redistribute(locals_, src, whole, group),
+        "all_gather": all_gather,
     }
-    if rank == 0:
-        total = sum(f.numel() for f in fulls) * elem
-        result = {
-            "world_size": w,
-            "param_bytes": total,
-            "owner_max_over_mean": owners.max_over_mean,
-            "owners": list(owners.owners),
-            "rows": {k: {"bytes_moved": b, "median_s": t} for k, (b, t) in rows.items()},
-        }
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    moved = {
+        "aligned_128_rows": _moved(src, aligned, w) * elem,
+        "owners": _moved(src, whole, w) * elem,
+        "all_gather": sum(c * w * (w - 1) for c in chunks) * elem,
+    }
+    times = interleave(runners, iters, warmup=1, group=group, device=device)
+    return {"world_size": w, "param_bytes": sum(f.numel() for f in fulls) * elem,
+            "owner_max_over_mean": owners.max_over_mean, "owners": list(owners.owners),
+            "moved": moved, "times": times}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/out/redistribute.json")
-    ap.add_argument("--iters", type=int, default=15)
-    args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    report = {"shapes": {k: list(v) for k, v in SHAPES.items()}, "dtype": "float32", "runs": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for w in WORLDS:
-            init_file = os.path.join(tmp, f"pg{w}")
-            out_path = os.path.join(tmp, f"res{w}.json")
-            mp.spawn(_worker, args=(w, init_file, args.iters, out_path), nprocs=w, join=True)
-            with open(out_path) as f:
-                report["runs"].append(json.load(f))
+def run(quick: bool = True) -> dict:
+    """The three exchanges at W = 2 and 4 (quick: 6 timed iterations; full: 20)."""
+    t0 = time.perf_counter()
+    iters = 6 if quick else 20
+    rows, notes = [], []
+    for w in WORLDS:
+        r = spawn(_worker, w, w, iters)[0]  # the series are max over ranks: equal everywhere
+        ag = r["times"]["all_gather"]
+        for method, t in r["times"].items():
+            rows.append({"device": device_for_world(w)[0], "world": w, "method": method,
+                         "MB_moved": r["moved"][method] / 1e6,
+                         "moved_over_param_bytes": r["moved"][method] / r["param_bytes"],
+                         "ms": stats(t, 1e3), "ratio_vs_all_gather": paired_ratio(t, ag)})
+        notes.append(f"W={w}: owner load max/mean {r['owner_max_over_mean']:.3f}, owners {r['owners']}")
+        if (nr := not_run_row(w)) is not None:
+            rows.append(nr)
+    by = {(r["world"], r["method"]): r for r in rows if "method" in r}
+    headline = [{"comparison": f"Muon owner exchange / all-gather, bytes, W={w}",
+                 "ratio": by[w, "owners"]["MB_moved"] / by[w, "all_gather"]["MB_moved"]}
+                for w in WORLDS]
+    headline += [{"comparison": f"Muon owner exchange / all-gather, time, W={w}",
+                  "ratio": by[w, "owners"]["ratio_vs_all_gather"]} for w in WORLDS]
+    notes.insert(0, f"{sum(f[0] * f[1] for f in SHAPES.values()) * 4 / 1e6:.1f} MB of fp32 matrices, "
+                    "one direction; the update returns the same way at the same cost")
+    return result("redistribute", rows, notes, headline=headline, shapes=SHAPES,
+                  wall_s=time.perf_counter() - t0)
 
-    print(f"{'W':>2} {'method':<18} {'MB moved':>9} {'x params':>9} {'median ms':>10} {'vs all-gather':>14}")
-    for run in report["runs"]:
-        ag = run["rows"]["all_gather"]["median_s"]
-        for name, row in run["rows"].items():
-            print(
-                f"{run['world_size']:>2} {name:<18} {row['bytes_moved'] / 1e6:>9.2f} "
-                f"{row['bytes_moved'] / run['param_bytes']:>9.3f} {row['median_s'] * 1e3:>10.2f} "
-                f"{row['median_s'] / ag:>14.3f}"
-            )
-        print(f"   owner load max/mean = {run['owner_max_over_mean']:.3f}, owners {run['owners']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(run, "redistribute", argv)
 
 
 if __name__ == "__main__":

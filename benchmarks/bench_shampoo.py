@@ -1,13 +1,13 @@
 """Shampoo step time and state memory against AdamW, one process, CPU.
 
-    python -m benchmarks.bench_shampoo --out benchmarks/out/shampoo.json [--steps 40]
+    python -m benchmarks.bench_shampoo [--quick|--full] [--out benchmarks/out/shampoo.json]
 
 A small set of plain fp32 parameters (256x256 .. 512x1024 matrices and a bias), the
 same gradients every step. Per optimizer, after one warm-up step (state allocation and,
 for Shampoo, the first inverse roots):
 
-- step time: median and mean over ``--steps`` steps, the optimizers' steps interleaved (``--steps-freq1`` for Shampoo at
-  precondition_frequency 1, whose every step recomputes 2 roots per tile by a float64
+- step time: median and mean over the timed steps (quick 10, full 40), the optimizers'
+  steps interleaved (quick 3, full 10 for Shampoo at precondition_frequency 1, whose every step recomputes 2 roots per tile by a float64
   eigendecomposition). At frequency 20 the mean includes exactly one root recomputation
   in 20 steps; the median shows the ordinary step;
 - state memory: bytes of every tensor in ``optimizer.state``, per parameter element.
@@ -20,11 +20,7 @@ little.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +31,8 @@ from torch import nn
 
 import vefsdp_optim
 from vefsdp_optim import Shampoo
+
+from ._common import cli, current_device, paired_ratio, result, stats, synchronize
 
 SHAPES = [(256, 256), (256, 512), (512, 512), (512, 1024), (512,)]
 
@@ -51,15 +49,16 @@ def _state_bytes(state: Any) -> int:
 
 def _setup(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
     g = torch.Generator().manual_seed(0)
-    ps = [nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    dev = current_device()
+    ps = [nn.Parameter(torch.randn(s, generator=g).to(dev)) for s in SHAPES]
     for p in ps:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(dev)
     opt = make(ps)
     opt.step()  # warm-up: state allocation, first roots
     return ps, opt
 
 
-def _bench(runs: dict[str, tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], int]]) -> dict[str, dict[str, float]]:
+def _bench(runs: dict[str, tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], int]]) -> tuple[dict, dict]:
     """Steps of the optimizers interleaved round-robin, so that load from other
     processes on the machine falls on all of them alike."""
     setups = {name: _setup(make) for name, (make, _) in runs.items()}
@@ -68,59 +67,62 @@ def _bench(runs: dict[str, tuple[Callable[[list[nn.Parameter]], torch.optim.Opti
         for name, (_, steps) in runs.items():
             if k >= steps:
                 continue
+            dev = setups[name][0][0].device
+            synchronize(dev)
             t0 = time.perf_counter()
             setups[name][1].step()
+            synchronize(dev)
             times[name].append(time.perf_counter() - t0)
     out = {}
     for name, (ps, opt) in setups.items():
         numel = sum(p.numel() for p in ps)
         state = sum(_state_bytes(opt.state[p]) for p in ps)
         out[name] = {
-            "median_ms": statistics.median(times[name]) * 1e3,
+            "optimizer": name,
+            "step_ms": stats(times[name], 1e3),
             "mean_ms": statistics.fmean(times[name]) * 1e3,
-            "steps": len(times[name]),
             "state_bytes": state,
             "state_bytes_per_param": state / numel,
         }
-    return out
+    return out, times
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/out/shampoo.json")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--steps-freq1", type=int, default=10)
-    args = ap.parse_args()
-
+def run(quick: bool = True) -> dict:
+    """Shampoo (frequency 20 and 1) and this library's AdamW against torch AdamW, one
+    process on ``current_device()``."""
+    t0 = time.perf_counter()
+    steps, steps_freq1 = (10, 3) if quick else (40, 10)
     runs: dict[str, tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], int]] = {
-        "torch_adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0), args.steps),
-        "vefsdp_adamw": (lambda ps: vefsdp_optim.AdamW(ps, lr=1e-3, weight_decay=0.0), args.steps),
+        "torch_adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0), steps),
+        "vefsdp_adamw": (lambda ps: vefsdp_optim.AdamW(ps, lr=1e-3, weight_decay=0.0), steps),
         "shampoo_freq20": (lambda ps: Shampoo(ps, lr=1e-3, precondition_frequency=20,
-                                              start_preconditioning_step=1), args.steps),
+                                              start_preconditioning_step=1), steps),
         "shampoo_freq1": (lambda ps: Shampoo(ps, lr=1e-3, precondition_frequency=1,
-                                             start_preconditioning_step=1), args.steps_freq1),
+                                             start_preconditioning_step=1), steps_freq1),
     }
-    results = _bench(runs)
-    base = results["torch_adamw"]["median_ms"]
+    results, times = _bench(runs)
+    base = times["torch_adamw"]
+    rows = []
     for name, r in results.items():
-        r["median_vs_torch_adamw"] = r["median_ms"] / base
-        r["mean_vs_torch_adamw"] = r["mean_ms"] / results["torch_adamw"]["mean_ms"]
-        print(f"{name:16s} median {r['median_ms']:9.2f} ms  mean {r['mean_ms']:9.2f} ms  "
-              f"x{r['median_vs_torch_adamw']:7.2f} (median vs torch AdamW)  "
-              f"state {r['state_bytes_per_param']:6.2f} B/param")
-    out = {
-        "shapes": SHAPES,
-        "numel": sum(math.prod(s) for s in SHAPES),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "results": results,
-    }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+        n = len(times[name])  # paired with the torch AdamW steps of the same rounds
+        r["ratio_vs_torch_adamw"] = paired_ratio(times[name], base[:n])
+        r["mean_ratio_vs_torch_adamw"] = r["mean_ms"] / (statistics.fmean(base) * 1e3)
+        rows.append(r)
+    by = {r["optimizer"]: r for r in rows}
+    headline = [{"comparison": "Shampoo (freq 20) step / torch AdamW step, 1 process",
+                 "ratio": by["shampoo_freq20"]["ratio_vs_torch_adamw"]},
+                {"comparison": "Shampoo state bytes / torch AdamW state bytes",
+                 "ratio": by["shampoo_freq20"]["state_bytes"] / by["torch_adamw"]["state_bytes"]}]
+    notes = [f"{sum(math.prod(s) for s in SHAPES) / 1e6:.2f} M fp32 elements in {len(SHAPES)} tensors "
+             f"on {current_device()}, {torch.get_num_threads()} intra-op threads; Shampoo with "
+             "start_preconditioning_step=1, every matrix one tile; at frequency 20 the median is "
+             "the ordinary step, the mean includes root recomputations"]
+    return result("shampoo", rows, notes, headline=headline, shapes=SHAPES,
+                  wall_s=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(run, "shampoo", argv)
 
 
 if __name__ == "__main__":
