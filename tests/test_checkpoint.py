@@ -238,3 +238,62 @@ def test_flat_range_boxes_tile_the_range():
                     assert torch.equal(t[idx].reshape(-1), want), (shape, s, length, off, size)
                     total += math.prod(size)
                 assert total == length
+
+
+# -- optimizer state: every optimizer x {fully_shard, FSDP2} x a change of world size ---
+
+_REFS: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _ref(name: str) -> dict[str, torch.Tensor]:
+    if name not in _REFS:
+        _REFS[name] = _reference(name)
+    return _REFS[name]
+
+
+def _resume_case(tmp_path, src_kind: str, a: int | str, dst_kind: str, b: int | str) -> None:
+    names = list(OPTIMIZERS)
+    _run(_save_run, a, src_kind, names, str(tmp_path))
+    got = _run(_load_run, b, dst_kind, names, str(tmp_path))
+    for name in names:
+        _compare(name, got[name], _ref(name))
+
+
+_FAST = [("fully_shard", 2, 3), ("fsdp2", 4, 2)]
+_SLOW = [(k, a, b) for k in ("fully_shard", "fsdp2") for a, b in ((4, 2), (2, 3), (3, 1))
+         if (k, a, b) not in _FAST]
+
+
+@pytest.mark.parametrize("kind, a, b", _FAST)
+def test_resume_at_other_world_size(tmp_path, kind, a, b):
+    _resume_case(tmp_path, kind, a, kind, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, a, b", _SLOW)
+def test_resume_at_other_world_size_matrix(tmp_path, kind, a, b):
+    _resume_case(tmp_path, kind, a, kind, b)
+
+
+@pytest.mark.parametrize("src, dst", [
+    (("fully_shard", 3), ("fsdp2", 2)),
+    (("fully_shard", 4), ("single", "single")),
+    (("single", "single"), ("fully_shard", 3)),
+])
+def test_resume_across_model_kinds(tmp_path, src, dst):
+    _resume_case(tmp_path, src[0], src[1], dst[0], dst[1])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_torch_save_round_trip_single_device(tmp_path, name):
+    model = _build(1)
+    opt = _optimizer(name, model)
+    _train(model, opt, range(SPLIT))
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt.pt")
+    model2 = _build(2)
+    opt2 = _optimizer(name, model2)
+    sd = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    _train(model2, opt2, range(SPLIT, STEPS))
+    _compare(name, _full_params(model2), _ref(name))

@@ -17,7 +17,14 @@ from vefsdp_optim._math import (
 from vefsdp_optim.sharding import Elementwise, FlatBlocks, Requirement
 
 from ._adamw import adam_bucket_, check_adam_hparams
-from ._block_optimizer import BlockContext, BlockOptimizer, _Item
+from ._block_optimizer import (
+    ELEMENTWISE,
+    REPLICATED,
+    BlockContext,
+    BlockOptimizer,
+    _Item,
+    adam_state_spec,
+)
 from ._registry import register_optimizer
 
 __all__ = ["AdamW8bit", "Adam8bit"]
@@ -49,6 +56,10 @@ def _check_8bit_args(block_size: object, min_8bit_size: object) -> None:
 # inside it (at most ``k``: 1 for both dynamic maps) are compared one by one. The code
 # is the number of midpoints strictly below the value, exactly searchsorted's answer
 # (a value equal to a midpoint takes the lower code). NaN inputs are not supported.
+# With k <= 1 (the dynamic maps) the code is ``lo8[b] + (mid_in[b] < x)``: two byte /
+# float lookups on the same bucket, written straight into the uint8 state (a profile
+# of the step showed the int32 temporaries, the index arithmetic and the copies at
+# ~40% of it; see benchmarks/bench_profile.py).
 
 
 class _TableQuantizer:
@@ -67,21 +78,38 @@ class _TableQuantizer:
         self.lo = lo.to(torch.int32).to(code.device)  # (65536,)
         pad = torch.full((self.k,), float("inf"))
         self.mid = torch.cat([mid, pad]).to(code.device)  # (255 + k,)
+        if self.k <= 1:  # one midpoint at most per bucket: the fast path
+            inside = finite & (hi > lo)
+            mid_in = torch.full((1 << 16,), float("inf"))
+            mid_in[inside] = mid[lo[inside]]
+            self.mid_in = mid_in.to(code.device)  # (65536,) float32, +inf: none inside
+            self.lo8 = lo.to(torch.uint8).to(code.device)  # (65536,), lo <= 255
 
-    def __call__(self, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, block_size: int,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, absmax)`` of 1-D float32 ``x``; codes go into ``out`` (uint8, numel)
+        when given."""
         n = x.numel()
         nb = num_blocks(n, block_size)
         pad = nb * block_size - n
         blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, block_size)
-        absmax = blocks.abs().amax(dim=1)  # (nb,)
+        absmax = torch.linalg.vector_norm(blocks, float("inf"), dim=1)  # (nb,) max |x|, exact
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
         normed = (blocks / scale[:, None]).reshape(-1)[:n]  # (n,), in [-1, 1]
-        bucket = (normed.view(torch.int32) >> 16) & 0xFFFF
-        base = self.lo.index_select(0, bucket.reshape(-1))  # (n,) int32
+        bucket = normed.view(torch.int32) >> 16
+        bucket &= 0xFFFF  # (n,) int32 in [0, 65536)
+        if self.k <= 1:
+            codes = torch.index_select(self.lo8, 0, bucket, out=out) if out is not None \
+                else self.lo8.index_select(0, bucket)  # (n,) uint8
+            codes += self.mid_in.index_select(0, bucket) < normed
+            return codes, absmax
+        base = self.lo.index_select(0, bucket)  # (n,) int32
         idx = base.clone()
         for j in range(self.k):
             idx += self.mid.index_select(0, base + j) < normed
-        return idx.to(torch.uint8), absmax
+        if out is None:
+            return idx.to(torch.uint8), absmax
+        return out.copy_(idx), absmax
 
 
 def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
@@ -90,11 +118,10 @@ def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, b
     n = codes.numel()
     values = code.index_select(0, codes.to(torch.int32))  # (n,)
     full = n // bs * bs
-    out = torch.empty_like(values)
-    out[:full].view(-1, bs).copy_(values[:full].view(-1, bs) * absmax[: n // bs, None])
+    values[:full].view(-1, bs).mul_(absmax[: n // bs, None])  # in place: same products
     if full < n:
-        out[full:] = values[full:] * absmax[-1]
-    return out
+        values[full:].mul_(absmax[-1])
+    return values
 
 
 def _adam8bit_step_(
@@ -116,8 +143,7 @@ def _adam8bit_step_(
         p.copy_(p32)
     for name, moment, quantize in (("exp_avg", exp_avg, quantizers[0]),
                                    ("exp_avg_sq", exp_avg_sq, quantizers[1])):
-        c, a = quantize(moment, bs)
-        state[name + "_codes"].copy_(c)
+        _, a = quantize(moment, bs, out=state[name + "_codes"])
         state[name + "_absmax"].copy_(a)
 
 
@@ -162,6 +188,15 @@ class _Adam8bitBase(BlockOptimizer):
         if self.is_quantized(shape, group):
             return FlatBlocks(group["block_size"])
         return Elementwise()
+
+    structural_keys = ("block_size", "min_8bit_size")
+
+    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
+        if not self.is_quantized(shape, group):
+            return adam_state_spec()
+        bs = group["block_size"]
+        return {"step": REPLICATED, "exp_avg_codes": ELEMENTWISE, "exp_avg_absmax": bs,
+                "exp_avg_sq_codes": ELEMENTWISE, "exp_avg_sq_absmax": bs}
 
     def _code_maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         maps = self._codes.get(device)

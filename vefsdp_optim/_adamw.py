@@ -12,7 +12,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from vefsdp_optim.sharding import Elementwise, Requirement
 
-from ._block_optimizer import BlockOptimizer, _Item
+from ._block_optimizer import BlockOptimizer, _Item, adam_state_spec
 from ._math import adamw_step_
 from ._registry import register_optimizer
 
@@ -152,6 +152,11 @@ class AdamW(BlockOptimizer):
 
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         return Elementwise()
+
+    structural_keys = ("amsgrad",)
+
+    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
+        return adam_state_spec(group["amsgrad"])
 
     def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         done = self._fused_buckets_(items) if self.fuse_buckets else set()

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from vefsdp_optim._math import muon_adjust_lr, muon_matrix_view, zeropower_via_newtonschulz
-from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
+from vefsdp_optim.comm import ShardedView
+from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, WholeTensor
 
 from ._adamw import adam_bucket_, check_adam_hparams
-from ._block_optimizer import BlockOptimizer, _Item
+from ._block_optimizer import ELEMENTWISE, BlockOptimizer, _Item, adam_state_spec
 from ._registry import register_optimizer
 
 __all__ = ["Muon"]
@@ -90,6 +91,14 @@ class Muon(BlockOptimizer):
 
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         return WholeTensor() if self._is_muon(shape, group) else Elementwise()
+
+    structural_keys = ("use_muon",)
+
+    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
+        return {"momentum_buffer": ELEMENTWISE} if self._is_muon(shape, group) else adam_state_spec()
+
+    def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard:
+        return view.layout  # momentum stays sharded like the parameter
 
     def cost(self, shape: torch.Size) -> float:
         m, n = muon_matrix_view(shape)

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from vefsdp_optim._math import matrix_inverse_root, shampoo_tiles
-from vefsdp_optim.sharding import Elementwise, Requirement, RowBlocks
+from vefsdp_optim.comm import ShardedView
+from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBlocks
 
 from ._adamw import check_adam_hparams
-from ._block_optimizer import BlockContext, BlockOptimizer
+from ._block_optimizer import ELEMENTWISE, REPLICATED, BlockContext, BlockOptimizer
 from ._registry import register_optimizer
 
 __all__ = ["Shampoo"]
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _GRAFTINGS = ("adam", "sgd", "none")
 _ROOT = 4  # P = L^(-1/4) M R^(-1/4): the 2-D Shampoo exponent
+_TILE_STATS = ("L", "R", "L_inv_root", "R_inv_root")
 
 # [Note: Shampoo tiles by global band]
 # A matrix (dim 0, rest) of shape (rows, cols) is cut into tiles of at most
@@ -126,6 +128,48 @@ class Shampoo(BlockOptimizer):
         if len(shape) >= 2:
             return RowBlocks(group["max_preconditioner_dim"])
         return Elementwise()
+
+    # -- checkpoint: per-element state sharded, tiles by global (band, column) ---------
+
+    structural_keys = ("max_preconditioner_dim", "grafting")
+    extra_state_prefixes = tuple(f"{stat}." for stat in _TILE_STATS)
+
+    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
+        spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE}
+        if group["grafting"] == "adam":
+            spec["exp_avg_sq"] = ELEMENTWISE
+        return spec
+
+    def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard,
+                           group: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for (band, col), tile in state.get("tiles", {}).items():
+            for stat in _TILE_STATS:
+                out[f"{stat}.{band}.{col}"] = tile[stat]
+        return out
+
+    def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
+                           layout: RaggedShard, group: dict[str, Any], name: object) -> None:
+        if state["start"] != layout.local(view.rank)[0]:
+            raise AssertionError(f"Shampoo state starts at {state['start']}, its layout at "
+                                 f"{layout.local(view.rank)[0]}")
+        tiles = state.get("tiles", {})
+        missing = [f"{stat}.{b}.{c}" for (b, c) in tiles for stat in _TILE_STATS
+                   if f"{stat}.{b}.{c}" not in saved]
+        if missing:
+            raise ValueError(f"Shampoo state of parameter {name!r} (shape {tuple(view.shape)}): the "
+                             f"checkpoint lacks tiles {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        for (b, c), tile in tiles.items():
+            for stat in _TILE_STATS:
+                v = saved[f"{stat}.{b}.{c}"]
+                if not isinstance(v, torch.Tensor) or v.shape != tile[stat].shape:
+                    raise ValueError(
+                        f"Shampoo state {name!r}.{stat}.{b}.{c} has shape "
+                        f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}, "
+                        f"expected {tuple(tile[stat].shape)} (max_preconditioner_dim "
+                        f"{group['max_preconditioner_dim']})")
+                if v.data_ptr() != tile[stat].data_ptr():
+                    tile[stat].copy_(v)
 
     # -- state ------------------------------------------------------------------------
 
