@@ -51,8 +51,15 @@ _DEFAULT_LR = {"adamw": 3e-3, "adamw8bit": 3e-3, "adam8bit": 3e-3, "muon": 0.02,
 _TASK_LR = {("illcond", "muon"): 3e-3}
 for _t in ("mlp", "conv"):
     _TASK_LR.update({(_t, o): 1e-2 for o in ("adamw", "adamw8bit", "adam8bit", "shampoo")})
-# Relative tolerance of a sharded loss curve against the single-device reference.
-_TOLERANCE = {"shampoo": 1e-4}
+# [Note: check tolerances]
+# Relative tolerance of a sharded loss curve against the single-device reference. Each
+# rank trains on the whole batch, so the averaged gradient is the single-device one
+# exactly when W is a power of 2 ((g + g) / 2 == g); then every optimizer gives the
+# same bits. At other W the average can differ in the last bit. AdamW and the 8-bit
+# optimizers stay within 1e-5; Shampoo's float64 roots within 1e-4; Muon's
+# Newton-Schulz runs in bfloat16, whose rounding turns a last-bit gradient difference
+# into ~1e-4 after 20 steps (measured at W=3), hence 1e-3 for Muon.
+_TOLERANCE = {"shampoo": 1e-4, "muon": 1e-3}
 DEFAULT_TOLERANCE = 1e-5
 
 
