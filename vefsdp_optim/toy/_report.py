@@ -159,8 +159,9 @@ def write_outputs(out_dir: str, results: Sequence[RunResult],
 
 
 def plot_curves(path: str, results: Sequence[RunResult]) -> str:
-    """One panel per task: every run's loss per step (log scale) and the floor, dashed.
-    Returns ``path``, or a one-line note when matplotlib is not installed."""
+    """One panel per task: every run's loss above the floor per step (log scale; the loss
+    itself where the floor is unknown), as a moving average of 10 steps. Returns ``path``,
+    or a one-line note when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -170,26 +171,28 @@ def plot_curves(path: str, results: Sequence[RunResult]) -> str:
         return ("loss_curves.png skipped: matplotlib is not installed "
                 "(pip install 'vefsdp-optim[plot]')")
     tasks = list(dict.fromkeys(r.config.task for r in results))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    k = 10  # moving average: stochastic batches stay readable
     for ax, task in zip(axes[0], tasks, strict=True):
         runs = [r for r in results if r.config.task == task]
+        floor = runs[0].floor
+        several = len({(x.config.sharding, x.world_size) for x in runs}) > 1
         for r in runs:
-            k = 5  # a short moving average keeps stochastic curves readable
             ys = [sum(r.losses[max(0, i - k + 1): i + 1]) / min(k, i + 1)
                   for i in range(len(r.losses))]
-            label = r.config.optimizer
-            if len({(x.config.sharding, x.world_size) for x in runs}) > 1:
+            if floor is not None:
+                ys = [max(y - floor, 1e-5) for y in ys]
+            label = f"{r.config.optimizer}  {r.final_loss:.4f}"
+            if several:
                 label += f" ({r.config.sharding}, W={r.world_size})"
             ax.plot(range(len(ys)), ys, label=label, lw=1.3)
-        floor = runs[0].floor
-        if floor is not None:
-            ax.axhline(floor, color="k", ls="--", lw=1, label=f"floor {floor:.4g}")
         ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (moving average of 5)")
+        ax.set_ylabel("loss - floor" if floor is not None else "loss")
         r0 = runs[0]
-        ax.set_title(f"{task}: {r0.config.sharding}, W={r0.world_size}")
-        ax.legend(fontsize=8)
+        floor_s = f", floor {floor:.4g}" if floor is not None else ""
+        ax.set_title(f"{task} ({r0.config.sharding}, W={r0.world_size}{floor_s})", fontsize=10)
+        ax.legend(fontsize=8, title="final loss", title_fontsize=8)
         ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
