@@ -297,3 +297,87 @@ def test_torch_save_round_trip_single_device(tmp_path, name):
     opt2.load_state_dict(sd["optim"])
     _train(model2, opt2, range(SPLIT, STEPS))
     _compare(name, _full_params(model2), _ref(name))
+
+
+# -- save/load wrappers: write aside then rename; mismatches named ----------------------
+
+
+class _Unpicklable:
+    def __reduce__(self):  # noqa: ANN204
+        raise RuntimeError("disk full (simulated)")
+
+
+def _wrapped_cases(root: str) -> dict[str, object]:
+    """Save A, then a save of B that fails while writing, then load: A comes back.
+    Then the mismatch errors of load() and of the optimizers' load_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    import vefsdp_optim
+
+    path = os.path.join(root, "ckpt")
+    out: dict[str, object] = {}
+    model = _shard(_build(1), "fully_shard")
+    opt = _optimizer("adamw8bit", model)
+    _train(model, opt, range(SPLIT))
+    vefsdp_optim.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, path)
+    saved = _full_params(model)
+    _train(model, opt, range(SPLIT, STEPS))  # B differs from A
+    try:
+        vefsdp_optim.save({"model": model.state_dict(), "bad": _Unpicklable()}, path)
+        out["interrupted"] = "no error"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        out["interrupted"] = repr(e)
+    dist.barrier()
+    out["leftovers"] = sorted(n for n in os.listdir(root) if n != "ckpt")
+    fresh = _shard(_build(2), "fully_shard")
+    sd = {"model": fresh.state_dict()}
+    vefsdp_optim.load(sd, path)
+    fresh.load_state_dict(sd["model"])
+    got = _full_params(fresh)
+    out["restored"] = all(torch.equal(got[k], saved[k]) for k in saved)
+
+    def error(fn) -> str:  # noqa: ANN001
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    # another optimizer: its keys are not in the checkpoint
+    m2 = _shard(_build(2), "fully_shard")
+    other = _optimizer("adamw", m2)
+    out["other_optimizer"] = error(lambda: vefsdp_optim.load(
+        {"optim": get_optimizer_state_dict(m2, other)}, path))
+    # another block size: the absmax shapes differ
+    m3 = _shard(_build(2), "fully_shard")
+    o3 = vefsdp_optim.AdamW8bit(m3.parameters(), block_size=16, min_8bit_size=64)
+    out["block_size_dcp"] = error(lambda: vefsdp_optim.load({"optim": get_optimizer_state_dict(m3, o3)}, path))
+    # other shapes
+    m4 = _shard(nn.Sequential(nn.Linear(7, 36)), "single")
+    out["shapes"] = error(lambda: vefsdp_optim.load({"model": {"l1.weight": m4[0].weight}}, path))
+    # load_state_dict itself: class, structural keys, missing keys
+    sd8 = opt.state_dict()
+    o5 = _optimizer("adamw", _shard(_build(2), "fully_shard"))
+    out["class"] = error(lambda: o5.load_state_dict(sd8))
+    o6 = vefsdp_optim.AdamW8bit(_shard(_build(2), "fully_shard").parameters(), block_size=16, min_8bit_size=64)
+    out["block_size"] = error(lambda: o6.load_state_dict(sd8))
+    first = next(k for k, v in sd8["state"].items() if "exp_avg_codes" in v and v["exp_avg_codes"].numel())
+    broken = {"state": {k: dict(v) for k, v in sd8["state"].items()}, "param_groups": sd8["param_groups"]}
+    del broken["state"][first]["exp_avg_sq_absmax"]
+    o7 = _optimizer("adamw8bit", _shard(_build(2), "fully_shard"))
+    out["missing"] = error(lambda: o7.load_state_dict(broken))
+    return out
+
+
+def test_save_is_atomic_and_mismatches_are_named(tmp_path):
+    res = run_distributed(_wrapped_cases, 3, str(tmp_path))
+    for r in res:
+        assert "disk full" in r["interrupted"], r["interrupted"]
+        assert r["restored"], "the previous checkpoint did not survive the interrupted save"
+        assert not any(n.startswith("ckpt.tmp") for n in r["leftovers"]), r["leftovers"]
+        assert "missing from the checkpoint" in r["other_optimizer"] and "exp_avg_sq" in r["other_optimizer"]
+        assert "absmax" in r["block_size_dcp"] and "shapes differ" in r["block_size_dcp"], r["block_size_dcp"]
+        assert "shapes differ" in r["shapes"] and "(36, 7)" in r["shapes"], r["shapes"]
+        assert "AdamW8bit" in r["class"] and "AdamW" in r["class"], r["class"]
+        assert "block_size=32" in r["block_size"] and "block_size=16" in r["block_size"], r["block_size"]
+    assert any("exp_avg_sq_absmax" in r["missing"] for r in res), [r["missing"] for r in res]

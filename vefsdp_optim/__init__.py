@@ -8,6 +8,7 @@ single device at any world size.
 from ._adam8bit import Adam8bit, AdamW8bit
 from ._adamw import AdamW
 from ._block_optimizer import BlockContext, BlockOptimizer
+from ._checkpoint import export_full, import_full, load, save
 from ._fsdp import ShardedParameter, fully_shard
 from ._muon import Muon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
@@ -26,6 +27,10 @@ __all__ = [
     "list_optimizers",
     "fully_shard",
     "ShardedParameter",
+    "save",
+    "load",
+    "export_full",
+    "import_full",
 ]
 
 __version__ = "0.1.0"

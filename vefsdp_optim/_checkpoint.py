@@ -1,0 +1,265 @@
+"""Checkpoints: DCP save/load written aside then renamed, and a full single-file export.
+
+The sharded state itself needs nothing from here: fully_shard parameters and the
+optimizers' state_dict() speak DCP's protocol (see [Note: ragged slices as DCP boxes]
+and [Note: world-size-free optimizer state]), so ``torch.distributed.checkpoint`` and
+its ``state_dict`` helpers save and reshard them at any world size. These helpers add
+the safety of [Note: write aside, then rename] and an unsharded export.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vefsdp_optim.comm import sharded_view
+
+__all__ = ["save", "load", "export_full", "import_full"]
+
+# [Note: write aside, then rename]
+# save() writes the checkpoint into ``path + ".tmp-<uuid>"`` (one uuid, chosen by rank
+# 0), waits for every rank, and only then rank 0 moves the previous checkpoint aside
+# (``path + ".old-<uuid>"``), renames the new one to ``path`` and deletes the old one.
+# A save interrupted while writing leaves ``path`` untouched; one interrupted between
+# the two renames leaves the previous checkpoint at ``.old-<uuid>``, where load() finds
+# it when ``path`` is missing.
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _broadcast_str(value: str, group: dist.ProcessGroup | None) -> str:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def _check_path(path: object) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fspath(path)
+
+
+def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
+         process_group: dist.ProcessGroup | None = None) -> None:
+    """``dcp.save(state_dict)`` to the directory ``path``, atomically: an interrupted
+    save leaves the previous checkpoint loadable ([Note: write aside, then rename]).
+    Collective over ``process_group`` (the default group when None)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = _check_path(path).rstrip(os.sep)
+    rank = _rank(process_group)
+    tag = _broadcast_str(uuid.uuid4().hex if rank == 0 else "", process_group)
+    tmp = f"{path}.tmp-{tag}"
+    try:
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier(process_group)
+    if rank == 0:
+        old = f"{path}.old-{tag}"
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(process_group)
+
+
+def _resolve(path: str) -> str:
+    if os.path.isdir(path):
+        return path
+    parent, base = os.path.split(path)
+    aside = sorted(n for n in os.listdir(parent or ".") if n.startswith(base + ".old-"))
+    if aside:
+        return os.path.join(parent, aside[-1])
+    raise FileNotFoundError(f"no checkpoint at {path!r}")
+
+
+def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
+         process_group: dist.ProcessGroup | None = None) -> None:
+    """``dcp.load`` of the checkpoint at ``path`` into ``state_dict`` (in place), after
+    checking that the checkpoint has every key of ``state_dict`` with the same shape;
+    raises ValueError listing what differs. Then call ``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` (or ``load_state_dict``) as usual."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = _resolve(_check_path(path).rstrip(os.sep))
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(state_dict)
+    missing = sorted(k for k in flat if k not in saved)
+    shapes = []
+    for k, v in flat.items():
+        md = saved.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != v.shape:
+            shapes.append(f"{k}: checkpoint {tuple(md.size)}, here {tuple(v.shape)}")
+    if missing or shapes:
+        extra = sorted(k for k in saved if k not in flat)
+        lines = []
+        if missing:
+            lines.append(f"missing from the checkpoint: {_few(missing)}")
+            if extra:
+                lines.append(f"in the checkpoint but not asked for: {_few(extra)}")
+        if shapes:
+            lines.append(f"shapes differ: {_few(shapes)}")
+        raise ValueError(f"checkpoint {path!r} does not match the state dict; " + "; ".join(lines))
+    dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+
+
+def _few(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
+
+
+# -- full (unsharded) export ---------------------------------------------------------------
+
+
+def _is_sharded(t: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) or hasattr(type(t), "__sharded_view__")
+
+
+def _pieces(value: Any, rank: int) -> Any:
+    """What this rank contributes of one value: ("s", shape, dtype, start, local) for a
+    sharded tensor, ("t", tensor) for a plain one (rank 0's copy wins), else the value."""
+    if isinstance(value, torch.Tensor) and _is_sharded(value):
+        view = sharded_view(value)
+        start, _ = view.layout.local(view.rank)
+        return ("s", tuple(view.shape), view.local.dtype, start, view.local.detach().cpu().clone())
+    if isinstance(value, torch.Tensor):
+        return ("t", value.detach().cpu().clone())
+    return ("v", value)
+
+
+def _assemble(parts: list[Any]) -> Any:
+    kind = parts[0][0]
+    if kind == "s":
+        _, shape, dtype, _, _ = parts[0]
+        n = 1
+        for d in shape:
+            n *= d
+        flat = torch.empty(n, dtype=dtype)
+        filled = torch.zeros(n, dtype=torch.bool)
+        for _, _, _, start, local in parts:
+            flat[start: start + local.numel()] = local
+            filled[start: start + local.numel()] = True
+        if not bool(filled.all()):
+            raise AssertionError(f"the ranks' slices do not cover a tensor of shape {shape}")
+        return flat.view(shape)
+    return parts[0][1]
+
+
+def _gather_to_rank0(entries: dict[tuple, Any], group: dist.ProcessGroup | None) -> dict[tuple, Any] | None:
+    """Assemble {key: full value} on rank 0 from every rank's pieces (None elsewhere)."""
+    rank = _rank(group)
+    mine = {k: _pieces(v, rank) for k, v in entries.items()}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone: list[Any] = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=dist.get_global_rank(group, 0) if group is not None else 0,
+                           group=group)
+    else:
+        everyone = [mine]
+    if rank != 0:
+        return None
+    keys: dict[tuple, list[Any]] = {}
+    for r_entries in everyone:
+        for k, piece in r_entries.items():
+            keys.setdefault(k, []).append(piece)
+    return {k: _assemble(parts) for k, parts in keys.items()}
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def export_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                path: str | os.PathLike, process_group: dist.ProcessGroup | None = None) -> None:
+    """Write the whole, unsharded ``model`` (and ``optimizer``) state to one file with
+    ``torch.save``, on rank 0: ``{"model": {name: tensor}, "optim": {"state": {name:
+    {key: tensor}}, "param_groups": [...]}}``, plain tensors only, readable with
+    ``torch.load(weights_only=True)``. Collective over ``process_group``."""
+    path = _check_path(path)
+    entries: dict[tuple, Any] = {}
+    for k, v in model.state_dict().items():
+        entries[("model", k)] = v
+    groups = None
+    if optimizer is not None:
+        names = _param_names(model)
+        osd = optimizer.state_dict()
+        ids = [pid for g in osd["param_groups"] for pid in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        fqn = {pid: names.get(id(p), str(pid)) for pid, p in zip(ids, params, strict=True)}
+        for pid, st in osd["state"].items():
+            for key, v in st.items():
+                entries[("optim", fqn[pid], key)] = v
+        groups = [{**g, "params": [fqn[pid] for pid in g["params"]]} for g in osd["param_groups"]]
+    full = _gather_to_rank0(entries, process_group)
+    if full is None:
+        _barrier(process_group)
+        return
+    out: dict[str, Any] = {"model": {}}
+    if groups is not None:
+        out["optim"] = {"state": {name: {} for g in groups for name in g["params"]}, "param_groups": groups}
+    for key, v in full.items():
+        if key[0] == "model":
+            out["model"][key[1]] = v
+        else:
+            out["optim"]["state"][key[1]][key[2]] = v
+    if groups is not None:  # drop empty entries (parameters without state)
+        out["optim"]["state"] = {k: v for k, v in out["optim"]["state"].items() if v}
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+    _barrier(process_group)
+
+
+def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                path: str | os.PathLike) -> None:
+    """Load a file from :func:`export_full` into ``model`` (and ``optimizer``), whatever
+    their sharding (single device, FSDP2, fully_shard, any world size): each rank reads
+    the file (``torch.load(weights_only=True)``) and copies its own slices. Missing or
+    unexpected model keys and shape mismatches raise ValueError."""
+    data = torch.load(_check_path(path), map_location="cpu", weights_only=True)
+    if not isinstance(data, Mapping) or "model" not in data:
+        raise ValueError(f"{os.fspath(path)!r} is not a full export (no 'model' entry)")
+    saved = data["model"]
+    live = model.state_dict()
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    shapes = [f"{k}: file {tuple(saved[k].shape)}, model {tuple(live[k].shape)}"
+              for k in live if k in saved and saved[k].shape != live[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{os.fspath(path)!r} does not match the model: missing {_few(missing)}; "
+                         f"unexpected {_few(unexpected)}; shapes differ {_few(shapes)}")
+    with torch.no_grad():
+        for k, v in live.items():
+            src = saved[k]
+            if isinstance(v, torch.Tensor) and _is_sharded(v):
+                view = sharded_view(v)
+                start, length = view.layout.local(view.rank)
+                view.local.copy_(src.reshape(-1)[start: start + length])
+            else:
+                v.copy_(src)
+    if optimizer is not None:
+        if "optim" not in data:
+            raise ValueError(f"{os.fspath(path)!r} has no optimizer state ('optim' entry)")
+        optimizer.load_state_dict(data["optim"])
