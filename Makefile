@@ -29,6 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks
 
 toy: $(STAMP)
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[plot]"
 	$(PY) -m vefsdp_optim.toy
 
 bench: $(STAMP)
