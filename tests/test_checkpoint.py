@@ -381,3 +381,65 @@ def test_save_is_atomic_and_mismatches_are_named(tmp_path):
         assert "AdamW8bit" in r["class"] and "AdamW" in r["class"], r["class"]
         assert "block_size=32" in r["block_size"] and "block_size=16" in r["block_size"], r["block_size"]
     assert any("exp_avg_sq_absmax" in r["missing"] for r in res), [r["missing"] for r in res]
+
+
+# -- full (unsharded) export and import ------------------------------------------------
+
+
+def _export_run(kind: str, names: list[str], root: str) -> dict[str, dict[str, torch.Tensor]]:
+    import vefsdp_optim
+
+    out = {}
+    for name in names:
+        model = _shard(_build(1), kind)
+        opt = _optimizer(name, model)
+        _train(model, opt, range(SPLIT))
+        vefsdp_optim.export_full(model, opt, path=os.path.join(root, f"{name}.pt"))
+        out[name] = _full_params(model)
+    return out
+
+
+def _import_run(kind: str, names: list[str], root: str) -> dict[str, dict[str, torch.Tensor]]:
+    import vefsdp_optim
+
+    out = {}
+    for name in names:
+        model = _shard(_build(2), kind)
+        opt = _optimizer(name, model)
+        vefsdp_optim.import_full(model, opt, path=os.path.join(root, f"{name}.pt"))
+        _train(model, opt, range(SPLIT, STEPS))
+        out[name] = _full_params(model)
+    return out
+
+
+@pytest.mark.parametrize("src, dst", [
+    (("fully_shard", 3), ("single", "single")),
+    (("fully_shard", 2), ("fsdp2", 3)),
+])
+def test_full_export_import(tmp_path, src, dst):
+    names = list(OPTIMIZERS)
+    at_export = _run(_export_run, src[1], src[0], names, str(tmp_path))
+    for name in names:
+        data = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        for k, v in at_export[name].items():
+            assert type(data["model"][k]) is torch.Tensor and torch.equal(data["model"][k], v), (name, k)
+        assert set(data["optim"]["state"]) <= set(at_export[name])
+    got = _run(_import_run, dst[1], dst[0], names, str(tmp_path))
+    for name in names:
+        _compare(name, got[name], _ref(name))
+
+
+def test_import_full_names_mismatches(tmp_path):
+    import vefsdp_optim
+
+    model = _build(1)
+    vefsdp_optim.export_full(model, path=tmp_path / "m.pt")
+    other = nn.Sequential(nn.Linear(7, 37))
+    with pytest.raises(ValueError, match="missing 0.bias, 0.weight; unexpected l1.bias"):
+        vefsdp_optim.import_full(other, path=tmp_path / "m.pt")
+    with pytest.raises(ValueError, match="no optimizer state"):
+        vefsdp_optim.import_full(_build(2), torch.optim.SGD(model.parameters()), path=tmp_path / "m.pt")
+    bad = _build(2)
+    bad.t = nn.Parameter(torch.zeros(5, 3, 29))
+    with pytest.raises(ValueError, match=r"shapes differ: t: file \(5, 29, 3\), model \(5, 3, 29\)"):
+        vefsdp_optim.import_full(bad, path=tmp_path / "m.pt")

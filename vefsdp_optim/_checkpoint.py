@@ -248,8 +248,9 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     shapes = [f"{k}: file {tuple(saved[k].shape)}, model {tuple(live[k].shape)}"
               for k in live if k in saved and saved[k].shape != live[k].shape]
     if missing or unexpected or shapes:
-        raise ValueError(f"{os.fspath(path)!r} does not match the model: missing {_few(missing)}; "
-                         f"unexpected {_few(unexpected)}; shapes differ {_few(shapes)}")
+        parts = [f"{what} {_few(items)}" for what, items in
+                 (("missing", missing), ("unexpected", unexpected), ("shapes differ:", shapes)) if items]
+        raise ValueError(f"{os.fspath(path)!r} does not match the model: " + "; ".join(parts))
     with torch.no_grad():
         for k, v in live.items():
             src = saved[k]
