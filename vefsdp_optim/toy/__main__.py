@@ -114,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the toy runs the arguments ask for; 0 on success, 1 when a --check fails."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if os.getcwd() not in sys.path:  # 'package.module:Class' from the working directory,
+        sys.path.insert(0, os.getcwd())  # as under `python -m` (the console script lacks it)
     if args.list:
         print(_list())
         return 0

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -111,7 +111,8 @@ class RunResult:
     losses: list[float]  # one per step, the loss before that step's update
     seconds: float  # wall time of the steps (after the first, which includes warm-up)
     floor: float | None
-    peak_rss_mb: list[float] = field(default_factory=list)  # per rank, after the run
+    # per rank: the process's peak RSS so far (monotone over the runs of one process)
+    peak_rss_mb: list[float] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
@@ -129,7 +130,8 @@ class RunResult:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> RunResult:
-        d = {k: v for k, v in d.items() if k not in ("final_loss", "steps_per_s")}
+        names = {f.name for f in fields(RunResult)}
+        d = {k: v for k, v in d.items() if k in names}
         d["config"] = RunConfig(**d["config"])
         return RunResult(**d)
 

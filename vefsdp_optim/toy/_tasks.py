@@ -87,6 +87,8 @@ class MarkovLanguage:
     spread: float = 1.0
     seed: int = 0
     P: torch.Tensor = field(init=False, repr=False, compare=False)  # (vocab, vocab) float64
+    _cum: torch.Tensor = field(init=False, repr=False, compare=False)  # (vocab, vocab) row CDFs
+    _pi_cum: torch.Tensor = field(init=False, repr=False, compare=False)  # (vocab,) CDF of pi
 
     def __post_init__(self) -> None:
         if self.vocab < 2:
@@ -106,6 +108,12 @@ class MarkovLanguage:
             w = (self.spread * torch.randn(k, generator=g, dtype=torch.float64)).exp()
             P[i, succ] = w / w.sum()
         object.__setattr__(self, "P", P)
+        cum = P.cumsum(1)
+        cum[:, -1] = 1.0 + 1e-9  # every uniform draw lands on a column
+        pi_cum = stationary_distribution(P).cumsum(0)
+        pi_cum[-1] = 1.0 + 1e-9
+        object.__setattr__(self, "_cum", cum)
+        object.__setattr__(self, "_pi_cum", pi_cum)
 
     @property
     def entropy_rate(self) -> float:
@@ -113,10 +121,7 @@ class MarkovLanguage:
 
     def sample(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """(batch, length) int64 tokens, the first one from the stationary distribution."""
-        cum = self.P.cumsum(1)  # (V, V)
-        cum[:, -1] = 1.0 + 1e-9
-        pi_cum = stationary_distribution(self.P).cumsum(0)
-        pi_cum[-1] = 1.0 + 1e-9
+        cum, pi_cum = self._cum, self._pi_cum
         u = torch.rand(batch, length, generator=generator, dtype=torch.float64)
         out = torch.empty(batch, length, dtype=torch.int64)
         out[:, 0] = torch.searchsorted(pi_cum, u[:, 0].contiguous())
