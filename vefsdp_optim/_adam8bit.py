@@ -58,8 +58,8 @@ def _check_8bit_args(block_size: object, min_8bit_size: object) -> None:
 # (a value equal to a midpoint takes the lower code). NaN inputs are not supported.
 # With k <= 1 (the dynamic maps) the code is ``lo8[b] + (mid_in[b] < x)``: two byte /
 # float lookups on the same bucket, written straight into the uint8 state (a profile
-# of the step showed the int32 temporaries, the index arithmetic and the copies at
-# ~40% of it; see benchmarks/bench_profile.py).
+# of the step showed the int32 temporaries, the index arithmetic, the copies and the
+# |x| temporary of the absmax at ~40% of it; see benchmarks/bench_profile.py).
 
 
 class _TableQuantizer:
@@ -93,7 +93,9 @@ class _TableQuantizer:
         nb = num_blocks(n, block_size)
         pad = nb * block_size - n
         blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, block_size)
-        absmax = torch.linalg.vector_norm(blocks, float("inf"), dim=1)  # (nb,) max |x|, exact
+        # (nb,) max |x| = max(max x, -min x), exactly, without an |x| temporary; abs_ makes a
+        # block of -0.0 give +0.0 as abs().amax() does
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
         normed = (blocks / scale[:, None]).reshape(-1)[:n]  # (n,), in [-1, 1]
         bucket = normed.view(torch.int32) >> 16
