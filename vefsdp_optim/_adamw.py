@@ -94,11 +94,24 @@ class _FlatState:
     """Adam state of one fully_shard bucket, flat over its local shard."""
 
     local: torch.Tensor  # the master.local this state was built for (1-D, m elems)
+    local_grad: torch.Tensor  # the master.local_grad it was checked against (1-D, m elems)
     exp_avg: torch.Tensor  # 1-D, m elems
     exp_avg_sq: torch.Tensor  # 1-D, m elems
     max_exp_avg_sq: torch.Tensor | None  # 1-D, m elems; amsgrad only
     steps: torch.Tensor  # 1-D float32 on CPU, one per param: state[p]["step"] is steps[i]
     handed: list[tuple[torch.Tensor, ...]]  # per param: the state tensors given to self.state
+    expect: list[tuple[Any, int, int, int]]  # per param: (param, local data_ptr, grad data_ptr, numel)
+
+    def grads_in_place(self, bucket: Any) -> bool:
+        """Every param's local data and grad are still the checked views (a few
+        attribute reads per param, no tensor op)."""
+        if self.local is not bucket.master.local or self.local_grad is not bucket.master.local_grad:
+            return False
+        for p, pp, gp, n in self.expect:
+            gl = getattr(p.grad, "_local", None)
+            if gl is None or gl.numel() != n or (n and (gl.data_ptr() != gp or p._local.data_ptr() != pp)):
+                return False
+        return True
 
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -116,6 +129,28 @@ def _flat_offset(view: torch.Tensor, flat: torch.Tensor) -> int | None:
     if delta % es or not 0 <= delta // es <= flat.numel() - n:
         return None
     return delta // es
+
+
+def _bucket_layout(bucket: Any) -> list[tuple[Any, int, int]] | None:
+    """``(param, offset, numel)`` per param of a fully_shard bucket, when each param's
+    local data and grad are dense views at one offset of master.local / local_grad."""
+    local, local_grad = bucket.master.local, bucket.master.local_grad
+    if local.is_complex() or local.is_sparse:
+        return None
+    out = []
+    for mp in bucket.params:
+        p = mp.sharded
+        pl, gl = p._local, getattr(p.grad, "_local", None)
+        if gl is None or gl.numel() != pl.numel():
+            return None
+        if not pl.numel():  # nothing of it on this rank
+            out.append((p, 0, 0))
+            continue
+        off = _flat_offset(pl, local)
+        if off is None or _flat_offset(gl, local_grad) != off:
+            return None
+        out.append((p, off, pl.numel()))
+    return out
 
 
 @register_optimizer("adamw")
@@ -159,12 +194,10 @@ class AdamW(BlockOptimizer):
         return adam_state_spec(group["amsgrad"])
 
     def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        done = self._fused_buckets_(items) if self.fuse_buckets else set()
         # a step-loop bucket may mix param groups: one foreach call per group
         by_group: dict[int, list[int]] = {}
         for i, it in enumerate(items):
-            if i not in done:
-                by_group.setdefault(id(it.group), []).append(i)
+            by_group.setdefault(id(it.group), []).append(i)
         for idx in by_group.values():
             group = items[idx[0]].group
             adam_bucket_(
@@ -177,93 +210,79 @@ class AdamW(BlockOptimizer):
 
     # -- fused fully_shard buckets ([Note: fused buckets]) ---------------------------------
 
-    def _fused_buckets_(self, items: list[_Item]) -> set[int]:
-        """Run the fused update on every whole fully_shard bucket; the items it covered."""
-        by_bucket: dict[int, list[int]] = {}
-        for i, it in enumerate(items):
-            if it.moves:
-                raise AssertionError(f"AdamW is elementwise but an item moves: {it.view.layout} -> {it.compute}")
-            b = getattr(it.param, "_vefsdp_bucket", None)
+    def claim_params(self, group: dict[str, Any]) -> list[Any]:
+        """Update the whole fully_shard buckets of ``group`` fused; the rest go to the loop."""
+        params = group["params"]
+        if not self.fuse_buckets:
+            return params
+        by_bucket: dict[int, tuple[Any, list[Any]]] = {}
+        for p in params:
+            b = getattr(p, "_vefsdp_bucket", None)
             if b is not None:
-                by_bucket.setdefault(id(b), []).append(i)
+                by_bucket.setdefault(id(b), (b, []))[1].append(p)
         done: set[int] = set()
-        for idx in by_bucket.values():
-            if self._fused_bucket_(items[idx[0]].param._vefsdp_bucket, [items[i] for i in idx]):
-                done.update(idx)
-        return done
+        for b, ps in by_bucket.values():
+            if len(ps) == len(b.params) and {id(p) for p in ps} == {id(mp.sharded) for mp in b.params} \
+                    and self._fused_bucket_(b, group):
+                done.update(id(p) for p in ps)
+        return [p for p in params if id(p) not in done] if done else params
 
-    def _fused_bucket_(self, bucket: Any, its: list[_Item]) -> bool:
+    def _fused_bucket_(self, bucket: Any, group: dict[str, Any]) -> bool:
         """The fused update of one fully_shard bucket; False (nothing done) if it does not apply."""
-        group = its[0].group
-        if any(it.group is not group for it in its) or len(its) != len(bucket.params):
-            return False
         if any(isinstance(group[k], torch.Tensor) for k in ("lr", "eps", "weight_decay")) or any(
                 isinstance(b, torch.Tensor) for b in group["betas"]):
             return False
-        master = bucket.master
-        local, local_grad = master.local, master.local_grad
-        by_param = {id(it.param): it for it in its}
-        ordered: list[tuple[_Item, int]] = []  # (item, offset in the flat buffers), bucket order
-        for mp in bucket.params:
-            it = by_param.get(id(mp.sharded))
-            if it is None:
+        amsgrad = group["amsgrad"]
+        flat = self._flat.get(bucket)
+        if flat is None or not flat.grads_in_place(bucket) or not self._state_intact(flat, amsgrad):
+            ordered = _bucket_layout(bucket)
+            if ordered is None:
                 return False
-            if it.grad.numel() != it.view.local.numel():
+            flat = self._build_flat(bucket, ordered, amsgrad)
+            if flat is None:
                 return False
-            if not it.view.local.numel():  # nothing of it on this rank
-                ordered.append((it, 0))
-                continue
-            off = _flat_offset(it.view.local, local)
-            if off is None or _flat_offset(it.grad, local_grad) != off:
-                return False
-            ordered.append((it, off))
-        flat = self._flat_state(bucket, ordered, group["amsgrad"])
-        if flat is None:
-            return False
         steps = flat.steps.tolist()
         if any(s != steps[0] for s in steps) or steps[0] != int(steps[0]):
             return False  # parameters that skipped steps: per-parameter bias corrections
         flat.steps.add_(1)
         beta1, beta2 = group["betas"]
         adamw_step_(
-            local, local_grad, flat.exp_avg, flat.exp_avg_sq, flat.max_exp_avg_sq,
+            flat.local, flat.local_grad, flat.exp_avg, flat.exp_avg_sq, flat.max_exp_avg_sq,
             step=int(steps[0]) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+            weight_decay=group["weight_decay"], amsgrad=amsgrad,
             maximize=group["maximize"], decoupled=self.decoupled,
         )
         self.fused_updates += 1
         return True
 
-    def _flat_state(self, bucket: Any, ordered: list[tuple[_Item, int]], amsgrad: bool) -> _FlatState | None:
-        """The bucket's flat state, (re)built from the per-parameter state if needed."""
-        flat = self._flat.get(bucket)
-        local = bucket.master.local
-        if flat is not None and flat.local is local and (flat.max_exp_avg_sq is not None or not amsgrad) \
-                and len(flat.handed) == len(ordered):
-            intact = True
-            for (it, _), handed in zip(ordered, flat.handed, strict=True):
-                state = self.state.get(it.param)
-                if state is None or any(state.get(k) is not t for k, t in zip(_STATE_KEYS, handed, strict=False)):
-                    intact = False
-                    break
-            if intact:
-                return flat
-        # (re)build: copy the per-parameter state in (zeros where there is none yet)
-        for it, _ in ordered:
-            state = self.state.get(it.param)
+    def _state_intact(self, flat: _FlatState, amsgrad: bool) -> bool:
+        """Each param's state entries are still the views of ``flat`` handed out."""
+        if amsgrad and flat.max_exp_avg_sq is None:
+            return False
+        for (p, _, _, _), handed in zip(flat.expect, flat.handed, strict=True):
+            state = self.state.get(p)
+            if state is None or any(state.get(k) is not t for k, t in zip(_STATE_KEYS, handed, strict=False)):
+                return False
+        return True
+
+    def _build_flat(self, bucket: Any, ordered: list[tuple[Any, int, int]], amsgrad: bool) -> _FlatState | None:
+        """(Re)build the bucket's flat state, copying the per-parameter state in (zeros
+        where there is none yet); None if that state is not in the per-slice layout."""
+        has_max = amsgrad
+        for p, _, n in ordered:
+            state = self.state.get(p)
             if state:
-                n = it.view.local.numel()
-                keys = _STATE_KEYS[1:] if amsgrad or "max_exp_avg_sq" in state else _STATE_KEYS[1:3]
+                has_max = has_max or "max_exp_avg_sq" in state
+                keys = [k for k in _STATE_KEYS[1:] if k in state or k != "max_exp_avg_sq" or amsgrad]
                 if "step" not in state or any(
                         not isinstance(state.get(k), torch.Tensor) or state[k].numel() != n for k in keys):
-                    return None  # not the per-slice layout: the fallback reports it
+                    return None  # the per-slice fallback reports it
+        local = bucket.master.local
         mk = lambda: torch.zeros_like(local)  # noqa: E731
-        has_max = amsgrad or any("max_exp_avg_sq" in self.state.get(it.param, {}) for it, _ in ordered)
-        new = _FlatState(local, mk(), mk(), mk() if has_max else None,
-                         torch.zeros(len(ordered), dtype=torch.float32), [])
-        for i, (it, off) in enumerate(ordered):
-            n = it.view.local.numel()
-            state = self.state[it.param]
+        new = _FlatState(local, bucket.master.local_grad, mk(), mk(), mk() if has_max else None,
+                         torch.zeros(len(ordered), dtype=torch.float32), [], [])
+        for i, (p, off, n) in enumerate(ordered):
+            state = self.state[p]
             views = [new.steps[i], new.exp_avg[off:off + n], new.exp_avg_sq[off:off + n]]
             if has_max:
                 views.append(new.max_exp_avg_sq[off:off + n])
@@ -274,5 +293,6 @@ class AdamW(BlockOptimizer):
                         v.copy_(state[k].reshape(-1))
             state.update(zip(_STATE_KEYS, views, strict=False))
             new.handed.append(tuple(views))
+            new.expect.append((p, p._local.data_ptr(), p.grad._local.data_ptr(), n))
         self._flat[bucket] = new
         return new

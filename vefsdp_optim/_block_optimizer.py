@@ -429,10 +429,16 @@ class BlockOptimizer(Optimizer):
                 self.apply_results(it, outs)
         return loss
 
+    def claim_params(self, group: dict[str, Any]) -> list[Any]:
+        """Hook: the parameters of ``group`` left to the step loop. A subclass may first
+        update, itself, parameters that need no exchange (AdamW's fused fully_shard
+        buckets, [Note: fused buckets]) and leave out those it updated."""
+        return group["params"]
+
     def _collect(self, group: dict[str, Any]) -> list[_Item]:
         items = []
         whole: list[int] = []
-        for p in group["params"]:
+        for p in self.claim_params(group):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
