@@ -1,0 +1,119 @@
+"""Smoke tests of the benchmark suite: modules, statistics, scale-model arithmetic, report.
+
+No benchmark is run here (they spawn ranks and take minutes); these take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _register_benchmarks_package() -> None:
+    """Make the repository's ``benchmarks`` folder importable as a package without
+    putting the repository root on sys.path (which would expose ``comm`` and
+    ``sharding`` as top-level packages)."""
+    if "benchmarks" in sys.modules:
+        return
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks", root / "__init__.py", submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = mod
+    spec.loader.exec_module(mod)
+
+
+_register_benchmarks_package()
+
+from benchmarks import run as suite  # noqa: E402
+from benchmarks._common import markdown_table, paired_ratio, result, stats  # noqa: E402
+from benchmarks.model_shapes import ParamShape  # noqa: E402
+from benchmarks.scale_model import (  # noqa: E402
+    _fsdp2_shard,
+    _moved,
+    _plan_counts,
+    _torchao_state_bytes,
+    muon_ns_flops,
+)
+from vefsdp_optim.sharding import RaggedShard  # noqa: E402
+
+
+@pytest.mark.parametrize("module", sorted(set(suite.BENCHMARKS.values())))
+def test_every_bench_module_has_run_and_main(module):
+    if importlib.util.find_spec(f"benchmarks.{module}") is None:
+        pytest.skip(f"benchmarks/{module}.py is not in this checkout (the report says so)")
+    mod = importlib.import_module(f"benchmarks.{module}")
+    assert callable(mod.main)
+    sig = inspect.signature(mod.run)
+    assert list(sig.parameters) == ["quick"] and sig.parameters["quick"].default is True
+
+
+def test_stats_and_paired_ratio_against_statistics():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    s = stats(xs, scale=10)
+    assert s == {"median": 30.0, "p25": 20.0, "p75": 40.0, "n": 5}
+    r = paired_ratio([2.0, 3.0, 8.0], [1.0, 2.0, 4.0])  # ratios 2, 1.5, 2
+    assert r["median"] == statistics.median([2.0, 1.5, 2.0]) and r["p25"] == 1.75
+    with pytest.raises(ValueError, match="equal"):
+        paired_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        stats([])
+
+
+def test_scale_model_counts_by_hand():
+    # NS on a 4 x 6 matrix, one iteration: X X^T 2*4*4*6, G G 2*4^3, (.) X 2*4*4*6
+    assert muon_ns_flops((4, 6), steps=1) == 2 * 96 + 128 + 2 * 96
+    assert muon_ns_flops((6, 4), steps=5) == 5 * (2 * 96 + 128 + 2 * 96)  # tall: same sides
+    # FSDP2 Shard(0) at S = 4: 10 rows padded to 12, 3 per rank
+    assert _fsdp2_shard(ParamShape("w", (10, 3), True), 4) == 9
+    # 30 elements cut at 15 vs at 12: elements 12..14 change rank
+    a = RaggedShard.from_boundaries([0, 15, 30])
+    b = RaggedShard.from_boundaries([0, 12, 30])
+    assert _moved(a, b) == 3 and _moved(a, a) == 0
+    # torchao rule: 8-bit only for >= 4096 elements and a multiple of 256
+    assert _torchao_state_bytes(4096) == 4096 * 2 + 16 * 2 * 4
+    assert _torchao_state_bytes(4000) == 4000 * 8
+    # a tiny group on S = 2: FSDP2 pads 10 rows to 10 (no pad) and 5 to 6
+    counts = _plan_counts([[ParamShape("a", (10, 3), True), ParamShape("b", (5,), False)]], 2)
+    assert counts["numel"] == 35
+    assert counts["FSDP2"] == {"m": 15 + 3, "padding": 1}
+    for opt in ("AdamW", "AdamW8bit", "Shampoo", "Muon"):
+        m, pad = counts[opt]["m"], counts[opt]["padding"]
+        assert m % 16 == 0 and pad == 2 * m - 35 and m >= 18
+
+
+def test_report_renders_a_tiny_result():
+    ok = result("tiny", [{"world": 2, "ours_ms": stats([1.0, 2.0, 3.0]), "ratio": 0.5}],
+                ["a note"], headline=[{"comparison": "ours / peer", "ratio": stats([0.5])}],
+                extra_table=[{"k": "v"}])
+    suite_result = {
+        "mode": "quick", "wall_s": 12.0,
+        "machine": {"cpu": "cpu", "cores": 2, "ram_gib": 1.0, "torch": "x", "python": "3",
+                    "cuda_devices": [], "date_utc": "today"},
+        "results": {
+            "tiny": ok,
+            "gone": {"name": "gone", "rows": [], "notes": [], "status": "not available: missing"},
+            "cuda": result("cuda", [{"device": "cuda", "world": 2, "status": "not run: no CUDA device"}], []),
+        },
+    }
+    json.dumps(suite_result)  # JSON-able
+    md = suite.render_report(suite_result)
+    assert "# Benchmark report" in md and "--quick" in md
+    assert "| world | ours_ms | ratio |" in md and "| 2 | 2 (1.5–2.5) | 0.5 |" in md
+    assert "## Headline ratios" in md and "ours / peer" in md
+    assert "**extra_table**" in md and "| v |" in md
+    assert "- a note" in md
+    assert "**not available: missing**" in md
+    assert "not run: no CUDA device" in md and "CPU only" in md
+
+
+def test_markdown_table_blank_cells_and_escaping():
+    md = markdown_table([{"a": 1}, {"b": "x|y"}])
+    assert md.splitlines()[2] == "| 1 |  |" and md.splitlines()[3] == "|  | x\\|y |"
