@@ -443,3 +443,45 @@ def test_import_full_names_mismatches(tmp_path):
     bad.t = nn.Parameter(torch.zeros(5, 3, 29))
     with pytest.raises(ValueError, match=r"shapes differ: t: file \(5, 29, 3\), model \(5, 3, 29\)"):
         vefsdp_optim.import_full(bad, path=tmp_path / "m.pt")
+
+
+def _load_plain_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    model = _shard(_build(2), "fully_shard")
+    model.load_state_dict(sd)  # plain full tensors into ShardedParameters: each rank's slice
+    return _full_params(model)
+
+
+def test_plain_state_dict_into_fully_shard(tmp_path):
+    ref = _build(1).state_dict()
+    got = run_distributed(_load_plain_state_dict, 3, ref)
+    for r in got:
+        for k, v in r.items():
+            assert torch.equal(v, ref[k]), k
+
+
+def test_load_state_dict_names_what_differs():
+    import vefsdp_optim
+
+    def trained(make):  # noqa: ANN001, ANN202
+        model = _build(1)
+        opt = make(model)
+        _train(model, opt, range(2))
+        return opt.state_dict()
+
+    sham = trained(lambda m: vefsdp_optim.Shampoo(m.parameters(), max_preconditioner_dim=8,
+                                                  precondition_frequency=1, start_preconditioning_step=1))
+    with pytest.raises(ValueError, match="max_preconditioner_dim=8.*max_preconditioner_dim=4"):
+        vefsdp_optim.Shampoo(_build(2).parameters(), max_preconditioner_dim=4).load_state_dict(sham)
+    with pytest.raises(ValueError, match="written by Shampoo, this optimizer is AdamW"):
+        vefsdp_optim.AdamW(_build(2).parameters()).load_state_dict(sham)
+    sham = trained(lambda m: vefsdp_optim.Shampoo(m.parameters(), max_preconditioner_dim=8))
+    del sham["state"][2]["R_inv_root.4.0"]  # parameters(): t, scale, l1.weight (37, 7), ...
+    with pytest.raises(ValueError, match=r"lacks tiles \['R_inv_root.4.0'\]"):
+        vefsdp_optim.Shampoo(_build(2).parameters(), max_preconditioner_dim=8).load_state_dict(sham)
+    adam = trained(lambda m: vefsdp_optim.AdamW(m.parameters()))
+    shapes = [(5, 29, 3), (1, 15), (37, 7), (1, 37), (29, 37), (3, 15), (3,)]  # l1.bias as (1, 37)
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    with pytest.raises(ValueError, match=r"exp_avg has shape \(37,\), expected \(1, 37\)"):
+        vefsdp_optim.AdamW(params).load_state_dict(adam)
+    with pytest.raises(ValueError, match="checkpoint has 7 parameters, the optimizer has 6"):
+        vefsdp_optim.AdamW(params[:6]).load_state_dict(adam)

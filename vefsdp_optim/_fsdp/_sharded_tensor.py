@@ -181,6 +181,12 @@ class ShardedParameter(torch.Tensor):
             return _norm(func, args, kwargs)
         if func.overloadpacket.__name__.startswith("_foreach_"):
             return _foreach(func, args, kwargs)
+        if func is aten.copy_.default and _is_full_source(args):
+            # a plain tensor of the global shape (a full state dict): take this rank's slice
+            dst, src = args[0], args[1]
+            start, length = dst._layout.local(dst._rank)
+            dst._local.copy_(src.reshape(-1)[start: start + length], *args[2:], **kwargs)
+            return dst
         if func in _LIKE_OPS or torch.Tag.pointwise in func.tags:
             return _pointwise(func, args, kwargs)
         if func is aten.is_same_size.default:
@@ -190,6 +196,12 @@ class ShardedParameter(torch.Tensor):
             "of the same RaggedShard layout (and with scalars), their in-place and _foreach_ forms, "
             "*_like/clone/copy_/detach, linalg_vector_norm and _foreach_norm. "
             "Use full_tensor() or to_local() for anything else.")
+
+
+def _is_full_source(args: tuple) -> bool:
+    dst, src = args[0], args[1]
+    return (isinstance(dst, ShardedParameter) and type(src) in (torch.Tensor, torch.nn.Parameter)
+            and src.dim() > 0 and src.shape == dst.shape)
 
 
 def _pointwise(func, args, kwargs):  # noqa: ANN001, ANN202
