@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP   = $(VENV)/.deps-stamp
 
-.PHONY: venv test test-fast lint toy bench clean
+.PHONY: venv test test-fast lint toy bench bench-full clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ toy: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --quick
+
+bench-full: $(STAMP)
+	$(PY) -m benchmarks.run --full
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
