@@ -37,6 +37,9 @@ class _RootContext:
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states
         self.callback_queued = False
+        # groups in the order their forward ran with grad enabled (with repeats); the
+        # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
+        self.fwd_order: list[FSDPState] = []
 
 
 class FSDPState:
@@ -81,6 +84,8 @@ class FSDPState:
         self._lazy_init()
         if self.is_root:
             self.ctx.callback_queued = False
+            if torch.is_grad_enabled():
+                self.ctx.fwd_order.clear()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
@@ -105,6 +110,8 @@ class FSDPState:
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         g = self.group
+        if g is not None and torch.is_grad_enabled():
+            self.ctx.fwd_order.append(self)
         if g is not None:
             g.register(sharded=True)
             if self.reshard_after_forward and not self.is_root:  # as FSDP2: root keeps its params for backward
@@ -150,10 +157,19 @@ class FSDPState:
             elif not g.gathered:
                 g.unshard()
             g.attach_grads()
-        for s in self.bwd_prefetch:
+        for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
             if s.group is not None and not s.group.gathered:
                 s.group.unshard(async_op=True)
         return grad
+
+    def _implicit_bwd_prefetch(self) -> list[FSDPState]:
+        """The group whose forward ran just before this one's last forward: next in backward."""
+        order = self.ctx.fwd_order if self.ctx is not None else []
+        for i in range(len(order) - 1, 0, -1):
+            if order[i] is self:
+                prev = order[i - 1]
+                return [] if prev is self or prev._in_backward else [prev]
+        return []
 
     def post_backward(self, final: bool = False) -> None:
         """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
@@ -184,6 +200,10 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
             s._uses, s._untracked = 0, False
             if s.group is not None:
                 s.group.wait_unshard()
+                if s.reshard_after_forward and not s.is_root and s.group.gathered:
+                    for b in s.group.buckets:  # prefetched, but its backward did not run
+                        b.free()
+        ctx.fwd_order.clear()
         ctx.callback_queued = False
 
     return callback
