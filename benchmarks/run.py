@@ -38,6 +38,17 @@ BENCHMARKS: dict[str, str] = {
     "profile": "bench_profile",
     "scale_model": "scale_model",
 }
+TITLES = {
+    "planner": "Planner: padding and planning time",
+    "buffer": "DistributedBuffer vs FSDP2: all-gather + reduce-scatter",
+    "fully_shard": "fully_shard vs FSDP2",
+    "redistribute": "Optimizer-side redistribution vs all-gather",
+    "optim": "Muon and AdamW on FSDP2 vs torch.optim",
+    "adam8bit": "AdamW8bit vs torch AdamW and torchao AdamW8bit",
+    "shampoo": "Shampoo overhead",
+    "profile": "Profile-guided optimization",
+    "scale_model": "Scale model: LLaMA-3-70B on 1,024 ranks with HSDP",
+}
 TIMEOUT_S = {True: 900, False: 3600}
 _SKIP_TABLES = {"rows", "notes", "headline", "groups_detail", "per_rank"}
 
@@ -101,7 +112,7 @@ so where the machine has none."""
 
 
 def _section(name: str, res: dict[str, Any]) -> list[str]:
-    lines = [f"## {name}", ""]
+    lines = [f"## {TITLES.get(name, name)} (`{name}`)", ""]
     wall = res.get("wall_s_process", res.get("wall_s"))
     if res.get("status"):
         lines += [f"**{res['status']}**", ""]
