@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vefsdp_optim._registry import get_optimizer, list_optimizers
+from vefsdp_optim._registry import get_optimizer
 
 from ._tasks import ToyProblem, get_task
 
@@ -310,8 +310,3 @@ def launch(configs: Sequence[RunConfig], world_size: int,
                  nprocs=world_size, join=True)
         with open(out_file) as f:
             return [RunResult.from_json(d) for d in json.load(f)]
-
-
-def known_optimizers() -> list[str]:
-    """Registered optimizer names (the built-ins and any registered custom ones)."""
-    return list_optimizers()
