@@ -310,7 +310,10 @@ class _Unpicklable:
 def _wrapped_cases(root: str) -> dict[str, object]:
     """Save A, then a save of B that fails while writing, then load: A comes back.
     Then the mismatch errors of load() and of the optimizers' load_state_dict."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     import vefsdp_optim
 
@@ -329,12 +332,18 @@ def _wrapped_cases(root: str) -> dict[str, object]:
         out["interrupted"] = repr(e)
     dist.barrier()
     out["leftovers"] = sorted(n for n in os.listdir(root) if n != "ckpt")
+    uninterrupted = _full_params(model)
     fresh = _shard(_build(2), "fully_shard")
-    sd = {"model": fresh.state_dict()}
-    vefsdp_optim.load(sd, path)
+    fresh_opt = _optimizer("adamw8bit", fresh)
+    sd = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    vefsdp_optim.load(sd, path)  # param groups come back through torch.load(weights_only=True)
     fresh.load_state_dict(sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
     got = _full_params(fresh)
     out["restored"] = all(torch.equal(got[k], saved[k]) for k in saved)
+    _train(fresh, fresh_opt, range(SPLIT, STEPS))
+    got = _full_params(fresh)
+    out["resumed"] = all(torch.equal(got[k], uninterrupted[k]) for k in saved)
 
     def error(fn) -> str:  # noqa: ANN001
         try:
@@ -374,6 +383,7 @@ def test_save_is_atomic_and_mismatches_are_named(tmp_path):
     for r in res:
         assert "disk full" in r["interrupted"], r["interrupted"]
         assert r["restored"], "the previous checkpoint did not survive the interrupted save"
+        assert r["resumed"], "training resumed from the checkpoint differs from the uninterrupted run"
         assert not any(n.startswith("ckpt.tmp") for n in r["leftovers"]), r["leftovers"]
         assert "missing from the checkpoint" in r["other_optimizer"] and "exp_avg_sq" in r["other_optimizer"]
         assert "absmax" in r["block_size_dcp"] and "shapes differ" in r["block_size_dcp"], r["block_size_dcp"]

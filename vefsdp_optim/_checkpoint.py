@@ -96,7 +96,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
          process_group: dist.ProcessGroup | None = None) -> None:
     """``dcp.load`` of the checkpoint at ``path`` into ``state_dict`` (in place), after
     checking that the checkpoint has every key of ``state_dict`` with the same shape;
-    raises ValueError listing what differs. Then call ``set_model_state_dict`` /
+    raises ValueError listing what differs. Non-tensor entries are unpickled with
+    ``torch.load(weights_only=True)``. Then call ``set_model_state_dict`` /
     ``set_optimizer_state_dict`` (or ``load_state_dict``) as usual."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -122,7 +123,25 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
         if shapes:
             lines.append(f"shapes differ: {_few(shapes)}")
         raise ValueError(f"checkpoint {path!r} does not match the state dict; " + "; ".join(lines))
-    dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+    dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(), process_group=process_group)
+
+
+def _weights_only_planner() -> Any:
+    """DCP's default load planner, unpickling non-tensor entries with weights_only=True."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
 
 
 def _few(items: list[str], n: int = 8) -> str:
