@@ -118,10 +118,18 @@ def test_check_reports_departures_and_missed_thresholds():
     (fail,) = check_results([ok], [ref])  # same curve; 1.0 > floor 0.5 + allowance
     assert fail.check == "threshold" and "above the task threshold" in str(fail)
     bent = list(losses)
-    bent[7] *= 1 + 10 * check_tolerance("adamw")
+    bent[7] *= 1 + 1e-7  # W = 2: built-ins must be bit-identical
     fails = check_results([RunResult(cfg, 2, bent, 1.0, 0.5)], [ref])
     assert [f.check for f in fails] == ["reference", "threshold"]
     assert "step 7" in str(fails[0])
+    assert check_tolerance("adamw", 3) == 1e-5 and check_tolerance("muon", 3) == 1e-3
+    bent[7] = 1 + 0.5 * check_tolerance("adamw", 3)
+    assert [f.check for f in check_results([RunResult(cfg, 3, bent, 1.0, 0.5)], [ref])] == [
+        "threshold"]
+    bent[7] = 1 + 2 * check_tolerance("adamw", 3)
+    assert [f.check for f in check_results([RunResult(cfg, 3, bent, 1.0, 0.5)], [ref])] == [
+        "reference", "threshold"]
+    assert check_tolerance(CUSTOM, 2) == 1e-5
     assert curve_departure([1.0, 2.0], [1.0]) == (math.inf, 1)
     assert curve_departure([1.0, math.nan], [1.0, 2.0])[0] == math.inf
 

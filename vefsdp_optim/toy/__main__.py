@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r, ref in zip(results, references, strict=True):
             if ref is not None:
                 d, _ = curve_departure(r.losses, ref.losses)
-                tol = check_tolerance(r.config.optimizer)
+                tol = check_tolerance(r.config.optimizer, r.world_size)
                 print(f"check {r.config.task}/{r.config.optimizer}: largest relative loss "
                       f"difference to the single device {d:.2g} (tolerance {tol:g}) "
                       f"{'ok' if d <= tol else 'FAILED'}")

@@ -66,8 +66,8 @@ def check_results(results: Sequence[RunResult],
     """Failures of the sharded-vs-reference and the loss-threshold checks.
 
     A run departs when its loss curve differs from the single-device reference of the
-    same configuration by more than ``check_tolerance(optimizer)`` (relative, at any
-    step). A run misses its threshold when its final loss is above
+    same configuration by more than ``check_tolerance(optimizer, world_size)`` (relative,
+    at any step). A run misses its threshold when its final loss is above
     ``floor + max_excess`` of the task; only runs of at least the task's default steps
     at its default learning rate are held to a threshold (see Task).
     """
@@ -77,7 +77,7 @@ def check_results(results: Sequence[RunResult],
         where = dict(task=c.task, optimizer=c.optimizer, sharding=c.sharding,
                      world_size=res.world_size)
         if ref is not None:
-            tol = check_tolerance(c.optimizer)
+            tol = check_tolerance(c.optimizer, res.world_size)
             d, step = curve_departure(res.losses, ref.losses)
             if not d <= tol:
                 i = min(step, len(res.losses) - 1, len(ref.losses) - 1)
