@@ -496,3 +496,22 @@ def test_load_state_dict_names_what_differs():
         vefsdp_optim.AdamW(params).load_state_dict(adam)
     with pytest.raises(ValueError, match="checkpoint has 7 parameters, the optimizer has 6"):
         vefsdp_optim.AdamW(params[:6]).load_state_dict(adam)
+
+
+def test_load_finds_checkpoint_moved_aside(tmp_path):
+    """A save stopped between its two renames leaves the previous checkpoint at .old-*."""
+    import vefsdp_optim
+
+    path = tmp_path / "ckpt"
+    vefsdp_optim.save({"model": _build(1).state_dict()}, path)
+    vefsdp_optim.save({"model": _build(1).state_dict()}, path)  # replaces the first
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    os.rename(path, tmp_path / "ckpt.old-0123")
+    model = _build(2)
+    sd = {"model": model.state_dict()}
+    vefsdp_optim.load(sd, path)
+    model.load_state_dict(sd["model"])
+    ref = _build(1).state_dict()
+    assert all(torch.equal(model.state_dict()[k], ref[k]) for k in ref)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        vefsdp_optim.load(sd, tmp_path / "nothing")
