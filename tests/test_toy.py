@@ -202,3 +202,16 @@ def test_bad_arguments_exit_with_a_clear_message(argv, match, capsys):
     import re
 
     assert re.search(match, capsys.readouterr().err, re.S)
+
+
+@pytest.mark.slow
+def test_fsdp2_quickstart_example_runs_and_trains():
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "fsdp2_quickstart.py"), "--optimizer",
+         "muon", "--steps", "11", "--world-size", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    first, last = (float(line.split()[-1]) for line in out.stdout.splitlines()[:2])
+    assert last < 0.5 * first, out.stdout
