@@ -203,8 +203,21 @@ Progress = Callable[[int, int, float], None]  # (step, steps, loss)
 
 
 def train(config: RunConfig, progress: Progress | None = None) -> RunResult:
-    """Run ``config`` on this process (all ranks together when sharded); rank 0's result."""
-    torch.set_num_threads(1)  # the same kernels in sharded and reference runs
+    """Run ``config`` on this process (all ranks together when sharded); rank 0's result.
+
+    Runs on one CPU thread (the same kernels in sharded and reference runs); the caller's
+    thread count and global RNG state are restored afterwards.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return _train(config, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(config: RunConfig, progress: Progress | None) -> RunResult:
     task = get_task(config.task)
     problem: ToyProblem = task.build(config.seed)
     model = problem.model
@@ -221,10 +234,9 @@ def train(config: RunConfig, progress: Progress | None = None) -> RunResult:
         loss.backward()
         opt.step()
         value = float(loss.detach())
-        if not math.isfinite(value):
-            losses.append(value)
-            break
         losses.append(value)
+        if not math.isfinite(value):  # every rank sees the same loss: all stop here
+            break
         if progress is not None:
             progress(step + 1, config.steps, value)
     seconds = time.perf_counter() - t0
