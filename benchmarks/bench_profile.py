@@ -174,11 +174,11 @@ def run(quick: bool = True) -> dict:
     torch.set_num_threads(1)
     device = current_device()
     steps = 3 if quick else 10
-    prof, step_ms = profile_rows(steps, device)
     old = _load_before()
     extra: dict[str, Any] = {}
     if not isinstance(old, str):
         extra["profile_before"], before_ms = profile_rows(steps, device, old, top=12)
+    prof, step_ms = profile_rows(steps, device)  # after the before-profile: both warm
     ba, notes = before_after(5 if quick else 20, device)
     notes.insert(0, f"profile (rows above): {steps} AdamW8bit steps on {device}, 1 thread, "
                     f"{step_ms:.1f} ms of operator self time per step under the profiler")

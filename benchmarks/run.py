@@ -137,8 +137,9 @@ def _section(name: str, res: dict[str, Any]) -> list[str]:
 def _headlines(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for name, res in results.items():
-        for h in res.get("headline", []):
-            out.append({"benchmark": name, **h})
+        for h in res.get("headline", []):  # {"comparison", "ratio"}; {"metric", "value"} too
+            what = h.get("comparison", h.get("metric", h.get("what", "")))
+            out.append({"benchmark": name, "comparison": what, "ratio": h.get("ratio", h.get("value"))})
     return out
 
 
