@@ -156,7 +156,8 @@ def render_report(suite: dict[str, Any]) -> str:
         + (f" and {suite['cpu_s']:.0f} s of CPU (user + system, all benchmark processes; "
            f"1-minute load average {suite['load_avg_1m_at_end']:.1f} on {m['cores']} cores at the end: "
            "on a busy shared machine the wall time stretches, the CPU time does not)"
-           if "cpu_s" in suite else "") + ".",
+           if "cpu_s" in suite else "") + "."
+        + (f" Assembled: {suite['assembled']}." if suite.get("assembled") else ""),
         "",
         markdown_table([{"CPU": m["cpu"], "cores": m["cores"], "RAM GiB": m["ram_gib"],
                          "torch": m["torch"], "python": m["python"], "CUDA": cuda}]),
@@ -193,6 +194,11 @@ def main(argv: list[str] | None = None) -> None:
             old = json.loads(results_path.read_text())
             suite["results"] = {**old.get("results", {}), **suite["results"]}
             suite["results"] = {n: suite["results"][n] for n in BENCHMARKS if n in suite["results"]}
+            # assembled from several runs: the wall time is the benchmarks' own, CPU unknown
+            suite["wall_s"] = sum(r.get("wall_s_process", r.get("wall_s", 0.0))
+                                  for r in suite["results"].values())
+            suite.pop("cpu_s", None)
+            suite["assembled"] = f"--only {','.join(only)} merged into an earlier results.json"
         write_json(results_path, suite)
     Path(a.report).write_text(render_report(suite))
     print(f"wrote {results_path} and {a.report} ({suite['wall_s']:.0f} s)")
