@@ -72,6 +72,26 @@ def test_registered_by_name():
     assert vefsdp_optim.get_optimizer(f"{cls.__module__}:TileNormalizedSGD") is cls
 
 
+def test_same_definition_imported_twice_replaces_entry():
+    # a script run as __main__ (or loaded under another module name) and imported as a
+    # module defines the class twice from one source: that is not a name clash
+    first = _example().TileNormalizedSGD
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_tile_sgd.py"
+    spec = importlib.util.spec_from_file_location("custom_tile_sgd_again", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # as an import does
+    spec.loader.exec_module(mod)
+    try:
+        assert mod.TileNormalizedSGD is not first
+        assert vefsdp_optim.get_optimizer("tile_sgd") is mod.TileNormalizedSGD
+        same_name_other_source = type("TileNormalizedSGD", (), {})
+        with pytest.raises(ValueError, match="overwrite=True"):
+            vefsdp_optim.register_optimizer("tile_sgd", same_name_other_source)
+    finally:
+        vefsdp_optim.register_optimizer("tile_sgd", first, overwrite=True)
+        del sys.modules[spec.name]
+
+
 def test_single_device_differs_from_plain_sgd():
     # the band norm matters: a wrong band split would change the result
     got = _single_device()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -17,7 +19,9 @@ def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = 
 
     Use as a decorator (``@register_optimizer("tile_sgd")``) or a call
     (``register_optimizer("tile_sgd", TileSGD)``). Re-registering a name with a
-    different class raises ValueError unless ``overwrite=True``.
+    different class raises ValueError unless ``overwrite=True``; the same definition
+    imported again (same qualified name and source file, e.g. a script loaded both as
+    ``__main__`` and as a module) replaces the old entry.
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"optimizer name must be a non-empty str, got {name!r}")
@@ -27,12 +31,25 @@ def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = 
         if not isinstance(c, type):
             raise TypeError(f"register_optimizer takes a class, got {c!r}")
         old = _REGISTRY.get(key)
-        if old is not None and old is not c and not overwrite:
-            raise ValueError(f"optimizer name {name!r} is already registered to {old.__qualname__}")
+        if old is not None and old is not c and not overwrite and not _same_definition(old, c):
+            raise ValueError(
+                f"optimizer name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
+                f"pass overwrite=True to replace it with {c.__module__}.{c.__qualname__}")
         _REGISTRY[key] = c
         return c
 
     return deco if cls is None else deco(cls)
+
+
+def _same_definition(a: type, b: type) -> bool:
+    """Whether two classes are one source definition imported twice."""
+    if a.__qualname__ != b.__qualname__:
+        return False
+    try:
+        fa, fb = inspect.getsourcefile(a), inspect.getsourcefile(b)
+    except TypeError:  # built-in or dynamically created
+        return False
+    return fa is not None and fb is not None and os.path.samefile(fa, fb)
 
 
 def get_optimizer(name: str) -> type:
