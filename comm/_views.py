@@ -123,10 +123,47 @@ def sharded_view(t: object) -> ShardedView:
 
 
 def _dtensor_view(dt: torch.Tensor) -> ShardedView:
-    from torch.distributed.tensor import Replicate, Shard
-
+    if dt.dim() == 0:
+        raise NotImplementedError("a 0-d DTensor cannot be Shard(0); supported: " + _SUPPORTED)
+    # layout, group and rank depend only on (mesh, placements, shape): computed once
     mesh = dt.device_mesh
-    placements = tuple(dt.placements)
+    key = (tuple(dt.placements), tuple(dt.shape))
+    # cached on the mesh object itself: meshes built again after a process group is
+    # re-initialised compare equal to the old ones but hold new groups
+    cache = mesh.__dict__.setdefault("_vefsdp_view_meta", {})
+    meta = cache.get(key)
+    if meta is None:
+        if len(cache) > 4096:
+            cache.clear()
+        meta = cache[key] = _dtensor_meta(mesh, *key)
+    layout, group, rank = meta
+    w = layout.world_size
+    local = dt._local_tensor
+    n = layout.local(rank)[1]
+    if local.numel() != n:
+        raise NotImplementedError(
+            f"DTensor local tensor on shard rank {rank} has {local.numel()} elements "
+            f"(shape {tuple(local.shape)}); Shard(0) with torch.chunk semantics gives {n} "
+            f"for global shape {tuple(dt.shape)} over {w} ranks; padded local tensors are not supported"
+        )
+    if not local.is_contiguous():
+        raise NotImplementedError(
+            f"DTensor local tensor is not contiguous (shape {tuple(local.shape)}, stride "
+            f"{local.stride()}); supported: contiguous row shards as FSDP2 stores them"
+        )
+    return ShardedView(
+        local=local.detach().view(-1),
+        layout=layout,
+        group=group,
+        shape=dt.shape,
+        rank=rank,
+    )
+
+
+def _dtensor_meta(mesh: object, placements: tuple, shape: tuple[int, ...]) -> tuple[
+        RaggedShard, dist.ProcessGroup | None, int]:
+    """(layout, shard group or None, rank in it) of a DTensor's placement on ``mesh``."""
+    from torch.distributed.tensor import Replicate, Shard
 
     def is_shard0(p: object) -> bool:
         # exact type: _StridedShard (FSDP2 + TP) is not a plain row shard
@@ -146,28 +183,7 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
             f"DTensor with placements {placements} on a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
             f"is not supported; supported: {_SUPPORTED}"
         )
-    if dt.dim() == 0:
-        raise NotImplementedError("a 0-d DTensor cannot be Shard(0); supported: " + _SUPPORTED)
     w = mesh.size(axis)
     rank = mesh.get_local_rank(axis)
-    layout = RaggedShard.shard0(tuple(dt.shape), w)
-    local = dt._local_tensor
-    n = layout.local(rank)[1]
-    if local.numel() != n:
-        raise NotImplementedError(
-            f"DTensor local tensor on shard rank {rank} has {local.numel()} elements "
-            f"(shape {tuple(local.shape)}); Shard(0) with torch.chunk semantics gives {n} "
-            f"for global shape {tuple(dt.shape)} over {w} ranks; padded local tensors are not supported"
-        )
-    if not local.is_contiguous():
-        raise NotImplementedError(
-            f"DTensor local tensor is not contiguous (shape {tuple(local.shape)}, stride "
-            f"{local.stride()}); supported: contiguous row shards as FSDP2 stores them"
-        )
-    return ShardedView(
-        local=local.detach().view(-1),
-        layout=layout,
-        group=mesh.get_group(axis) if w > 1 else None,
-        shape=dt.shape,
-        rank=rank if w > 1 else 0,
-    )
+    layout = RaggedShard.shard0(shape, w)
+    return layout, (mesh.get_group(axis) if w > 1 else None), (rank if w > 1 else 0)

@@ -135,6 +135,8 @@ class BlockOptimizer(Optimizer):
         super().__init__(params, defaults)
         self._checked_groups: set[int] = set()
         self._owner_cache: dict[tuple, tuple[int, ...]] = {}
+        # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
+        self._compute_cache: dict[tuple, RaggedShard | None] = {}
         wanted: dict[torch.Tensor, Requirement] = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -452,13 +454,22 @@ class BlockOptimizer(Optimizer):
                     f"gradient layout {gview.layout.extents} differs from parameter layout "
                     f"{view.layout.extents} for a parameter of shape {tuple(view.shape)}")
             req = self.requirement(view.shape, group)
-            if view.layout.satisfies(req, view.shape):
-                compute = view.layout
-            elif req.needs_whole:
+            key = (req, view.layout, view.shape)
+            if key in self._compute_cache:
+                compute = self._compute_cache[key]
+            else:
+                if view.layout.satisfies(req, view.shape):
+                    compute = view.layout
+                elif req.needs_whole:
+                    compute = None
+                else:
+                    compute = view.layout.snapped(req, view.shape)
+                if len(self._compute_cache) > 4096:
+                    self._compute_cache.clear()
+                self._compute_cache[key] = compute
+            if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
-            else:
-                compute = view.layout.snapped(req, view.shape)
             items.append(_Item(p, view, gview.local, req, compute, group))
         if whole:
             self._assign_owners([items[i] for i in whole])
