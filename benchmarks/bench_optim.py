@@ -3,7 +3,9 @@ with one CUDA device per rank).
 
 Muon: vefsdp_optim.Muon vs torch.optim.Muon on the same FSDP2 model (DTensor
 dispatch) vs an all-gather-then-every-rank-computes Muon. AdamW: vefsdp_optim.AdamW
-vs torch.optim.AdamW (foreach) on the same FSDP2 parameters. Interleaved, medians;
+vs torch.optim.AdamW (foreach) on the same FSDP2 parameters, and vefsdp_optim.AdamW on
+the same parameters under vefsdp_optim.fully_shard (one fused update per bucket) vs
+torch's on FSDP2. Interleaved, medians;
 collectives per step and bytes moved counted by wrapping torch.distributed.
 
     python -m benchmarks.bench_optim [--quick|--full] [--out benchmarks/out/optim.json]
@@ -95,6 +97,29 @@ def _allgather_muon_step(params, bufs, mesh, lr=1e-3, wd=0.1, momentum=0.95):
         local.add_(ortho[start:start + rows].reshape(local.shape), alpha=-muon_adjust_lr(lr, None, p.shape))
 
 
+class _Probe(nn.Module):
+    """sum_i <p_i, g_i>: its backward leaves exactly g_i in every p_i.grad."""
+
+    def __init__(self, init: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
+
+    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.ps, grads, strict=True))
+
+
+def _fully_shard_adamw(init: list[torch.Tensor], grads: list[torch.Tensor], mesh) -> tuple:  # noqa: ANN001
+    """Our AdamW on our fully_shard parameters, gradients from a real backward (so they
+    live in the group's gradient buffer and the fused path applies)."""
+    import vefsdp_optim
+
+    m = _Probe(init)
+    vefsdp_optim.fully_shard(m, mesh=mesh)
+    opt = vefsdp_optim.AdamW(list(m.parameters()))
+    m(grads).backward()
+    return opt
+
+
 def _worker(world: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -119,12 +144,14 @@ def _worker(world: int, steps: int) -> dict:
     mats = lambda ps: [p for p in ps if p.ndim == 2]  # noqa: E731
     ps_ours, ps_torch, ps_ag, ps_aw, ps_taw = model(), model(), model(), model(), model()
     bufs = [torch.zeros_like(p.to_local()) for p in mats(ps_ag)]
+    adamw_fs = _fully_shard_adamw(init, grads, mesh)
     runners = {
         "muon_ours": (vefsdp_optim.Muon(mats(ps_ours)).step),
         "muon_torch": (torch.optim.Muon(mats(ps_torch)).step),
         "muon_allgather": (lambda: _allgather_muon_step(mats(ps_ag), bufs, mesh)),
         "adamw_ours": (vefsdp_optim.AdamW(ps_aw).step),
         "adamw_torch": (torch.optim.AdamW(ps_taw, foreach=True).step),
+        "adamw_ours_fully_shard": adamw_fs.step,
     }
     comm = {}
     for k, fn in runners.items():  # warm-up + one counted step each
@@ -140,6 +167,8 @@ def _worker(world: int, steps: int) -> dict:
         # torch.distributed; DTensor's own collectives are invisible to both here
         comm[k] = {"collectives": max(counter["calls"], mode.calls), "bytes_c10d": counter["bytes"]}
     times = interleave(runners, steps, warmup=0, group=dist.group.WORLD, device=device)
+    if adamw_fs.fused_updates == 0:
+        raise AssertionError("AdamW on fully_shard parameters did not take the fused path")
     # owner balance of our Muon
     from vefsdp_optim.comm import assign_owners, sharded_view
 
@@ -160,6 +189,9 @@ def _row(world: int, steps: int) -> dict:
         "ratio_muon_vs_allgather_muon": paired_ratio(t["muon_ours"], t["muon_allgather"]),
         "adamw_ours_ms": stats(t["adamw_ours"], 1e3), "adamw_torch_ms": stats(t["adamw_torch"], 1e3),
         "ratio_adamw_vs_torch_adamw": paired_ratio(t["adamw_ours"], t["adamw_torch"]),
+        "adamw_ours_fully_shard_ms": stats(t["adamw_ours_fully_shard"], 1e3),
+        "ratio_adamw_fully_shard_vs_torch_adamw_fsdp2": paired_ratio(t["adamw_ours_fully_shard"],
+                                                                     t["adamw_torch"]),
         "collectives_muon_ours/torch/allgather": "/".join(
             str(res["comm"][k]["collectives"]) for k in ("muon_ours", "muon_torch", "muon_allgather")),
         "owner_max_over_mean": res["owner_max_over_mean"],
@@ -180,6 +212,8 @@ def run(quick: bool = True) -> dict:
             {"comparison": f"Muon step / all-gather Muon, W={w}", "ratio": r["ratio_muon_vs_allgather_muon"]},
             {"comparison": f"AdamW step / torch.optim.AdamW (foreach) on FSDP2, W={w}",
              "ratio": r["ratio_adamw_vs_torch_adamw"]},
+            {"comparison": f"AdamW step on fully_shard (fused) / torch.optim.AdamW on FSDP2, W={w}",
+             "ratio": r["ratio_adamw_fully_shard_vs_torch_adamw_fsdp2"]},
         ]
         if (nr := not_run_row(w)) is not None:
             rows.append(nr)
