@@ -673,3 +673,83 @@ def test_unshard_handle_reuse_replan_grads_dtypes(world_size: int) -> None:
                     "replan_then_accumulate", "two_dtypes"):
             assert res[key] < RTOL, (key, res)
         assert res["reuse_reduce_scatters"] == 4, res  # one per group: inp, shared, raw, root
+
+
+# -- async reduce-scatter ---------------------------------------------------------------
+
+
+class _LoggedWork:
+    def __init__(self, work: object, log: list[tuple[str, int]], key: int) -> None:
+        self._work, self._log, self._key = work, log, key
+
+    def wait(self, *args: object) -> bool:
+        self._log.append(("wait", self._key))
+        return self._work.wait(*args)
+
+
+def _async_reduce() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from vefsdp_optim._fsdp import fully_shard
+    from vefsdp_optim._fsdp._group import ParamGroup
+
+    w = dist.get_world_size()
+    model, blocks, data = _build("transformer")
+    ref = copy.deepcopy(model)
+    for b in blocks:
+        fully_shard(b)
+    fully_shard(model)
+    log: list[tuple[str, int]] = []
+    launches: list[bool] = []
+    orig_rs, orig_attach = dist.reduce_scatter_single, ParamGroup.attach_grads
+
+    def rs(*args: object, async_op: bool = False, **kwargs: object) -> object:
+        launches.append(async_op)
+        log.append(("launch", len(launches)))
+        work = orig_rs(*args, async_op=async_op, **kwargs)
+        return _LoggedWork(work, log, len(launches)) if async_op else work
+
+    def attach(self: ParamGroup) -> None:
+        log.append(("attach", 0))
+        orig_attach(self)
+
+    out: dict[str, object] = {}
+    groups = [m._vefsdp_state.group for m in model.modules() if hasattr(m, "_vefsdp_state")]
+    dist.reduce_scatter_single, ParamGroup.attach_grads = rs, attach
+    try:
+        errs: list[float] = []
+        for step in range(2):  # the second step also covers the grads kept from the first
+            log.clear()
+            _loss(model, data[step]).backward()
+            _loss(ref, data[step]).backward()
+            if step == 0:
+                out["log"] = list(log)
+                out["pending_after_backward"] = [g.reducing for g in groups]
+            ref_grads = [p.grad.clone() for p in ref.parameters()]
+            _average_like_ranks(ref, w)
+            errs += _close([p.grad.full_tensor() for p in model.parameters()],
+                           [p.grad for p in ref.parameters()])
+            for p, g in zip(ref.parameters(), ref_grads, strict=True):
+                p.grad = g  # keep the raw sum for the next step's accumulation
+        out["errs"] = errs
+    finally:
+        dist.reduce_scatter_single, ParamGroup.attach_grads = orig_rs, orig_attach
+    out["launches"] = launches
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_scatter_async_and_waited_before_grads_are_read(world_size: int) -> None:
+    for res in run_distributed(_async_reduce, world_size):
+        assert res["launches"] and all(res["launches"]), res["launches"]  # every one async_op=True
+        log = res["log"]
+        launched = [k for e, k in log if e == "launch"]
+        assert len(launched) == 4, log  # one per group: 3 blocks + root
+        assert sorted(k for e, k in log if e == "wait") == launched, log  # every handle consumed
+        # a reduce-scatter is still in flight while the next group's backward starts
+        overlapped = [k for k in launched
+                      if ("attach", 0) in log[log.index(("launch", k)):log.index(("wait", k))]]
+        assert overlapped, log
+        assert not any(res["pending_after_backward"]), res
+        # grads read right after backward, with no explicit sync, equal the reference
+        assert max(res["errs"]) <= RTOL, res["errs"]

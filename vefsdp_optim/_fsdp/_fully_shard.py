@@ -40,6 +40,10 @@ class _RootContext:
         # groups in the order their forward ran with grad enabled (with repeats); the
         # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
         self.fwd_order: list[FSDPState] = []
+        # groups whose reduce-scatter was launched and not yet waited for; the next
+        # post-backward waits for them before launching its own (at most one group's
+        # gradient buffer in flight), the final callback for the last
+        self.reducing: list[ParamGroup] = []
 
 
 class FSDPState:
@@ -190,7 +194,15 @@ class FSDPState:
         g.wait_unshard()
         for b in g.buckets:
             b.free()
-        g.reduce_grads()
+        ctx = self.ctx
+        if ctx is not None:
+            wait_reductions(ctx)
+        g.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
+        if g.reducing:
+            if ctx is not None:
+                ctx.reducing.append(g)
+            else:
+                g.wait_reduce()
 
 
 def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
@@ -203,10 +215,18 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
                 if s.reshard_after_forward and not s.is_root and s.group.gathered:
                     for b in s.group.buckets:  # prefetched, but its backward did not run
                         b.free()
+        wait_reductions(ctx)  # the optimizer reads the sharded .grad next
         ctx.fwd_order.clear()
         ctx.callback_queued = False
 
     return callback
+
+
+def wait_reductions(ctx: _RootContext) -> None:
+    """Complete every launched reduce-scatter under this root, in launch order."""
+    pending, ctx.reducing = ctx.reducing, []
+    for g in pending:
+        g.wait_reduce()
 
 
 class _PostBackward(torch.autograd.Function):

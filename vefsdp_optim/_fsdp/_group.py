@@ -10,14 +10,14 @@ group's gradients are complete. See [Note: grads into the buffer] in _param.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vefsdp_optim.comm import DistributedBuffer
-from vefsdp_optim.comm._collectives import supports_native_avg
+from vefsdp_optim.comm._collectives import FlatWork, supports_native_avg
 from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
 
 from ._param import ManagedParam
@@ -140,11 +140,19 @@ class Bucket:
             if p.requires_grad and p.unsharded is not None:
                 p.unsharded.grad = c.grad_full_view(p.fqn).view(p.shape)
 
-    def reduce_grads(self) -> None:
-        """Reduce-scatter (avg) the accumulated gradients into the master's local grad."""
+    def launch_reduce(self) -> _PendingReduce | None:
+        """Start the reduce-scatter (avg) of the accumulated gradients; ``finish_reduce`` ends it.
+
+        [Note: async reduce-scatter] The collective is launched with ``async_op=True`` so
+        that it runs while autograd computes the previous group's gradients; everything
+        that reads its output (the division of gloo's SUM-as-AVG, HSDP's replicate
+        all-reduce, the cast into the master's dtype, kept-gradient accumulation, the
+        sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
+        gradient buffer (the collective's input) stays allocated until then.
+        """
         g, c, r, m = self._group, self.compute, self.reduce, self.master
         if not any(p.requires_grad for p in self.params) or not c.grad_global_allocated:
-            return
+            return None
         accumulate = [] if self.direct else [
             p for p in self.params if p.requires_grad and p.sharded.grad is not None]
         prev = None
@@ -159,15 +167,21 @@ class Bucket:
             with torch.no_grad():
                 r.grad_global.copy_(c.grad_global)
             c.free_grad_global()
-        if g.shard_world > 1:
-            r.reduce_scatter(op="avg")
+        work = r.reduce_scatter(op="avg", async_op=True) if g.shard_world > 1 else None
+        return _PendingReduce(work, prev)
+
+    def finish_reduce(self, pending: _PendingReduce) -> None:
+        """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note)."""
+        g, c, r, m = self._group, self.compute, self.reduce, self.master
+        if pending.work is not None:
+            pending.work.wait()
         if g.replicate_pg is not None:
             _all_reduce_avg(r.local_grad, g.replicate_pg)
         with torch.no_grad():
             if r is not m:
                 m.local_grad.copy_(r.local_grad)
-            if prev is not None:
-                m.local_grad.add_(prev)
+            if pending.prev is not None:
+                m.local_grad.add_(pending.prev)
         if g.shard_world > 1:
             r.free_grad_global()
             c.free_grad_global()
@@ -181,6 +195,13 @@ class Bucket:
                                                       p.shape, sp._rank)
                 if p.unsharded is not None:
                     p.unsharded.grad = None
+
+
+class _PendingReduce(NamedTuple):
+    """A bucket's launched reduce-scatter: its handle (None: no collective) and kept grads."""
+
+    work: FlatWork | None
+    prev: torch.Tensor | None  # 1-D, m elements: the kept local grad to add back; None: none kept
 
 
 def check_group_consistent(signature: list, shard_pg: dist.ProcessGroup,
@@ -233,6 +254,7 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self._pending: Any = None  # async all-gather works from a prefetch
         self._grads_live = False  # gradient buffer holds unreduced gradients
+        self._reducing: list[tuple[Bucket, _PendingReduce]] | None = None  # launched, not waited
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
@@ -252,6 +274,7 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every bucket; no-op while a gather is pending or still fresh."""
+        self.wait_reduce()  # normally done by the final callback; no-op then
         if self._pending is not None:
             if not async_op:
                 self.wait_unshard()
@@ -274,6 +297,7 @@ class ParamGroup:
 
     def reshard(self) -> None:
         self.wait_unshard()
+        self.wait_reduce()
         for b in self.buckets:
             b.free()
         self.register(sharded=True)
@@ -288,14 +312,32 @@ class ParamGroup:
         return all(b.gathered for b in self.buckets)
 
     def attach_grads(self) -> None:
+        self.wait_reduce()  # the gradient buffer is the pending collective's input
         for b in self.buckets:
             b.attach_grads(fresh=not self._grads_live)
         self._grads_live = True
 
     def reduce_grads(self) -> None:
-        """End of this group's backward: reduce unless accumulating without sync."""
+        """End of this group's backward: launch the reduction unless accumulating without sync.
+
+        The reduce-scatters run asynchronously ([Note: async reduce-scatter]);
+        ``wait_reduce`` completes them (the next group's post-backward, the root's final
+        callback, or anything here that touches the gradients, whichever comes first).
+        """
         if not self.requires_gradient_sync:
             return
-        for b in self.buckets:
-            b.reduce_grads()
+        self.wait_reduce()
+        pending = [(b, b.launch_reduce()) for b in self.buckets]
+        self._reducing = [(b, pr) for b, pr in pending if pr is not None] or None
         self._grads_live = False
+
+    @property
+    def reducing(self) -> bool:
+        """A launched reduction has not been waited for yet."""
+        return self._reducing is not None
+
+    def wait_reduce(self) -> None:
+        """Complete the launched reductions: after this the sharded ``.grad`` are final."""
+        pending, self._reducing = self._reducing, None
+        for b, pr in pending or ():
+            b.finish_reduce(pr)
