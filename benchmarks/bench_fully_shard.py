@@ -55,38 +55,11 @@ WORLDS = (2, 4)
 
 # -- model ------------------------------------------------------------------------------
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(D)
-        self.qkv = nn.Linear(D, 3 * D)
-        self.proj = nn.Linear(D, D)
-        self.ln2 = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, 4 * D)
-        self.fc2 = nn.Linear(4 * D, D)
+def ToyGPT() -> nn.Module:  # noqa: N802
+    """The toy runs' GPT (vefsdp_optim.toy) at benchmark size: 3.45 M parameters."""
+    from vefsdp_optim.toy._tasks import TinyGPT
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).transpose(1, 3).unbind(2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class ToyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.pos = nn.Parameter(torch.randn(SEQ, D) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, tok: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tok) + self.pos[: tok.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
+    return TinyGPT(VOCAB, SEQ, d=D, n_layers=LAYERS, heads=HEADS)
 
 
 def _num_params() -> int:
@@ -168,14 +141,14 @@ def _build(system: str, base: nn.Module, device: str) -> tuple[nn.Module, torch.
         import vefsdp_optim
         from vefsdp_optim import fully_shard
 
-        for b in model.blocks:
+        for b in model.layers:
             fully_shard(b)
         fully_shard(model)
         opt = vefsdp_optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for b in model.blocks:
+        for b in model.layers:
             fully_shard(b)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
