@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from vefsdp_optim.sharding import GroupPlan
 
 from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, reduce_scatter_flat

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
 from vefsdp_optim.sharding import GroupPlan
 
 __all__ = [

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
+
 from vefsdp_optim.comm import DistributedBuffer, check_plan_consistent, reduce_scatter_flat
 from vefsdp_optim.sharding import TensorSpec, plan_group
 

@@ -17,6 +17,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from vefsdp_optim.sharding import (
     GroupPlan,
     RaggedShard,
