@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import vefsdp_optim._adam8bit as a8
+import vefsdp_optim._math._quant8 as q8
 from vefsdp_optim._math import num_blocks
 
 from ._common import cli, current_device, interleave, paired_ratio, result, stats
@@ -84,18 +85,18 @@ def profile_rows(steps: int, device: str, before: tuple[Any, Any] | None = None,
     from torch.profiler import ProfilerActivity, profile
 
     _, opt = _setup(device)
-    new_deq = a8._dequantize
+    new_deq = q8.dequantize_table
     if before is not None:
         signed, unsigned = opt._code_maps(torch.device(device))
         opt._quantizers[torch.device(device)] = (_OldCall(before[0](signed)), _OldCall(before[0](unsigned)))
-        a8._dequantize = before[1]
+        q8.dequantize_table = before[1]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     try:
         with profile(activities=acts) as prof:
             for _ in range(steps):
                 opt.step()
     finally:
-        a8._dequantize = new_deq
+        q8.dequantize_table = new_deq
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     rows = []
@@ -111,7 +112,7 @@ def before_after(steps: int, device: str) -> tuple[list[dict[str, Any]], list[st
     if isinstance(before, str):
         return [{"what": "before/after", "status": before}], []
     old_q, old_deq = before
-    new_q, new_deq = a8._TableQuantizer, a8._dequantize
+    new_q, new_deq = q8.TableQuantizer, q8.dequantize_table
     notes = []
     # 1) the moment path alone, on every quantized tensor's moments
     ps, opt = _setup(device)
@@ -152,11 +153,11 @@ def before_after(steps: int, device: str) -> tuple[list[dict[str, Any]], list[st
     opt_b._quantizers[torch.device(device)] = (_OldCall(olds[0]), _OldCall(olds[1]))
 
     def step_before():
-        a8._dequantize = old_deq
+        q8.dequantize_table = old_deq
         try:
             opt_b.step()
         finally:
-            a8._dequantize = new_deq
+            q8.dequantize_table = new_deq
 
     t = interleave({"before": step_before, "after": opt_a.step}, steps, warmup=1, device=device)
     same = all(torch.equal(x, y) for x, y in zip(ps_b, ps_a, strict=True))

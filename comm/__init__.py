@@ -2,7 +2,7 @@
 
 from ._buffer import DistributedBuffer
 from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, reduce_scatter_flat
-from ._owners import OwnerAssignment, assign_owners, muon_cost
+from ._owners import OwnerAssignment, assign_owners
 from ._redistribute import RedistributeHandle, check_same_on_all_ranks, redistribute, transfer_sizes
 from ._views import ShardedView, sharded_view
 
@@ -16,7 +16,6 @@ __all__ = [
     "assign_owners",
     "check_plan_consistent",
     "check_same_on_all_ranks",
-    "muon_cost",
     "redistribute",
     "reduce_scatter_flat",
     "sharded_view",

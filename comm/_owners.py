@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from vefsdp_optim.sharding import RaggedShard
 
-__all__ = ["OwnerAssignment", "assign_owners", "muon_cost"]
+__all__ = ["OwnerAssignment", "assign_owners"]
 
 # [Note: owner assignment]
 # Longest processing time first (Graham's LPT): tensors by cost descending (ties by
@@ -30,21 +30,6 @@ class OwnerAssignment(NamedTuple):
     loads: tuple[float, ...]  # per-rank total cost
     max_over_mean: float  # max load / mean load (1.0 when all costs are 0)
     elements_moved: int  # sum over tensors of numel - elements the owner already holds
-
-    @property
-    def bytes_moved(self) -> int:
-        """Alias of ``elements_moved`` (counts elements; multiply by the element size)."""
-        return self.elements_moved
-
-
-def muon_cost(shape: Sequence[int]) -> float:
-    """Newton-Schulz cost ``m * n * min(m, n)`` of the (dim0, rest) matrix view."""
-    dims = [int(d) for d in shape]
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape entries must be >= 0, got {tuple(shape)}")
-    m = dims[0] if dims else 1
-    n = math.prod(dims[1:])
-    return float(m * n * min(m, n))
 
 
 def assign_owners(

@@ -87,12 +87,6 @@ class GroupPlan:
     def lower_bound(self) -> int:
         return padding_lower_bound(self.specs, self.world_size, self.align)
 
-    @property
-    def order(self) -> tuple[str, ...]:
-        """Tensor names in buffer order."""
-        pairs = sorted(zip(self.offset_list, range(len(self.specs)), strict=True))
-        return tuple(self.specs[i].name for _, i in pairs)
-
     def spec(self, name: str) -> TensorSpec:
         for s in self.specs:
             if s.name == name:

@@ -84,11 +84,6 @@ class RaggedShard:
             raise ValueError(f"numel must be >= 0, got {numel}")
         return cls.from_boundaries([0] * (rank + 1) + [numel] * (w - rank))
 
-    @classmethod
-    def replicated_on_one(cls, numel: int) -> RaggedShard:
-        """The single-rank layout (W = 1) of a plain, unsharded tensor."""
-        return cls.whole(numel, 1, 0)
-
     # -- queries ------------------------------------------------------------------
 
     @property
@@ -108,13 +103,6 @@ class RaggedShard:
     def local(self, rank: int) -> tuple[int, int]:
         """``(start, length)`` of ``rank``'s slice."""
         return self.extents[rank]
-
-    def owner(self) -> int | None:
-        """The rank holding the whole tensor, if one does (None if it is split)."""
-        for r, (_, n) in enumerate(self.extents):
-            if n == self.numel:
-                return r
-        return None
 
     def satisfies(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> bool:
         """Whether every interior cut is legal for ``requirement`` (a Requirement or a unit)."""

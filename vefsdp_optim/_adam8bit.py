@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from vefsdp_optim._math import (
-    adamw_step_,
+    TableQuantizer,
+    adam8bit_block_step_,
     dynamic_code_map,
     num_blocks,
     quantize_blockwise,
@@ -47,108 +48,6 @@ def _check_8bit_args(block_size: object, min_8bit_size: object) -> None:
         raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
 
 
-# [Note: table quantizer]
-# quantize_blockwise finds each code with a binary search over the 255 midpoints of the
-# code map (torch.searchsorted), which on the CPU costs ~70 ns per element, 10x an
-# AdamW step. _TableQuantizer gives the same codes, bit for bit, with a lookup: the top
-# 16 bits of a float32 (sign, exponent, 7 mantissa bits) name a bucket of consecutive
-# floats; ``lo[bucket]`` counts the midpoints below the bucket, and the few midpoints
-# inside it (at most ``k``: 1 for both dynamic maps) are compared one by one. The code
-# is the number of midpoints strictly below the value, exactly searchsorted's answer
-# (a value equal to a midpoint takes the lower code). NaN inputs are not supported.
-# With k <= 1 (the dynamic maps) the code is ``lo8[b] + (mid_in[b] < x)``: two byte /
-# float lookups on the same bucket, written straight into the uint8 state (a profile
-# of the step showed the int32 temporaries, the index arithmetic, the copies and the
-# |x| temporary of the absmax at ~40% of it; see benchmarks/bench_profile.py).
-
-
-class _TableQuantizer:
-    """Block-wise quantizer equal to ``quantize_blockwise`` for one code map."""
-
-    def __init__(self, code: torch.Tensor) -> None:
-        mid = ((code[:-1] + code[1:]) / 2).cpu()  # (255,) as quantize_blockwise computes them
-        bits = torch.arange(1 << 16, dtype=torch.int64) << 16  # first float of each bucket
-        first = bits.to(torch.int32).view(torch.float32)
-        last = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
-        lo_val, hi_val = torch.minimum(first, last), torch.maximum(first, last)
-        lo = torch.searchsorted(mid, lo_val)  # midpoints < bucket's smallest float
-        hi = torch.searchsorted(mid, hi_val, right=True)  # midpoints <= its largest
-        finite = torch.isfinite(lo_val) & torch.isfinite(hi_val)
-        self.k = int((hi - lo)[finite].max())
-        self.lo = lo.to(torch.int32).to(code.device)  # (65536,)
-        pad = torch.full((self.k,), float("inf"))
-        self.mid = torch.cat([mid, pad]).to(code.device)  # (255 + k,)
-        if self.k <= 1:  # one midpoint at most per bucket: the fast path
-            inside = finite & (hi > lo)
-            mid_in = torch.full((1 << 16,), float("inf"))
-            mid_in[inside] = mid[lo[inside]]
-            self.mid_in = mid_in.to(code.device)  # (65536,) float32, +inf: none inside
-            self.lo8 = lo.to(torch.uint8).to(code.device)  # (65536,), lo <= 255
-
-    def __call__(self, x: torch.Tensor, block_size: int,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes, absmax)`` of 1-D float32 ``x``; codes go into ``out`` (uint8, numel)
-        when given."""
-        n = x.numel()
-        nb = num_blocks(n, block_size)
-        pad = nb * block_size - n
-        blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, block_size)
-        # (nb,) max |x| = max(max x, -min x), exactly, without an |x| temporary; abs_ makes a
-        # block of -0.0 give +0.0 as abs().amax() does
-        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
-        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        normed = (blocks / scale[:, None]).reshape(-1)[:n]  # (n,), in [-1, 1]
-        bucket = normed.view(torch.int32) >> 16
-        bucket &= 0xFFFF  # (n,) int32 in [0, 65536)
-        if self.k <= 1:
-            codes = torch.index_select(self.lo8, 0, bucket, out=out) if out is not None \
-                else self.lo8.index_select(0, bucket)  # (n,) uint8
-            codes += self.mid_in.index_select(0, bucket) < normed
-            return codes, absmax
-        base = self.lo.index_select(0, bucket)  # (n,) int32
-        idx = base.clone()
-        for j in range(self.k):
-            idx += self.mid.index_select(0, base + j) < normed
-        if out is None:
-            return idx.to(torch.uint8), absmax
-        return out.copy_(idx), absmax
-
-
-def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
-    """``dequantize_blockwise`` (same products, same bits) with an int32 index_select,
-    several times faster on the CPU than advanced indexing with int64 indices."""
-    n = codes.numel()
-    values = code.index_select(0, codes.to(torch.int32))  # (n,)
-    full = n // bs * bs
-    values[:full].view(-1, bs).mul_(absmax[: n // bs, None])  # in place: same products
-    if full < n:
-        values[full:].mul_(absmax[-1])
-    return values
-
-
-def _adam8bit_step_(
-    p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], *, step: int, group: dict[str, Any],
-    decoupled: bool, codes: tuple[torch.Tensor, torch.Tensor],
-    quantizers: tuple[_TableQuantizer, _TableQuantizer],
-) -> None:
-    """``adam8bit_block_step_`` with the table quantizer and ``_dequantize`` (same bits:
-    the tests compare the optimizer with it)."""
-    bs = group["block_size"]
-    beta1, beta2 = group["betas"]
-    exp_avg = _dequantize(state["exp_avg_codes"], state["exp_avg_absmax"], codes[0], bs)
-    exp_avg_sq = _dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], codes[1], bs)
-    p32 = p if p.dtype == torch.float32 else p.float()
-    adamw_step_(p32, g.float(), exp_avg, exp_avg_sq, None, step=step, lr=group["lr"],
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                amsgrad=False, maximize=False, decoupled=decoupled)
-    if p32 is not p:
-        p.copy_(p32)
-    for name, moment, quantize in (("exp_avg", exp_avg, quantizers[0]),
-                                   ("exp_avg_sq", exp_avg_sq, quantizers[1])):
-        _, a = quantize(moment, bs, out=state[name + "_codes"])
-        state[name + "_absmax"].copy_(a)
-
-
 class _Adam8bitBase(BlockOptimizer):
     """Shared body of ``AdamW8bit`` and ``Adam8bit``; ``decoupled`` picks the decay."""
 
@@ -171,7 +70,7 @@ class _Adam8bitBase(BlockOptimizer):
                         block_size=block_size, min_8bit_size=min_8bit_size)
         # code maps per device, shared by every parameter
         self._codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._quantizers: dict[torch.device, tuple[_TableQuantizer, _TableQuantizer]] = {}
+        self._quantizers: dict[torch.device, tuple[TableQuantizer, TableQuantizer]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -207,11 +106,11 @@ class _Adam8bitBase(BlockOptimizer):
                                           dynamic_code_map(False).to(device))
         return maps
 
-    def _table_quantizers(self, device: torch.device) -> tuple[_TableQuantizer, _TableQuantizer]:
+    def _table_quantizers(self, device: torch.device) -> tuple[TableQuantizer, TableQuantizer]:
         qs = self._quantizers.get(device)
         if qs is None:
             signed, unsigned = self._code_maps(device)
-            qs = self._quantizers[device] = (_TableQuantizer(signed), _TableQuantizer(unsigned))
+            qs = self._quantizers[device] = (TableQuantizer(signed), TableQuantizer(unsigned))
         return qs
 
     def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
@@ -244,9 +143,14 @@ class _Adam8bitBase(BlockOptimizer):
                 f"8-bit state covers {state['exp_avg_codes'].numel()} elements but the compute "
                 f"slice has {p.numel()}: the compute layout changed between steps")
         state["step"] += 1
-        _adam8bit_step_(p, g, state, step=int(state["step"].item()), group=group,
-                        decoupled=self.decoupled, codes=self._code_maps(p.device),
-                        quantizers=self._table_quantizers(p.device))
+        signed, unsigned = self._code_maps(p.device)
+        beta1, beta2 = group["betas"]
+        adam8bit_block_step_(
+            p, g, state["exp_avg_codes"], state["exp_avg_absmax"], state["exp_avg_sq_codes"],
+            state["exp_avg_sq_absmax"], step=int(state["step"].item()), lr=group["lr"],
+            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            decoupled=self.decoupled, block_size=bs, signed_code=signed, unsigned_code=unsigned,
+            quantizers=self._table_quantizers(p.device))
 
     def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]

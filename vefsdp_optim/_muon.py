@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math import muon_adjust_lr, muon_matrix_view, zeropower_via_newtonschulz
+from vefsdp_optim._math import (
+    NS_COEFFICIENTS,
+    muon_adjust_lr,
+    muon_cost,
+    muon_matrix_view,
+    zeropower_via_newtonschulz,
+)
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, WholeTensor
 
@@ -16,8 +22,6 @@ from ._block_optimizer import ELEMENTWISE, BlockOptimizer, _Item, adam_state_spe
 from ._registry import register_optimizer
 
 __all__ = ["Muon"]
-
-_DEFAULT_NS = (3.4445, -4.775, 2.0315)
 
 
 @register_optimizer("muon")
@@ -45,7 +49,7 @@ class Muon(BlockOptimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = _DEFAULT_NS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
@@ -101,8 +105,7 @@ class Muon(BlockOptimizer):
         return view.layout  # momentum stays sharded like the parameter
 
     def cost(self, shape: torch.Size) -> float:
-        m, n = muon_matrix_view(shape)
-        return float(m) * n * min(m, n)
+        return muon_cost(shape)
 
     # hooks: momentum on the local shard, Newton-Schulz on the owner, apply locally
 

@@ -20,6 +20,7 @@ __all__ = [
     "NS_EPS",
     "NS_STEPS",
     "muon_adjust_lr",
+    "muon_cost",
     "muon_matrix_view",
     "zeropower_via_newtonschulz",
 ]
@@ -103,6 +104,13 @@ def muon_matrix_view(shape: Sequence[int]) -> tuple[int, int]:
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
         raise ValueError(f"shape must hold non-negative ints, got {dims}")
     return dims[0], math.prod(dims[1:])
+
+
+def muon_cost(shape: Sequence[int]) -> float:
+    """Relative cost ``m * n * min(m, n)`` of Newton-Schulz on the ``muon_matrix_view``
+    of ``shape`` (used to balance owners)."""
+    m, n = muon_matrix_view(shape)
+    return float(m) * n * min(m, n)
 
 
 def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
