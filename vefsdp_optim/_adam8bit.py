@@ -11,22 +11,18 @@ import torch
 from vefsdp_optim._math import (
     TableQuantizer,
     adam8bit_block_step_,
+    check_adam_hparams,
     dynamic_code_map,
     num_blocks,
     quantize_blockwise,
 )
 from vefsdp_optim.sharding import Elementwise, FlatBlocks, Requirement
 
-from ._adamw import adam_bucket_, check_adam_hparams
-from ._block_optimizer import (
-    ELEMENTWISE,
-    REPLICATED,
-    BlockContext,
-    BlockOptimizer,
-    _Item,
-    adam_state_spec,
-)
+from ._adam_state import adam_bucket_, adam_state_spec
+from ._block_optimizer import BlockContext, BlockOptimizer
 from ._registry import register_optimizer
+from ._state_format import ELEMENTWISE, REPLICATED
+from ._step_loop import StepItem
 
 __all__ = ["AdamW8bit", "Adam8bit"]
 
@@ -152,24 +148,18 @@ class _Adam8bitBase(BlockOptimizer):
             decoupled=self.decoupled, block_size=bs, signed_code=signed, unsigned_code=unsigned,
             quantizers=self._table_quantizers(p.device))
 
-    def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]
-        fp32_by_group: dict[int, list[int]] = {}
+        fp32 = []  # small tensors: fused fp32 Adam(W) (one param group per bucket)
         for i, it in enumerate(items):
             if self.is_quantized(it.view.shape, it.group):
                 out[i] = self.compute(it, inputs[i])
             else:
-                fp32_by_group.setdefault(id(it.group), []).append(i)
-        for idx in fp32_by_group.values():  # small tensors: fused fp32 Adam(W) per group
-            group = items[idx[0]].group
-            adam_bucket_(
-                self, [items[i] for i in idx], [inputs[i][0] for i in idx],
-                [inputs[i][1] for i in idx], lr=group["lr"], betas=group["betas"],
-                eps=group["eps"], weight_decay=group["weight_decay"], amsgrad=False,
-                maximize=False, decoupled=self.decoupled,
-            )
-            for i in idx:
+                fp32.append(i)
                 out[i] = [inputs[i][0]]
+        if fp32:
+            adam_bucket_([self.state[items[i].param] for i in fp32], [inputs[i][0] for i in fp32],
+                         [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled)
         return out
 
 

@@ -4,27 +4,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from vefsdp_optim.comm import (
-    ShardedView,
-    assign_owners,
-    check_same_on_all_ranks,
-    redistribute,
-    sharded_view,
-)
+from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
 from vefsdp_optim.sharding import RaggedShard, Requirement
 
-__all__ = ["BlockOptimizer", "BlockContext", "REPLICATED", "ELEMENTWISE", "adam_state_spec"]
+from ._state_format import export_state, load_state
+from ._step_loop import (
+    BlockContext,
+    PendingExchange,
+    StepItem,
+    check_consistent,
+    exchange,
+    make_buckets,
+)
 
-#: checkpoint kinds of a state entry (see [Note: world-size-free optimizer state])
-REPLICATED = "replicated"
-ELEMENTWISE = "elementwise"
-_CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's class name
+__all__ = ["BlockOptimizer", "BlockContext"]
 
 # [Note: one step loop]
 # Every parameter is reduced to a ShardedView: this rank's 1-D slice of the flat
@@ -35,7 +33,8 @@ _CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's cla
 #   - the storage layout with each boundary snapped to the nearest legal cut
 #     (only pieces at boundaries move) for block and band requirements;
 #   - "whole on an owner" for WholeTensor, owners balanced by cost (LPT).
-# A step walks buckets of parameters (same process group, dtype, device): it gathers
+# A step walks exchange buckets of parameters (same param group, process group, dtype,
+# device; so every hook sees one param group per bucket): it gathers
 # the inputs of every moving parameter of the bucket in ONE all_to_all (launched
 # before the previous bucket's compute, so they overlap), computes on whole blocks,
 # and sends the results back in one more. Subclasses supply only the requirement and
@@ -46,69 +45,6 @@ _CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's cla
 # The defaults move (param, grad), call update_block() and copy the param back,
 # which is right for optimizers whose state lives with the blocks (8-bit Adam,
 # Shampoo). Muon overrides them to keep momentum sharded and move one tensor.
-
-
-# [Note: world-size-free optimizer state]
-# state_dict() gives every state tensor a form that does not depend on the world size
-# that wrote it, so DCP (torch.distributed.checkpoint) can reshard it on load:
-#   - ELEMENTWISE state (one value per parameter element: Adam moments, Muon momentum,
-#     8-bit codes) is a ShardedParameter of the parameter's global shape holding this
-#     rank's slice of the state layout (plain tensor of the global shape at W = 1);
-#   - per-block state (an int k: one value per block of k consecutive elements, e.g.
-#     8-bit absmax) is a 1-D ShardedParameter of ceil(numel / k) values, indexed by
-#     global block;
-#   - REPLICATED state (step counters) is saved as is, by the ranks whose slice is not
-#     empty (they all hold the same value; empty slices may never have stepped);
-#   - anything else (Shampoo's tiles) by the subclass hooks, keyed by global index.
-# The local data of every tensor handed out are the live state tensors themselves, so
-# ``dcp.load`` into ``state_dict()`` writes the state in place; load_state_dict() then
-# copies whatever is not already in place (plain full tensors from torch.load or a
-# full export: this rank's slice is taken) into the existing state tensors.
-
-
-def adam_state_spec(amsgrad: bool = False) -> dict[str, str | int]:
-    """The checkpoint spec of torch's Adam(W) state (``step``, ``exp_avg``, ...)."""
-    spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "exp_avg_sq": ELEMENTWISE}
-    if amsgrad:
-        spec["max_exp_avg_sq"] = ELEMENTWISE
-    return spec
-
-
-@dataclass(frozen=True, slots=True)
-class BlockContext:
-    """Where a 1-D slice handed to an update lies in its parameter."""
-
-    shape: torch.Size  # global shape of the parameter
-    start: int  # flat offset, in the parameter, of the slice's first element
-    length: int  # elements in the slice (whole units, or the whole tensor)
-    rank: int
-    world_size: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_whole(self) -> bool:
-        return self.start == 0 and self.length == self.numel
-
-
-@dataclass(slots=True)
-class _Item:
-    param: torch.Tensor  # the user's parameter object (state key)
-    view: ShardedView  # storage layout
-    grad: torch.Tensor  # 1-D local gradient slice, same length as view.local
-    requirement: Requirement
-    compute: RaggedShard  # compute layout
-    group: dict[str, Any]  # the param group
-
-    @property
-    def moves(self) -> bool:
-        return self.compute != self.view.layout
-
-    def ctx(self, layout: RaggedShard) -> BlockContext:
-        start, length = layout.local(self.view.rank)
-        return BlockContext(self.view.shape, start, length, self.view.rank, layout.world_size)
 
 
 class BlockOptimizer(Optimizer):
@@ -212,13 +148,7 @@ class BlockOptimizer(Optimizer):
         sd = super().state_dict()
         if type(self).checkpoint_spec is BlockOptimizer.checkpoint_spec:
             return sd
-        state: dict[int, dict[str, Any]] = {}
-        for idx, (p, group) in enumerate(self._params_in_order()):
-            state[idx] = self._export_param_state(p, group)
-        sd["state"] = state
-        for g in sd["param_groups"]:
-            g[_CLASS_KEY] = type(self).__name__
-        return sd
+        return export_state(self, sd)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` written at any world size (after
@@ -226,165 +156,14 @@ class BlockOptimizer(Optimizer):
         state tensors are written in place. Raises ValueError naming what differs."""
         if type(self).checkpoint_spec is BlockOptimizer.checkpoint_spec:
             return super().load_state_dict(state_dict)
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("an optimizer state dict must have 'state' and 'param_groups', got "
-                             f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(saved_groups)} param groups, "
-                             f"{type(self).__name__} has {len(self.param_groups)}")
-        ids: list[object] = []
-        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(f"param group {i}: checkpoint has {len(sg['params'])} parameters, "
-                                 f"the optimizer has {len(g['params'])}")
-            cls = sg.get(_CLASS_KEY)
-            if cls is not None and cls != type(self).__name__:
-                raise ValueError(f"checkpoint was written by {cls}, this optimizer is {type(self).__name__}")
-            for k in self.structural_keys:
-                if k in sg and sg[k] != g[k]:
-                    raise ValueError(f"param group {i}: checkpoint has {k}={sg[k]!r}, the optimizer has "
-                                     f"{k}={g[k]!r}; the state layout depends on it")
-            ids.extend(sg["params"])
-        saved_state = state_dict["state"]
-        pairs = list(zip(self._params_in_order(), ids, strict=True))
-        checked = [self._check_param_state(p, group, saved_state.get(sid) or {}, sid)
-                   for (p, group), sid in pairs]
-        if not self._has_state() and any(saved_state.get(sid) for _, sid in pairs):
-            self._zero_step()  # create the state with the optimizer's own code
-        for ((p, group), sid), ok in zip(pairs, checked, strict=True):
-            if ok:
-                self._import_param_state(p, group, saved_state.get(sid) or {}, sid)
-        for g, sg in zip(self.param_groups, saved_groups, strict=True):
-            for k, v in sg.items():
-                if k not in ("params", _CLASS_KEY):
-                    g[k] = v
-
-    # -- checkpoint internals ---------------------------------------------------------
-
-    def _params_in_order(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        return [(p, g) for g in self.param_groups for p in g["params"]]
-
-    def _has_state(self) -> bool:
-        return any(bool(v) for v in self.state.values())
-
-    def _zero_step(self) -> None:
-        """One step with zero gradients and lr 0 (as DCP's _init_optim_state), with every
-        parameter and gradient restored after: it only creates the state."""
-        saved = []
-        for p, _ in self._params_in_order():
-            if p.requires_grad:
-                local = sharded_view(p).local
-                saved.append((p, p.grad, local, local.clone()))
-                p.grad = torch.zeros_like(p)
-        lrs = [g["lr"] for g in self.param_groups]
-        for g in self.param_groups:
-            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        try:
-            self.step()
-        finally:
-            for g, lr in zip(self.param_groups, lrs, strict=True):
-                g["lr"] = lr
-            for p, grad, local, copy in saved:
-                local.copy_(copy)
-                p.grad = grad
-
-    def _export_param_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        state = self.state.get(p)
-        if not state:
-            return {}
-        view = sharded_view(p)
-        layout = self.state_layout(view, group)
-        spec = self.checkpoint_spec(view.shape, group)
-        length = layout.local(view.rank)[1]
-        out: dict[str, Any] = {}
-        for key, kind in spec.items():
-            if key not in state:
-                continue
-            v = state[key]
-            if kind == REPLICATED:
-                if length > 0 or (layout.numel == 0 and view.rank == 0):
-                    out[key] = v
-            else:
-                shape, lay = self._entry_geometry(kind, view, layout)
-                out[key] = _sharded_entry(v, lay, view, shape)
-        out.update(self.export_extra_state(state, view, layout, group))
-        return out
-
-    @staticmethod
-    def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard) -> tuple[torch.Size, RaggedShard]:
-        if kind == ELEMENTWISE:
-            return view.shape, layout
-        if isinstance(kind, bool) or not isinstance(kind, int) or kind < 1:
-            raise AssertionError(f"checkpoint kind {kind!r}: expected {REPLICATED!r}, {ELEMENTWISE!r} or a block size")
-        n = layout.numel
-        if any(b % kind and b != n for b in layout.boundaries):
-            raise AssertionError(f"state layout {layout.extents} cuts blocks of {kind}")
-        blocks = RaggedShard.from_boundaries([-(-b // kind) for b in layout.boundaries])
-        return torch.Size((blocks.numel,)), blocks
-
-    def _check_param_state(self, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
-                           name: object) -> bool:
-        """Validate one parameter's saved entry; False when there is nothing to load."""
-        if not isinstance(saved, dict):
-            raise ValueError(f"optimizer state of parameter {name!r} must be a dict, got {type(saved).__name__}")
-        view = sharded_view(p)
-        spec = self.checkpoint_spec(view.shape, group)
-        unexpected = sorted(k for k in saved if k not in spec and not k.startswith(self.extra_state_prefixes))
-        if unexpected:
-            raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}) has keys "
-                             f"{unexpected} that {type(self).__name__} does not keep; it keeps {sorted(spec)}")
-        layout = self.state_layout(view, group)
-        for key, kind in spec.items():
-            if key not in saved or kind == REPLICATED:
-                continue
-            shape, _ = self._entry_geometry(kind, view, layout)
-            v = saved[key]
-            if not isinstance(v, torch.Tensor):
-                raise ValueError(f"optimizer state {name!r}.{key} must be a tensor, got {type(v).__name__}")
-            if v.shape != shape:
-                raise ValueError(f"optimizer state {name!r}.{key} has shape {tuple(v.shape)}, expected "
-                                 f"{tuple(shape)} for a parameter of shape {tuple(view.shape)}")
-        return bool(saved)
-
-    def _import_param_state(self, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
-                            name: object) -> None:
-        state = self.state.get(p)
-        if not state:
-            return
-        view = sharded_view(p)
-        layout = self.state_layout(view, group)
-        spec = self.checkpoint_spec(view.shape, group)
-        length = layout.local(view.rank)[1]
-        missing = [k for k, kind in spec.items()
-                   if k in state and k not in saved and length > 0]
-        if missing:
-            raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}): the "
-                             f"checkpoint lacks {sorted(missing)}; it has {sorted(saved)}")
-        for key, kind in spec.items():
-            if key not in state or key not in saved:
-                continue
-            live, v = state[key], saved[key]
-            if kind == REPLICATED:
-                if isinstance(live, torch.Tensor):
-                    if isinstance(v, torch.Tensor) and v.numel() != live.numel():
-                        raise ValueError(f"optimizer state {name!r}.{key} has {v.numel()} elements, "
-                                         f"expected {live.numel()}")
-                    if not (isinstance(v, torch.Tensor) and v.data_ptr() == live.data_ptr()):
-                        live.copy_(v if isinstance(v, torch.Tensor) else torch.tensor(v))
-                else:
-                    state[key] = v
-                continue
-            _, lay = self._entry_geometry(kind, view, layout)
-            _copy_slice(live, v, lay, view.rank, f"{name}.{key}")
-        self.import_extra_state(state, saved, view, layout, group, name)
+        load_state(self, state_dict)
 
     # -- hooks (defaults: state lives with the blocks) ----------------------------
 
-    def gather_inputs(self, item: _Item) -> list[torch.Tensor]:
+    def gather_inputs(self, item: StepItem) -> list[torch.Tensor]:
         return [item.view.local, item.grad]
 
-    def compute(self, item: _Item, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def compute(self, item: StepItem, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         p, g = inputs
         if p.numel():
             ctx = item.ctx(item.compute)
@@ -392,16 +171,16 @@ class BlockOptimizer(Optimizer):
             self.update_block(p, g, state, ctx, item.group)
         return [p]
 
-    def apply_results(self, item: _Item, outputs: list[torch.Tensor]) -> None:
+    def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
         (p,) = outputs
         if p is not item.view.local and p.numel():
             item.view.local.copy_(p)
 
-    def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Compute a whole bucket; override to fuse across parameters (AdamW)."""
         return [self.compute(it, ins) for it, ins in zip(items, inputs, strict=True)]
 
-    def _block_state(self, item: _Item, p: torch.Tensor, ctx: BlockContext) -> dict[str, Any]:
+    def _block_state(self, item: StepItem, p: torch.Tensor, ctx: BlockContext) -> dict[str, Any]:
         state = self.state[item.param]
         if not state:
             state.update(self.init_state(p, ctx, item.group))
@@ -418,15 +197,15 @@ class BlockOptimizer(Optimizer):
         items = [it for group in self.param_groups for it in self._collect(group)]
         for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
             self.state[it.param]
-        self._check_consistent(items)
-        buckets = self._buckets(items)
+        check_consistent(items, self._checked_groups)
+        buckets = make_buckets(items, self.bucket_numel)
         # pipeline: bucket k+1's inputs are in flight while bucket k computes
         pending = self._launch(buckets[0]) if buckets else None
         for k, bucket in enumerate(buckets):
             current = pending
             pending = self._launch(buckets[k + 1]) if k + 1 < len(buckets) else None
             outputs = self.compute_bucket(bucket, current.wait())
-            back = self._exchange(bucket, outputs, forward=False).wait()
+            back = exchange(bucket, outputs, forward=False).wait()
             for it, outs in zip(bucket, back, strict=True):
                 self.apply_results(it, outs)
         return loss
@@ -437,7 +216,7 @@ class BlockOptimizer(Optimizer):
         buckets, [Note: fused buckets]) and leave out those it updated."""
         return group["params"]
 
-    def _collect(self, group: dict[str, Any]) -> list[_Item]:
+    def _collect(self, group: dict[str, Any]) -> list[StepItem]:
         items = []
         whole: list[int] = []
         for p in self.claim_params(group):
@@ -470,13 +249,13 @@ class BlockOptimizer(Optimizer):
             if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
-            items.append(_Item(p, view, gview.local, req, compute, group))
+            items.append(StepItem(p, view, gview.local, req, compute, group))
         if whole:
             self._assign_owners([items[i] for i in whole])
         return items
 
-    def _assign_owners(self, items: list[_Item]) -> None:
-        by_group: dict[int, list[_Item]] = {}
+    def _assign_owners(self, items: list[StepItem]) -> None:
+        by_group: dict[int, list[StepItem]] = {}
         for it in items:
             by_group.setdefault(id(it.view.group), []).append(it)
         for its in by_group.values():
@@ -491,117 +270,5 @@ class BlockOptimizer(Optimizer):
             for it, owner in zip(its, owners, strict=True):
                 it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
 
-    def _buckets(self, items: list[_Item]) -> list[list[_Item]]:
-        buckets: list[list[_Item]] = []
-        open_: dict[tuple, list[_Item]] = {}
-        sizes: dict[tuple, int] = {}
-        for it in items:
-            key = (id(it.view.group), it.view.local.dtype, it.view.local.device)
-            b = open_.get(key)
-            n = it.view.layout.numel
-            if b is None or sizes[key] + n > self.bucket_numel:
-                b = open_[key] = []
-                buckets.append(b)
-                sizes[key] = 0
-            b.append(it)
-            sizes[key] += n
-        return buckets
-
-    def _check_consistent(self, items: list[_Item]) -> None:
-        """Once per process group, before its first exchange: every rank must hold the
-        same parameters, layouts and compute layouts, or the exchange would hang."""
-        by_group: dict[int, list[_Item]] = {}
-        for it in items:
-            if it.moves and id(it.view.group) not in self._checked_groups:
-                by_group.setdefault(id(it.view.group), [])
-        for it in items:
-            if id(it.view.group) in by_group:
-                by_group[id(it.view.group)].append(it)
-        for key, its in by_group.items():
-            fingerprint = repr([(tuple(it.view.shape), it.view.layout.extents, it.compute.extents)
-                                for it in its])
-            check_same_on_all_ranks(fingerprint, its[0].view.group)
-            self._checked_groups.add(key)
-
-    def _launch(self, bucket: list[_Item]) -> _Pending:
-        return self._exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)
-
-    def _exchange(self, bucket: list[_Item], tensors: list[list[torch.Tensor]], *, forward: bool) -> _Pending:
-        out = [list(ts) for ts in tensors]
-        sends, src, dst, where = [], [], [], []
-        for i, it in enumerate(bucket):
-            if not it.moves:
-                continue
-            a, b = (it.view.layout, it.compute) if forward else (it.compute, it.view.layout)
-            for j, t in enumerate(tensors[i]):
-                sends.append(t)
-                src.append(a)
-                dst.append(b)
-                where.append((i, j))
-        pending = _Pending(out)
-        if not sends:
-            return pending
-        group = bucket[0].view.group
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for k, t in enumerate(sends):
-            by_dtype.setdefault(t.dtype, []).append(k)
-        for ks in by_dtype.values():  # one all_to_all per dtype (usually one)
-            handle = redistribute([sends[k] for k in ks], [src[k] for k in ks],
-                                  [dst[k] for k in ks], group, async_op=True)
-            pending.handles.append((handle, [where[k] for k in ks]))
-        return pending
-
-
-class _Pending:
-    """Exchanges in flight for one bucket; wait() fills the per-item tensor lists."""
-
-    def __init__(self, out: list[list[torch.Tensor]]) -> None:
-        self.out = out
-        self.handles: list[tuple[Any, list[tuple[int, int]]]] = []
-
-    def wait(self) -> list[list[torch.Tensor]]:
-        for handle, where in self.handles:
-            for (i, j), r in zip(where, handle.wait(), strict=True):
-                self.out[i][j] = r
-        self.handles = []
-        return self.out
-
-
-
-def _sharded_entry(local: torch.Tensor, layout: RaggedShard, view: ShardedView, shape: torch.Size) -> torch.Tensor:
-    """A state tensor of global ``shape`` whose local data is ``local`` (no copy)."""
-    n = layout.local(view.rank)[1]
-    if local.dim() != 1 or local.numel() != n:
-        raise AssertionError(f"state tensor of shape {tuple(local.shape)} is not rank {view.rank}'s "
-                             f"slice of {n} elements of layout {layout.extents}")
-    if layout.world_size == 1:
-        return local.view(shape)
-    from vefsdp_optim._fsdp import ShardedParameter
-
-    return ShardedParameter(local, layout, view.group, shape, view.rank)
-
-
-def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard, rank: int, name: str) -> None:
-    """Copy rank's slice of the saved global tensor ``v`` into the 1-D ``live`` in place."""
-    from torch.distributed.tensor import DTensor
-
-    from vefsdp_optim._fsdp import ShardedParameter
-
-    start, length = layout.local(rank)
-    if isinstance(v, ShardedParameter):
-        if v.ragged_layout != layout:
-            raise ValueError(f"optimizer state {name} holds layout {v.ragged_layout.extents}, this rank "
-                             f"needs {layout.extents}; load checkpoints of another world size with DCP")
-        src = v.to_local()
-    elif isinstance(v, DTensor):
-        raise TypeError(f"optimizer state {name} is a DTensor; expected the optimizer's own state_dict() "
-                        "format (loaded with DCP) or plain full tensors")
-    elif isinstance(v, torch.Tensor):
-        src = v.reshape(-1)[start: start + length]
-    else:
-        raise TypeError(f"optimizer state {name} must be a tensor, got {type(v).__name__}")
-    if src.numel() != live.numel():
-        raise AssertionError(f"optimizer state {name}: {src.numel()} saved elements for {live.numel()} live ones")
-    if src.numel() and src.data_ptr() == live.data_ptr():
-        return  # already loaded in place by DCP
-    live.copy_(src)
+    def _launch(self, bucket: list[StepItem]) -> PendingExchange:
+        return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)

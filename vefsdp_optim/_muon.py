@@ -9,6 +9,7 @@ import torch
 
 from vefsdp_optim._math import (
     NS_COEFFICIENTS,
+    check_adam_hparams,
     muon_adjust_lr,
     muon_cost,
     muon_matrix_view,
@@ -17,9 +18,11 @@ from vefsdp_optim._math import (
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, WholeTensor
 
-from ._adamw import adam_bucket_, check_adam_hparams
-from ._block_optimizer import ELEMENTWISE, BlockOptimizer, _Item, adam_state_spec
+from ._adam_state import adam_bucket_, adam_state_spec
+from ._block_optimizer import BlockOptimizer
 from ._registry import register_optimizer
+from ._state_format import ELEMENTWISE
+from ._step_loop import StepItem
 
 __all__ = ["Muon"]
 
@@ -109,7 +112,7 @@ class Muon(BlockOptimizer):
 
     # hooks: momentum on the local shard, Newton-Schulz on the owner, apply locally
 
-    def gather_inputs(self, item: _Item) -> list[torch.Tensor]:
+    def gather_inputs(self, item: StepItem) -> list[torch.Tensor]:
         if not self._is_muon(item.view.shape, item.group):
             return super().gather_inputs(item)
         g, group = item.grad, item.group
@@ -122,17 +125,12 @@ class Muon(BlockOptimizer):
         update = g.lerp(buf, momentum) if group["nesterov"] else buf
         return [update]
 
-    def compute_bucket(self, items: list[_Item], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]
         adam_idx = [i for i, it in enumerate(items) if not self._is_muon(it.view.shape, it.group)]
-        if adam_idx:
-            group = items[adam_idx[0]].group
-            adam_bucket_(
-                self, [items[i] for i in adam_idx], [inputs[i][0] for i in adam_idx],
-                [inputs[i][1] for i in adam_idx], lr=group["lr"], betas=group["betas"],
-                eps=group["adamw_eps"], weight_decay=group["weight_decay"], amsgrad=False,
-                maximize=False, decoupled=True,
-            )
+        if adam_idx:  # one param group per bucket: its lr, betas, adamw_eps, weight_decay
+            adam_bucket_([self.state[items[i].param] for i in adam_idx], [inputs[i][0] for i in adam_idx],
+                         [inputs[i][1] for i in adam_idx], group=items[0].group, eps_key="adamw_eps")
             for i in adam_idx:
                 out[i] = [inputs[i][0]]
         for i, it in enumerate(items):
@@ -149,7 +147,7 @@ class Muon(BlockOptimizer):
             out[i] = [ortho.reshape(-1)]
         return out
 
-    def apply_results(self, item: _Item, outputs: list[torch.Tensor]) -> None:
+    def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
         if not self._is_muon(item.view.shape, item.group):
             return super().apply_results(item, outputs)
         (ortho,) = outputs

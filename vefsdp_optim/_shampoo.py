@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math import matrix_inverse_root, shampoo_tiles
+from vefsdp_optim._math import check_adam_hparams, matrix_inverse_root, shampoo_tiles
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBlocks
 
-from ._adamw import check_adam_hparams
-from ._block_optimizer import ELEMENTWISE, REPLICATED, BlockContext, BlockOptimizer
+from ._block_optimizer import BlockContext, BlockOptimizer
 from ._registry import register_optimizer
+from ._state_format import ELEMENTWISE, REPLICATED
 
 __all__ = ["Shampoo"]
 

@@ -6,7 +6,7 @@ inverse roots and tiles. The optimizer classes route local blocks to these funct
 each is tested in one process against torch.optim, scipy or a float64 reference.
 """
 
-from ._adam import adamw_step_
+from ._adam import adam_foreach_, adamw_step_, check_adam_hparams
 from ._matrix_root import matrix_inverse_root, shampoo_tiles
 from ._newton_schulz import (
     NS_COEFFICIENTS,
@@ -33,7 +33,9 @@ __all__ = [
     "NS_STEPS",
     "TableQuantizer",
     "adam8bit_block_step_",
+    "adam_foreach_",
     "adamw_step_",
+    "check_adam_hparams",
     "dequantize_blockwise",
     "dequantize_table",
     "dynamic_code_map",

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as _torch_adam
 
-__all__ = ["adamw_step_"]
+__all__ = ["adam_foreach_", "adamw_step_", "check_adam_hparams"]
 
 
 def _check_same(name: str, t: Tensor, ref: Tensor) -> None:
@@ -90,3 +91,43 @@ def adamw_step_(
     else:
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def adam_foreach_(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float | Tensor, beta1: float,
+    beta2: float, eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+) -> None:
+    """torch.optim's own functional Adam(W) on lists of tensors, in place (its ``foreach``
+    implementation when every tensor is on one device, else the single-tensor one).
+
+    ``steps`` are float32 0-d tensors, incremented here as torch does. Elementwise, so a
+    list of slices gets exactly the values the whole tensors would.
+    """
+    if not params:
+        return
+    _torch_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        foreach=len({p.device for p in params}) == 1, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
+        lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
+        decoupled_weight_decay=decoupled,
+    )
+
+
+def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: float,
+                       weight_decay: float) -> None:
+    """torch.optim.Adam's argument checks, with the same messages."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")

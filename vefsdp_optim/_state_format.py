@@ -1,0 +1,253 @@
+"""The world-size-free checkpoint format of BlockOptimizer state.
+
+``BlockOptimizer.state_dict`` / ``load_state_dict`` delegate here. Each optimizer
+declares, per parameter, how each state entry is laid out (``checkpoint_spec``: the
+kinds below); this module turns the live, rank-local state into tensors whose global
+shape does not depend on the world size, and back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vefsdp_optim.comm import ShardedView, sharded_view
+from vefsdp_optim.sharding import RaggedShard
+
+if TYPE_CHECKING:
+    from ._block_optimizer import BlockOptimizer
+
+__all__ = ["REPLICATED", "ELEMENTWISE", "CLASS_KEY", "export_state", "load_state"]
+
+#: checkpoint kinds of a state entry (see [Note: world-size-free optimizer state])
+REPLICATED = "replicated"
+ELEMENTWISE = "elementwise"
+CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's class name
+
+# [Note: world-size-free optimizer state]
+# state_dict() gives every state tensor a form that does not depend on the world size
+# that wrote it, so DCP (torch.distributed.checkpoint) can reshard it on load:
+#   - ELEMENTWISE state (one value per parameter element: Adam moments, Muon momentum,
+#     8-bit codes) is a ShardedParameter of the parameter's global shape holding this
+#     rank's slice of the state layout (plain tensor of the global shape at W = 1);
+#   - per-block state (an int k: one value per block of k consecutive elements, e.g.
+#     8-bit absmax) is a 1-D ShardedParameter of ceil(numel / k) values, indexed by
+#     global block;
+#   - REPLICATED state (step counters) is saved as is, by the ranks whose slice is not
+#     empty (they all hold the same value; empty slices may never have stepped);
+#   - anything else (Shampoo's tiles) by the subclass hooks, keyed by global index.
+# The local data of every tensor handed out are the live state tensors themselves, so
+# ``dcp.load`` into ``state_dict()`` writes the state in place; load_state_dict() then
+# copies whatever is not already in place (plain full tensors from torch.load or a
+# full export: this rank's slice is taken) into the existing state tensors.
+
+
+def export_state(opt: BlockOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` (torch's ``Optimizer.state_dict()`` of ``opt``) with world-size-free state."""
+    state: dict[int, dict[str, Any]] = {}
+    for idx, (p, group) in enumerate(_params_in_order(opt)):
+        state[idx] = _export_param_state(opt, p, group)
+    sd["state"] = state
+    for g in sd["param_groups"]:
+        g[CLASS_KEY] = type(opt).__name__
+    return sd
+
+
+def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` (from :func:`export_state`, at any world size) into ``opt``."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("an optimizer state dict must have 'state' and 'param_groups', got "
+                         f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint has {len(saved_groups)} param groups, "
+                         f"{type(opt).__name__} has {len(opt.param_groups)}")
+    ids: list[object] = []
+    for i, (g, sg) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"param group {i}: checkpoint has {len(sg['params'])} parameters, "
+                             f"the optimizer has {len(g['params'])}")
+        cls = sg.get(CLASS_KEY)
+        if cls is not None and cls != type(opt).__name__:
+            raise ValueError(f"checkpoint was written by {cls}, this optimizer is {type(opt).__name__}")
+        for k in opt.structural_keys:
+            if k in sg and sg[k] != g[k]:
+                raise ValueError(f"param group {i}: checkpoint has {k}={sg[k]!r}, the optimizer has "
+                                 f"{k}={g[k]!r}; the state layout depends on it")
+        ids.extend(sg["params"])
+    saved_state = state_dict["state"]
+    pairs = list(zip(_params_in_order(opt), ids, strict=True))
+    checked = [_check_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
+               for (p, group), sid in pairs]
+    if not _has_state(opt) and any(saved_state.get(sid) for _, sid in pairs):
+        _zero_step(opt)  # create the state with the optimizer's own code
+    for ((p, group), sid), ok in zip(pairs, checked, strict=True):
+        if ok:
+            _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
+    for g, sg in zip(opt.param_groups, saved_groups, strict=True):
+        for k, v in sg.items():
+            if k not in ("params", CLASS_KEY):
+                g[k] = v
+
+
+def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    return [(p, g) for g in opt.param_groups for p in g["params"]]
+
+
+def _has_state(opt: BlockOptimizer) -> bool:
+    return any(bool(v) for v in opt.state.values())
+
+
+def _zero_step(opt: BlockOptimizer) -> None:
+    """One step with zero gradients and lr 0 (as DCP's _init_optim_state), with every
+    parameter and gradient restored after: it only creates the state."""
+    saved = []
+    for p, _ in _params_in_order(opt):
+        if p.requires_grad:
+            local = sharded_view(p).local
+            saved.append((p, p.grad, local, local.clone()))
+            p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        for p, grad, local, copy in saved:
+            local.copy_(copy)
+            p.grad = grad
+
+
+def _export_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    state = opt.state.get(p)
+    if not state:
+        return {}
+    view = sharded_view(p)
+    layout = opt.state_layout(view, group)
+    spec = opt.checkpoint_spec(view.shape, group)
+    length = layout.local(view.rank)[1]
+    out: dict[str, Any] = {}
+    for key, kind in spec.items():
+        if key not in state:
+            continue
+        v = state[key]
+        if kind == REPLICATED:
+            if length > 0 or (layout.numel == 0 and view.rank == 0):
+                out[key] = v
+        else:
+            shape, lay = _entry_geometry(kind, view, layout)
+            out[key] = _sharded_entry(v, lay, view, shape)
+    out.update(opt.export_extra_state(state, view, layout, group))
+    return out
+
+
+def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard) -> tuple[torch.Size, RaggedShard]:
+    if kind == ELEMENTWISE:
+        return view.shape, layout
+    if isinstance(kind, bool) or not isinstance(kind, int) or kind < 1:
+        raise AssertionError(f"checkpoint kind {kind!r}: expected {REPLICATED!r}, {ELEMENTWISE!r} or a block size")
+    n = layout.numel
+    if any(b % kind and b != n for b in layout.boundaries):
+        raise AssertionError(f"state layout {layout.extents} cuts blocks of {kind}")
+    blocks = RaggedShard.from_boundaries([-(-b // kind) for b in layout.boundaries])
+    return torch.Size((blocks.numel,)), blocks
+
+
+def _check_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
+                       name: object) -> bool:
+    """Validate one parameter's saved entry; False when there is nothing to load."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"optimizer state of parameter {name!r} must be a dict, got {type(saved).__name__}")
+    view = sharded_view(p)
+    spec = opt.checkpoint_spec(view.shape, group)
+    unexpected = sorted(k for k in saved if k not in spec and not k.startswith(opt.extra_state_prefixes))
+    if unexpected:
+        raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}) has keys "
+                         f"{unexpected} that {type(opt).__name__} does not keep; it keeps {sorted(spec)}")
+    layout = opt.state_layout(view, group)
+    for key, kind in spec.items():
+        if key not in saved or kind == REPLICATED:
+            continue
+        shape, _ = _entry_geometry(kind, view, layout)
+        v = saved[key]
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"optimizer state {name!r}.{key} must be a tensor, got {type(v).__name__}")
+        if v.shape != shape:
+            raise ValueError(f"optimizer state {name!r}.{key} has shape {tuple(v.shape)}, expected "
+                             f"{tuple(shape)} for a parameter of shape {tuple(view.shape)}")
+    return bool(saved)
+
+
+def _import_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
+                        name: object) -> None:
+    state = opt.state.get(p)
+    if not state:
+        return
+    view = sharded_view(p)
+    layout = opt.state_layout(view, group)
+    spec = opt.checkpoint_spec(view.shape, group)
+    length = layout.local(view.rank)[1]
+    missing = [k for k, kind in spec.items()
+               if k in state and k not in saved and length > 0]
+    if missing:
+        raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}): the "
+                         f"checkpoint lacks {sorted(missing)}; it has {sorted(saved)}")
+    for key, kind in spec.items():
+        if key not in state or key not in saved:
+            continue
+        live, v = state[key], saved[key]
+        if kind == REPLICATED:
+            if isinstance(live, torch.Tensor):
+                if isinstance(v, torch.Tensor) and v.numel() != live.numel():
+                    raise ValueError(f"optimizer state {name!r}.{key} has {v.numel()} elements, "
+                                     f"expected {live.numel()}")
+                if not (isinstance(v, torch.Tensor) and v.data_ptr() == live.data_ptr()):
+                    live.copy_(v if isinstance(v, torch.Tensor) else torch.tensor(v))
+            else:
+                state[key] = v
+            continue
+        _, lay = _entry_geometry(kind, view, layout)
+        _copy_slice(live, v, lay, view.rank, f"{name}.{key}")
+    opt.import_extra_state(state, saved, view, layout, group, name)
+
+
+def _sharded_entry(local: torch.Tensor, layout: RaggedShard, view: ShardedView, shape: torch.Size) -> torch.Tensor:
+    """A state tensor of global ``shape`` whose local data is ``local`` (no copy)."""
+    n = layout.local(view.rank)[1]
+    if local.dim() != 1 or local.numel() != n:
+        raise AssertionError(f"state tensor of shape {tuple(local.shape)} is not rank {view.rank}'s "
+                             f"slice of {n} elements of layout {layout.extents}")
+    if layout.world_size == 1:
+        return local.view(shape)
+    from vefsdp_optim._fsdp import ShardedParameter
+
+    return ShardedParameter(local, layout, view.group, shape, view.rank)
+
+
+def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard, rank: int, name: str) -> None:
+    """Copy rank's slice of the saved global tensor ``v`` into the 1-D ``live`` in place."""
+    from torch.distributed.tensor import DTensor
+
+    from vefsdp_optim._fsdp import ShardedParameter
+
+    start, length = layout.local(rank)
+    if isinstance(v, ShardedParameter):
+        if v.ragged_layout != layout:
+            raise ValueError(f"optimizer state {name} holds layout {v.ragged_layout.extents}, this rank "
+                             f"needs {layout.extents}; load checkpoints of another world size with DCP")
+        src = v.to_local()
+    elif isinstance(v, DTensor):
+        raise TypeError(f"optimizer state {name} is a DTensor; expected the optimizer's own state_dict() "
+                        "format (loaded with DCP) or plain full tensors")
+    elif isinstance(v, torch.Tensor):
+        src = v.reshape(-1)[start: start + length]
+    else:
+        raise TypeError(f"optimizer state {name} must be a tensor, got {type(v).__name__}")
+    if src.numel() != live.numel():
+        raise AssertionError(f"optimizer state {name}: {src.numel()} saved elements for {live.numel()} live ones")
+    if src.numel() and src.data_ptr() == live.data_ptr():
+        return  # already loaded in place by DCP
+    live.copy_(src)
