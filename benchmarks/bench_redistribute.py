@@ -27,7 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.comm import assign_owners, muon_cost, redistribute, transfer_sizes
+from vefsdp_optim._math import muon_cost
+from vefsdp_optim.comm import assign_owners, redistribute, transfer_sizes
 from vefsdp_optim.sharding import RaggedShard, RowBlocks
 
 from ._common import (

@@ -1,7 +1,13 @@
 """Communication: DistributedBuffer, redistribution between layouts, parameter views."""
 
 from ._buffer import DistributedBuffer
-from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, reduce_scatter_flat
+from ._collectives import (
+    FlatWork,
+    all_gather_flat,
+    all_reduce_avg,
+    check_plan_consistent,
+    reduce_scatter_flat,
+)
 from ._owners import OwnerAssignment, assign_owners
 from ._redistribute import RedistributeHandle, check_same_on_all_ranks, redistribute, transfer_sizes
 from ._views import ShardedView, sharded_view
@@ -13,6 +19,7 @@ __all__ = [
     "RedistributeHandle",
     "ShardedView",
     "all_gather_flat",
+    "all_reduce_avg",
     "assign_owners",
     "check_plan_consistent",
     "check_same_on_all_ranks",

@@ -17,6 +17,7 @@ from vefsdp_optim.sharding import GroupPlan
 __all__ = [
     "FlatWork",
     "all_gather_flat",
+    "all_reduce_avg",
     "check_plan_consistent",
     "reduce_scatter_flat",
     "supports_native_avg",
@@ -46,6 +47,16 @@ class FlatWork(NamedTuple):
 def supports_native_avg(group: dist.ProcessGroup) -> bool:
     """Whether reduce-scatter on ``group`` takes ``ReduceOp.AVG`` directly."""
     return dist.get_backend(group) in _NATIVE_AVG_BACKENDS
+
+
+def all_reduce_avg(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """In-place average of ``t`` over ``group`` (AVG where the backend has it, else SUM
+    and one division, as [Note: avg fallback])."""
+    if supports_native_avg(group):
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t.div_(group.size())
 
 
 def _check_flat(name: str, t: object) -> torch.Tensor:

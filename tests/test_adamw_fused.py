@@ -51,7 +51,9 @@ def _sharded_net():
 
 
 def _buckets(ps):
-    return {id(p._vefsdp_bucket): p._vefsdp_bucket for p in ps}.values()
+    from vefsdp_optim._flat_store import flat_store
+
+    return {id(flat_store(p)): flat_store(p) for p in ps}.values()
 
 
 def _padding_zero(ps, opt):

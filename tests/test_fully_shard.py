@@ -448,7 +448,8 @@ def test_frozen_tied_prefetch_mixed_precision_hsdp(world_size: int) -> None:
 def _replan() -> dict[str, object]:
     import torch.distributed as dist
 
-    from vefsdp_optim._fsdp import fully_shard, request_requirements
+    from vefsdp_optim import apply_requirements as request_requirements
+    from vefsdp_optim._fsdp import fully_shard
     from vefsdp_optim.sharding import FlatBlocks, RowBlocks, WholeTensor
 
     w = dist.get_world_size()
@@ -569,7 +570,8 @@ class _CountColls(TorchDispatchMode):
 def _gaps() -> dict[str, object]:
     import torch.distributed as dist
 
-    from vefsdp_optim._fsdp import fully_shard, request_requirements
+    from vefsdp_optim import apply_requirements as request_requirements
+    from vefsdp_optim._fsdp import fully_shard
     from vefsdp_optim.sharding import FlatBlocks, RowBlocks
 
     w, rank = dist.get_world_size(), dist.get_rank()
@@ -691,7 +693,7 @@ def _async_reduce() -> dict[str, object]:
     import torch.distributed as dist
 
     from vefsdp_optim._fsdp import fully_shard
-    from vefsdp_optim._fsdp._group import ParamGroup
+    from vefsdp_optim._fsdp._group import ShardGroup as ParamGroup
 
     w = dist.get_world_size()
     model, blocks, data = _build("transformer")
@@ -714,7 +716,9 @@ def _async_reduce() -> dict[str, object]:
         orig_attach(self)
 
     out: dict[str, object] = {}
-    groups = [m._vefsdp_state.group for m in model.modules() if hasattr(m, "_vefsdp_state")]
+    from vefsdp_optim._fsdp._module import FSDPModule, state_of
+
+    groups = [state_of(m).group for m in model.modules() if isinstance(m, FSDPModule)]
     dist.reduce_scatter_single, ParamGroup.attach_grads = rs, attach
     try:
         errs: list[float] = []

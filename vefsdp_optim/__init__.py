@@ -9,6 +9,7 @@ from ._adam8bit import Adam8bit, AdamW8bit
 from ._adamw import AdamW
 from ._block_optimizer import BlockContext, BlockOptimizer
 from ._checkpoint import export_full, import_full, load, save
+from ._flat_store import ReplanReport, apply_requirements
 from ._fsdp import ShardedParameter, fully_shard
 from ._muon import Muon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
@@ -27,6 +28,8 @@ __all__ = [
     "list_optimizers",
     "fully_shard",
     "ShardedParameter",
+    "apply_requirements",
+    "ReplanReport",
     "save",
     "load",
     "export_full",

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
 from vefsdp_optim.sharding import RaggedShard, Requirement
 
+from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._state_format import export_state, load_state
 from ._step_loop import (
     BlockContext,
@@ -73,21 +74,28 @@ class BlockOptimizer(Optimizer):
         self._owner_cache: dict[tuple, tuple[int, ...]] = {}
         # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
-        wanted: dict[torch.Tensor, Requirement] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 view = sharded_view(p)  # raises NotImplementedError for unsupported kinds
-                req = self.requirement(view.shape, group)  # validates the shape too
-                if hasattr(p, "_vefsdp_bucket"):
-                    wanted[p] = req
-        # [Note: requirements flow in] fully_shard groups are re-planned once, here, so
-        # that blocks are whole on single ranks where the padding rule allows it; what
-        # the rule refuses is still exact, through the exchange of the step loop.
-        self.replan_report = None
-        if wanted:
-            from vefsdp_optim._fsdp import request_requirements
+                self.requirement(view.shape, group)  # validates the shape too
+        #: what the re-plan at construction changed ([Note: requirements flow in])
+        self.replan_report: ReplanReport = self.replan()
 
-            self.replan_report = request_requirements(wanted)
+    def replan(self) -> ReplanReport:
+        """Re-plan the fully_shard groups of this optimizer's parameters so that the blocks
+        each parameter's requirement names are whole on single ranks.
+
+        [Note: requirements flow in] The constructor calls it once; call it again after
+        ``add_param_group``. What the padding rule refuses stays exact, through the
+        exchange of the step loop (the report's ``kept``). Collective over the process
+        group of every re-planned store ([Note: flat store contract]); FSDP2 and plain
+        parameters need none and are left alone. Raises ValueError, before any
+        communication, if a parameter that would move already has optimizer state
+        (in this or another optimizer): build the optimizers before the first step.
+        """
+        wanted = {p: self.requirement(sharded_view(p).shape, group)
+                  for group in self.param_groups for p in group["params"] if flat_store(p) is not None}
+        return apply_requirements(wanted, holder=self) if wanted else ReplanReport()
 
     # -- subclass API ---------------------------------------------------------------
 

@@ -1,34 +1,46 @@
-"""A group of parameters that communicate together: one fully_shard'd module's own.
+"""A shard group: the parameters one fully_shard call manages, which communicate together.
 
-Per original dtype the group has one plan and one master DistributedBuffer (the
-sharded parameters' storage), plus, under mixed precision, a compute buffer in
+Per original dtype the group has one :class:`DtypeStore`: one plan and one master
+DistributedBuffer (the sharded parameters' storage; the ``FlatStore`` of
+[Note: flat store contract]), plus, under mixed precision, a compute buffer in
 ``param_dtype`` (same plan; one cast of the local shard per all-gather) and a reduce
-buffer in ``reduce_dtype``. The hooks that fully_shard installs call into this class:
-unshard before forward and backward, reshard after, one reduce-scatter when the
-group's gradients are complete. See [Note: grads into the buffer] in _param.py.
+buffer in ``reduce_dtype``. The hooks that fully_shard installs call into
+:class:`ShardGroup`: unshard before forward and backward, reshard after, one
+reduce-scatter when the group's gradients are complete. Where the group is in its step
+is two explicit states (``GatherState``, ``GradState`` in _lifecycle.py). See
+[Note: grads into the buffer] in _param.py.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from vefsdp_optim.comm import DistributedBuffer
-from vefsdp_optim.comm._collectives import FlatWork, supports_native_avg
+from vefsdp_optim._flat_store import StoreReplan, dense_offset
+from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
 from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
 
+from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
+from ._replan import replan_store
 
-__all__ = ["ParamGroup", "Bucket", "check_group_consistent"]
+__all__ = ["ShardGroup", "DtypeStore", "check_group_consistent"]
 
 ALIGN = 16
 
 
-class Bucket:
-    """One dtype's parameters of a group: plan, master / compute / reduce buffers."""
+class DtypeStore:
+    """One dtype's parameters of a shard group: plan, master / compute / reduce buffers.
+
+    Implements the ``FlatStore`` protocol ([Note: flat store contract]) over the master
+    buffer: members' local data are its segments, their reduced grads the same
+    segments of ``master.local_grad``.
+    """
 
     plan: GroupPlan
     params: list[ManagedParam]
@@ -36,12 +48,14 @@ class Bucket:
     compute: DistributedBuffer  # param_dtype (is master without mixed precision)
     reduce: DistributedBuffer  # reduce_dtype (is master or compute when dtypes agree)
 
-    def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ParamGroup,
+    def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ShardGroup,
                  dtype: torch.dtype, data: dict[str, torch.Tensor], validate: bool = True) -> None:
         self.params = params
         self.dtype = dtype
-        self._group = group
+        self.group = group
         self.units: dict[str, int] = dict(units)  # fqn -> unit; absent: 1
+        # optimizers whose state of the members a re-plan must not invalidate
+        self._holders: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.build(units, data, validate=validate)
 
     def specs(self, units: dict[str, int]) -> list[TensorSpec]:
@@ -54,7 +68,7 @@ class Bucket:
         ``data[fqn]`` is the whole tensor (any shape, flattened here). The same
         sharded Parameter objects are re-pointed when they already exist.
         """
-        g = self._group
+        g = self.group
         w = g.shard_world
         self.units = dict(units)
         self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
@@ -81,9 +95,51 @@ class Bucket:
             if hasattr(p, "sharded"):
                 p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
             else:
-                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0)
-                p.sharded._vefsdp_bucket = self  # for request_requirements
+                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self)
             p.unsharded = None
+        self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
+
+    def _segment_of(self, p: ManagedParam) -> tuple[int, int]:
+        view = self.master.local_view(p.fqn)
+        return view.storage_offset() - self.master.local.storage_offset(), view.numel()
+
+    # -- the FlatStore protocol ([Note: flat store contract]) ---------------------------
+
+    def members(self) -> Sequence[torch.Tensor]:
+        return [p.sharded for p in self.params]
+
+    def flat_param(self) -> torch.Tensor:
+        return self.master.local
+
+    def flat_grad(self) -> torch.Tensor:
+        return self.master.local_grad
+
+    def segment(self, p: torch.Tensor) -> tuple[int, int]:
+        seg = self._segments.get(id(p))
+        if seg is None:
+            raise ValueError(f"a tensor of shape {tuple(p.shape)} is not stored in this DtypeStore")
+        return seg
+
+    def grads_in_place(self) -> bool:
+        flat, grad = self.master.local, self.master.local_grad
+        if flat.is_complex() or flat.is_sparse:
+            return False
+        for p in self.params:
+            sp = p.sharded
+            off, n = self._segments[id(sp)]
+            g = sp.grad
+            gl = g.to_local() if g is not None and hasattr(g, "to_local") else None
+            if gl is None or gl.numel() != n:
+                return False
+            if n and (dense_offset(gl, grad) != off or dense_offset(sp.to_local(), flat) != off):
+                return False
+        return True
+
+    def add_state_holder(self, holder: torch.optim.Optimizer) -> None:
+        self._holders.add(holder)
+
+    def replan(self, units: Mapping[torch.Tensor, int]) -> StoreReplan | None:
+        return replan_store(self, units, list(self._holders))
 
     # -- all-gather / free -------------------------------------------------------------
 
@@ -118,7 +174,7 @@ class Bucket:
     @property
     def direct(self) -> bool:
         """W == 1 without mixed precision: autograd accumulates into master.local_grad."""
-        return self._group.shard_world == 1 and self.compute is self.master and self.reduce is self.master
+        return self.group.shard_world == 1 and self.compute is self.master and self.reduce is self.master
 
     def attach_grads(self, fresh: bool) -> None:
         """Point each unsharded param's .grad at the compute gradient buffer.
@@ -128,7 +184,7 @@ class Bucket:
         """
         c = self.compute
         c.alloc_grad_global()
-        if fresh and self._group.shard_world == 1:
+        if fresh and self.group.shard_world == 1:
             with torch.no_grad():
                 if self.direct:
                     for p in self.params:
@@ -150,7 +206,7 @@ class Bucket:
         sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
         gradient buffer (the collective's input) stays allocated until then.
         """
-        g, c, r, m = self._group, self.compute, self.reduce, self.master
+        g, c, r, m = self.group, self.compute, self.reduce, self.master
         if not any(p.requires_grad for p in self.params) or not c.grad_global_allocated:
             return None
         accumulate = [] if self.direct else [
@@ -172,11 +228,11 @@ class Bucket:
 
     def finish_reduce(self, pending: _PendingReduce) -> None:
         """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note)."""
-        g, c, r, m = self._group, self.compute, self.reduce, self.master
+        g, c, r, m = self.group, self.compute, self.reduce, self.master
         if pending.work is not None:
             pending.work.wait()
         if g.replicate_pg is not None:
-            _all_reduce_avg(r.local_grad, g.replicate_pg)
+            all_reduce_avg(r.local_grad, g.replicate_pg)
         with torch.no_grad():
             if r is not m:
                 m.local_grad.copy_(r.local_grad)
@@ -185,14 +241,10 @@ class Bucket:
         if g.shard_world > 1:
             r.free_grad_global()
             c.free_grad_global()
-        from ._sharded_tensor import ShardedParameter
-
         for p in self.params:
             if p.requires_grad:
                 if p.sharded.grad is None:
-                    sp = p.sharded
-                    p.sharded.grad = ShardedParameter(m.local_grad_view(p.fqn), sp._layout, sp._group,
-                                                      p.shape, sp._rank)
+                    p.sharded.grad = p.sharded.with_local(m.local_grad_view(p.fqn))
                 if p.unsharded is not None:
                     p.unsharded.grad = None
 
@@ -225,16 +277,8 @@ def check_group_consistent(signature: list, shard_pg: dist.ProcessGroup,
                 f"{gathered[0]}; every rank must shard the same module structure")
 
 
-def _all_reduce_avg(t: torch.Tensor, pg: dist.ProcessGroup) -> None:
-    if supports_native_avg(pg):
-        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
-    else:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg)
-        t.div_(pg.size())
-
-
-class ParamGroup:
-    """The parameters one ``fully_shard(module)`` call manages, by dtype in Buckets."""
+class ShardGroup:
+    """The parameters one ``fully_shard(module)`` call manages, by dtype in DtypeStores."""
 
     def __init__(self, params: list[ManagedParam], *, shard_pg: dist.ProcessGroup,
                  replicate_pg: dist.ProcessGroup | None, device: torch.device,
@@ -249,73 +293,91 @@ class ParamGroup:
         by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
         for p in params:
             by_dtype.setdefault(data[p.fqn].dtype, []).append(p)
-        self.buckets = [Bucket(ps, {}, self, dt, data, validate=False) for dt, ps in by_dtype.items()]
+        self.stores = [DtypeStore(ps, {}, self, dt, data, validate=False) for dt, ps in by_dtype.items()]
         check_group_consistent(self.signature(), shard_pg, self.replicate_pg)
         self.requires_gradient_sync = True
-        self._pending: Any = None  # async all-gather works from a prefetch
-        self._grads_live = False  # gradient buffer holds unreduced gradients
-        self._reducing: list[tuple[Bucket, _PendingReduce]] | None = None  # launched, not waited
+        self.gather_state = GatherState.SHARDED
+        self.grad_state = GradState.IDLE
+        self._gathers: list[Any] = []  # GATHERING: (work, output, version) per store
+        self._reductions: list[tuple[DtypeStore, _PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
-        """Per bucket: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
+        """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
         return [(str(b.dtype), b.plan.fingerprint()[:16], tuple(p.requires_grad for p in b.params))
-                for b in self.buckets]
+                for b in self.stores]
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(b.master.local._version for b in self.buckets)
+        return tuple(b.master.local._version for b in self.stores)
+
+    def _set_gather(self, new: GatherState) -> None:
+        self.gather_state = advance(self.gather_state, new, "ShardGroup.gather_state")
+
+    def _set_grad(self, new: GradState) -> None:
+        self.grad_state = advance(self.grad_state, new, "ShardGroup.grad_state")
 
     @property
     def fresh(self) -> bool:
         """Gathered, and no master shard was written since (in-place ops bump versions)."""
         return self.gathered and self._gathered_versions == self._versions()
 
-    # -- state transitions -------------------------------------------------------------
+    # -- gather state ------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
-        """All-gather every bucket; no-op while a gather is pending or still fresh."""
+        """All-gather every store; no-op while a gather is pending or still fresh."""
         self.wait_reduce()  # normally done by the final callback; no-op then
-        if self._pending is not None:
+        if self.gather_state is GatherState.GATHERING:
             if not async_op:
                 self.wait_unshard()
             return
         if self.fresh:
             return
         self._gathered_versions = self._versions()
-        works = [b.unshard(async_op) for b in self.buckets]
-        if async_op:
-            self._pending = [w for w in works if w is not None]
-            if not self._pending:
-                self._pending = None
+        works = [b.unshard(async_op) for b in self.stores]
+        self._gathers = [w for w in works if w is not None] if async_op else []
+        self._set_gather(GatherState.GATHERING if self._gathers else GatherState.GATHERED)
+
+    @property
+    def unsharding(self) -> bool:
+        """An async all-gather was launched and not waited for."""
+        return self.gather_state is GatherState.GATHERING
 
     def wait_unshard(self) -> None:
-        if self._pending is not None:
-            for work, out, version in self._pending:
+        if self.gather_state is GatherState.GATHERING:
+            for work, out, version in self._gathers:
                 work.wait()
                 torch._C._autograd._unsafe_set_version_counter((out,), (version,))
-            self._pending = None
+            self._gathers = []
+            self._set_gather(GatherState.GATHERED)
+
+    def free(self) -> None:
+        """Free the global (unsharded) buffers; waits for a pending gather first."""
+        self.wait_unshard()
+        for b in self.stores:
+            b.free()
+        self._set_gather(GatherState.SHARDED)
 
     def reshard(self) -> None:
-        self.wait_unshard()
         self.wait_reduce()
-        for b in self.buckets:
-            b.free()
+        self.free()
         self.register(sharded=True)
 
     def register(self, sharded: bool) -> None:
-        for b in self.buckets:
+        for b in self.stores:
             for p in b.params:
                 p.register(sharded)
 
     @property
     def gathered(self) -> bool:
-        return all(b.gathered for b in self.buckets)
+        return self.gather_state is GatherState.GATHERED
+
+    # -- grad state ---------------------------------------------------------------------
 
     def attach_grads(self) -> None:
         self.wait_reduce()  # the gradient buffer is the pending collective's input
-        for b in self.buckets:
-            b.attach_grads(fresh=not self._grads_live)
-        self._grads_live = True
+        for b in self.stores:
+            b.attach_grads(fresh=self.grad_state is GradState.IDLE)
+        self._set_grad(GradState.ACCUMULATING)
 
     def reduce_grads(self) -> None:
         """End of this group's backward: launch the reduction unless accumulating without sync.
@@ -327,17 +389,22 @@ class ParamGroup:
         if not self.requires_gradient_sync:
             return
         self.wait_reduce()
-        pending = [(b, b.launch_reduce()) for b in self.buckets]
-        self._reducing = [(b, pr) for b, pr in pending if pr is not None] or None
-        self._grads_live = False
+        if self.grad_state is GradState.IDLE:
+            return  # nothing accumulated since the last reduction
+        pending = [(b, b.launch_reduce()) for b in self.stores]
+        self._reductions = [(b, pr) for b, pr in pending if pr is not None]
+        self._set_grad(GradState.REDUCING if self._reductions else GradState.IDLE)
 
     @property
     def reducing(self) -> bool:
         """A launched reduction has not been waited for yet."""
-        return self._reducing is not None
+        return self.grad_state is GradState.REDUCING
 
     def wait_reduce(self) -> None:
         """Complete the launched reductions: after this the sharded ``.grad`` are final."""
-        pending, self._reducing = self._reducing, None
-        for b, pr in pending or ():
+        if self.grad_state is not GradState.REDUCING:
+            return
+        pending, self._reductions = self._reductions, []
+        for b, pr in pending:
             b.finish_reduce(pr)
+        self._set_grad(GradState.IDLE)

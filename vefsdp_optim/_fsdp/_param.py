@@ -10,10 +10,18 @@ accumulates straight into the gradient buffer ([Note: grads into the buffer]).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+
+from vefsdp_optim.sharding import RaggedShard
 
 from ._sharded_tensor import ShardedParameter
+
+if TYPE_CHECKING:
+    from vefsdp_optim._flat_store import FlatStore
 
 __all__ = ["ManagedParam"]
 
@@ -43,16 +51,16 @@ class ManagedParam:
         self.requires_grad = requires_grad
         self.unsharded = None
 
-    def make_sharded(self, local: torch.Tensor, layout, group, rank: int) -> None:  # noqa: ANN001
+    def make_sharded(self, local: torch.Tensor, layout: RaggedShard, group: ProcessGroup | None,
+                     rank: int, store: FlatStore) -> None:
         t = ShardedParameter(local, layout, group, self.shape, rank)
         self.sharded = nn.Parameter(t, requires_grad=self.requires_grad)
+        self.sharded.bind_store(store)
 
-    def repoint(self, local: torch.Tensor, layout, group, rank: int) -> None:  # noqa: ANN001
+    def repoint(self, local: torch.Tensor, layout: RaggedShard, group: ProcessGroup | None,
+                rank: int) -> None:
         """Point the same sharded Parameter object at new local data and layout."""
-        self.sharded._local = local
-        self.sharded._layout = layout
-        self.sharded._group = group
-        self.sharded._rank = rank
+        self.sharded.rebind_(local, layout, group, rank)
         self.sharded.grad = None
 
     def make_unsharded(self, full: torch.Tensor) -> None:

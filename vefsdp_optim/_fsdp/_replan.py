@@ -1,46 +1,30 @@
-"""request_requirements: re-plan fully_shard groups for the optimizers' block units.
+"""The re-plan of one DtypeStore for the optimizers' block units.
 
-The optimizer base calls this once at construction with each parameter's requirement.
-For every group holding one of the parameters, the plan is redone with the new units
-when the padding stays acceptable, the data moves into the new layout with one
-all-gather of the old buffer, and the same Parameter objects are re-pointed.
+``DtypeStore.replan`` (the ``FlatStore`` protocol, [Note: flat store contract]) calls
+:func:`replan_store`: the plan is redone with the new units when the padding stays
+acceptable, the data moves into the new layout with one all-gather of the old buffer,
+and the same Parameter objects are re-pointed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
+from vefsdp_optim._flat_store import StoreReplan, state_holders_with
 from vefsdp_optim.comm import all_gather_flat
-from vefsdp_optim.sharding import GroupPlan, Requirement, plan_group
+from vefsdp_optim.sharding import GroupPlan, plan_group
 
-from ._group import ALIGN, Bucket
+from ._lifecycle import GradState
 from ._sharded_tensor import ShardedParameter
 
-__all__ = ["ReplanReport", "request_requirements"]
+if TYPE_CHECKING:
+    from ._group import DtypeStore
 
-
-@dataclass(frozen=True, slots=True)
-class ReplanReport:
-    """What ``request_requirements`` changed.
-
-    ``changed``: parameters (by name within their group) whose layout moved.
-    ``kept``: ``(name, unit)`` requirements not applied because the padding rule refused
-    them; their old unit stays. ``padding_before``/``padding_after``: total padding
-    (elements) of the re-planned groups. ``groups``: how many buckets were re-planned.
-    """
-
-    changed: tuple[str, ...]
-    kept: tuple[tuple[str, int], ...]
-    padding_before: int
-    padding_after: int
-    groups: int
-
-    def __post_init__(self) -> None:
-        if self.padding_before < 0 or self.padding_after < 0 or self.groups < 0:
-            raise ValueError(f"ReplanReport counts must be >= 0, got {self}")
+__all__ = ["replan_store"]
 
 
 def _acceptable(new: GroupPlan, old: GroupPlan) -> bool:
@@ -48,86 +32,79 @@ def _acceptable(new: GroupPlan, old: GroupPlan) -> bool:
     return new.padding <= max(new.total_numel // 100, old.padding + old.world_size * old.align)
 
 
-def _plan_for(bucket: Bucket, wanted: dict[str, int]) -> tuple[GroupPlan, dict[str, int], list[tuple[str, int]]]:
+def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[GroupPlan, dict[str, int], list[tuple[str, int]]]:
     """The plan with as many wanted units as the padding rule allows (largest dropped first)."""
-    old = bucket.plan
-    w = bucket._group.shard_world
-    units = {**bucket.units, **wanted}
+    old = store.plan
+    w = store.group.shard_world
+    units = {**store.units, **wanted}
     refused: list[tuple[str, int]] = []
     order = sorted(wanted, key=lambda n: (-wanted[n], n))  # deterministic on every rank
     while True:
-        plan = plan_group(bucket.specs(units), w, align=ALIGN)
+        plan = plan_group(store.specs(units), w, align=old.align)
         if _acceptable(plan, old) or not order:
             if not _acceptable(plan, old):
                 raise AssertionError(f"the old units gave an unacceptable plan: {plan.padding} vs {old.padding}")
             return plan, units, refused
         name = order.pop(0)
         refused.append((name, wanted[name]))
-        units[name] = bucket.units.get(name, 1)
+        units[name] = store.units.get(name, 1)
 
 
-def request_requirements(mapping: dict[torch.Tensor, Requirement]) -> ReplanReport:
-    """Re-plan the groups of the ShardedParameters in ``mapping`` for their requirements.
-
-    Collective: every rank of each affected group must call it with the same mapping
-    (same order). Tensors that fully_shard does not manage are ignored. Reduced
-    gradients (``.grad``) move to the new layout with their parameters; calling it
-    while a ``set_requires_gradient_sync(False)`` accumulation holds unreduced
-    gradients raises RuntimeError. Optimizer state is not moved: call it before any exists.
-    """
-    if not isinstance(mapping, dict):
-        raise TypeError(f"mapping must be a dict[Tensor, Requirement], got {type(mapping).__name__}")
-    per_bucket: dict[int, tuple[Bucket, dict[str, int]]] = {}
-    for t, req in mapping.items():
-        if not isinstance(req, Requirement):
-            raise TypeError(f"requirement must be a Requirement, got {type(req).__name__} for {tuple(t.shape)}")
-        bucket = getattr(t, "_vefsdp_bucket", None) if isinstance(t, ShardedParameter) else None
-        if bucket is None:
-            continue
-        name = next(p.fqn for p in bucket.params if p.sharded is t)
-        per_bucket.setdefault(id(bucket), (bucket, {}))[1][name] = req.unit(tuple(t.shape) or (1,))
-    changed: list[str] = []
-    kept: list[tuple[str, int]] = []
-    before = after = groups = 0
-    for bucket, wanted in per_bucket.values():
-        wanted = {n: u for n, u in wanted.items() if u != bucket.units.get(n, 1)}
-        if not wanted:
-            continue
-        old = bucket.plan
-        plan, units, refused = _plan_for(bucket, wanted)
-        kept.extend(refused)
-        if plan.fingerprint() == old.fingerprint():
-            continue
-        groups += 1
-        before += old.padding
-        after += plan.padding
-        changed.extend(p.fqn for p in bucket.params if plan.layout(p.fqn) != old.layout(p.fqn)
-                       or plan.offsets[p.fqn] != old.offsets[p.fqn])
-        _move(bucket, units, plan)
-    return ReplanReport(tuple(changed), tuple(kept), before, after, groups)
-
-
-def _move(bucket: Bucket, units: dict[str, int], plan: GroupPlan) -> None:
-    """Gather the old master buffer (and gradients) once; rebuild the buckets on ``plan``."""
-    g = bucket._group
-    if g._grads_live:
+def replan_store(store: DtypeStore, units: Mapping[torch.Tensor, int],
+                 holders: Iterable[torch.optim.Optimizer]) -> StoreReplan | None:
+    """``DtypeStore.replan``: the plan with as many of the wanted ``units`` (by member)
+    as the padding rule allows, then the data moved into it. Pure until the move, so
+    every rank takes the same decision; raises ValueError before any communication when
+    a moved member has state in one of ``holders``."""
+    names = {id(p.sharded): p.fqn for p in store.params}
+    wanted = {}
+    for t, u in units.items():
+        name = names.get(id(t))
+        if name is None:
+            raise AssertionError(f"a tensor of shape {tuple(t.shape)} is not a member of this store")
+        if u != store.units.get(name, 1):
+            wanted[name] = u
+    if not wanted:
+        return None
+    old = store.plan
+    plan, new_units, refused = _plan_for(store, wanted)
+    if plan.fingerprint() == old.fingerprint():
+        return StoreReplan((), tuple(refused), old.padding, old.padding, replanned=False) if refused else None
+    moved = [p for p in store.params if plan.layout(p.fqn) != old.layout(p.fqn)
+             or plan.offsets[p.fqn] != old.offsets[p.fqn]]
+    busy = state_holders_with(holders, [p.sharded for p in moved])
+    if busy:
+        raise ValueError(
+            f"re-planning would move parameters {[p.fqn for p in moved][:8]} whose optimizer state "
+            f"already exists in {busy}; that state would no longer match. Build every optimizer "
+            "of a fully_shard model before the first step (each re-plans once, at construction)")
+    if store.group.grad_state is GradState.ACCUMULATING:
         raise RuntimeError(
-            "request_requirements during a gradient accumulation without sync (unreduced "
-            "gradients in the buffer); build the optimizer before that backward, or after "
-            "a synced one")
-    old = bucket.master
+            "re-plan during a gradient accumulation without sync (unreduced gradients in the "
+            "buffer); build the optimizer before that backward, or after a synced one")
+    if store.group.gathered:  # the unsharded views of the old buffers would go stale
+        store.group.free()
+        store.group.register(sharded=True)
+    _move(store, new_units, plan)
+    return StoreReplan(tuple(p.fqn for p in moved), tuple(refused), old.padding, plan.padding)
+
+
+def _move(store: DtypeStore, units: dict[str, int], plan: GroupPlan) -> None:
+    """Gather the old master buffer (and gradients) once; rebuild the stores on ``plan``."""
+    g = store.group
+    old = store.master
     w = g.shard_world
-    has_grad = [p.sharded.grad is not None for p in bucket.params]
+    has_grad = [p.sharded.grad is not None for p in store.params]
     if w > 1:
         old.all_gather()
         _check_same_grads(has_grad, g.shard_pg)
-    data = {p.fqn: old.full_view(p.fqn) for p in bucket.params}
-    grads = _gather_grads(bucket, has_grad) if any(has_grad) else {}
-    bucket.build(units, data, validate=True, plan=plan)
+    data = {p.fqn: old.full_view(p.fqn) for p in store.params}
+    grads = _gather_grads(store, has_grad) if any(has_grad) else {}
+    store.build(units, data, validate=True, plan=plan)
     if w > 1:
         old.free_global()
-    new = bucket.master
-    for p in bucket.params:
+    new = store.master
+    for p in store.params:
         full = grads.get(p.fqn)
         if full is None:
             continue
@@ -135,8 +112,7 @@ def _move(bucket: Bucket, units: dict[str, int], plan: GroupPlan) -> None:
         view = new.local_grad_view(p.fqn)
         with torch.no_grad():
             view.copy_(full[a:a + n])
-        sp = p.sharded
-        sp.grad = ShardedParameter(view, sp._layout, sp._group, p.shape, sp._rank)
+        p.sharded.grad = p.sharded.with_local(view)
 
 
 def _check_same_grads(has_grad: list[bool], pg: torch.distributed.ProcessGroup) -> None:
@@ -150,11 +126,11 @@ def _check_same_grads(has_grad: list[bool], pg: torch.distributed.ProcessGroup) 
             f"({rows.tolist()}); zero (or keep) gradients on every rank alike")
 
 
-def _gather_grads(bucket: Bucket, has_grad: list[bool]) -> dict[str, torch.Tensor]:
+def _gather_grads(store: DtypeStore, has_grad: list[bool]) -> dict[str, torch.Tensor]:
     """The whole (reduced) gradient of each parameter that has one, flat, by name."""
-    old = bucket.master
+    old = store.master
     flat = torch.zeros_like(old.local_grad)  # 1-D, m: the old layout, grads not in the buffer too
-    for p, h in zip(bucket.params, has_grad, strict=True):
+    for p, h in zip(store.params, has_grad, strict=True):
         if h:
             view = old.local_grad_view(p.fqn)
             local = p.sharded.grad.to_local() if isinstance(p.sharded.grad, ShardedParameter) else None
@@ -162,11 +138,11 @@ def _gather_grads(bucket: Bucket, has_grad: list[bool]) -> dict[str, torch.Tenso
                 raise AssertionError(f"{p.fqn}: .grad is not a ShardedParameter of the parameter's layout")
             a = view.storage_offset() - old.local_grad.storage_offset()
             flat[a:a + view.numel()] = local
-    w = bucket._group.shard_world
+    w = store.group.shard_world
     if w > 1:
         full = flat.new_empty(w * flat.numel())  # 1-D, W * m
-        all_gather_flat(full, flat, bucket._group.shard_pg)
+        all_gather_flat(full, flat, store.group.shard_pg)
     else:
         full = flat
     return {p.fqn: full[old.plan.offsets[p.fqn]:old.plan.offsets[p.fqn] + math.prod(p.shape)]
-            for p, h in zip(bucket.params, has_grad, strict=True) if h}
+            for p, h in zip(store.params, has_grad, strict=True) if h}

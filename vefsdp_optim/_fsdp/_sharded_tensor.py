@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from vefsdp_optim.comm import ShardedView, all_gather_flat
 from vefsdp_optim.sharding import RaggedShard
+
+if TYPE_CHECKING:
+    from vefsdp_optim._flat_store import FlatStore
 
 __all__ = ["ShardedParameter", "flat_range_boxes"]
 
@@ -62,6 +65,7 @@ class ShardedParameter(torch.Tensor):
     _layout: RaggedShard
     _group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     _rank: int
+    _store: FlatStore | None = None  # fully_shard's parameters: the store they live in
 
     @staticmethod
     def __new__(
@@ -101,6 +105,33 @@ class ShardedParameter(torch.Tensor):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         return self._group
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index in :attr:`process_group` (0 at W = 1)."""
+        return self._rank
+
+    def flat_store(self) -> FlatStore | None:
+        """The ``FlatStore`` this parameter's local data live in ([Note: flat store
+        contract]); None for tensors that are not a fully_shard parameter."""
+        return self._store
+
+    def bind_store(self, store: FlatStore) -> None:
+        """Declare the store this parameter lives in (fully_shard, once)."""
+        self._store = store
+
+    def rebind_(self, local: torch.Tensor, layout: RaggedShard, group: dist.ProcessGroup | None,
+                rank: int) -> None:
+        """Point this same object at new local data and layout (a re-plan)."""
+        if local.dim() != 1 or local.numel() != layout.local(rank)[1] or layout.numel != self.numel():
+            raise ValueError(f"local data of shape {tuple(local.shape)} is not rank {rank}'s slice of "
+                             f"layout {layout.extents} of a tensor of shape {tuple(self.shape)}")
+        self._local, self._layout, self._group, self._rank = local, layout, group, rank
+
+    def with_local(self, local: torch.Tensor) -> ShardedParameter:
+        """A new ShardedParameter of this one's shape and layout over ``local`` (e.g. its
+        gradient, a view of the gradient buffer)."""
+        return self._same(local)
 
     def to_local(self) -> torch.Tensor:
         """This rank's 1-D slice (a view of the shared storage, no copy)."""

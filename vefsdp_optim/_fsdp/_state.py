@@ -1,0 +1,247 @@
+"""The hooks of one fully_shard'd module (FSDPState) and the per-root iteration state.
+
+Hooks: forward pre-hook (unshard, register unsharded params, post-backward hook on
+the inputs), forward hook (register sharded params, reshard, pre-backward hooks on the
+outputs), and, for the root, a final callback on the autograd engine that finishes
+every group whose post-backward did not run (inputs without grad). Where a module is
+in its step is explicit (``Role``, ``TrainingState`` in _lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._group import ShardGroup
+from ._lifecycle import Role, TrainingState, advance
+from ._module import FSDPModule, state_of
+
+__all__ = ["FSDPState", "ctx_final_callback", "wait_reductions"]
+
+
+class _RootContext:
+    """Per-root iteration state shared by every FSDPState under one root."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.callback_queued = False
+        # groups in the order their forward ran with grad enabled (with repeats); the
+        # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
+        self.fwd_order: list[FSDPState] = []
+        # groups whose reduce-scatter was launched and not yet waited for; the next
+        # post-backward waits for them before launching its own (at most one group's
+        # gradient buffer in flight), the final callback for the last
+        self.reducing: list[ShardGroup] = []
+
+
+class FSDPState:
+    """Hooks and flags of one fully_shard'd module."""
+
+    def __init__(self, module: nn.Module, group: ShardGroup | None, reshard_after_forward: bool,
+                 mp_policy: MixedPrecisionPolicy) -> None:
+        self.module = module
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.ctx: _RootContext | None = None
+        self.role = Role.UNSET
+        self.fwd_prefetch: list[FSDPState] = []
+        self.bwd_prefetch: list[FSDPState] = []
+        self.training_state = TrainingState.IDLE
+        # [Note: repeated use] forward calls (grad enabled) since the last backward whose
+        # inputs carry a post-backward hook; the group is reduced when the last of them
+        # has run backward, or by the root's final callback when some call had no hook.
+        self.uses = 0
+        self.untracked = False  # a forward call with grad whose inputs need no grad
+        # id -> original Parameter this group replaced (weak: tensors compare elementwise)
+        self.originals: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+
+    @property
+    def is_root(self) -> bool:
+        return self.role is Role.ROOT
+
+    @property
+    def in_backward(self) -> bool:
+        return self.training_state is TrainingState.BACKWARD
+
+    def _set_training(self, new: TrainingState) -> None:
+        self.training_state = advance(self.training_state, new, "FSDPState.training_state")
+
+    # -- lazy root init ----------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        if self.role is not Role.UNSET:
+            return
+        states = [state_of(m) for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for s in states:
+            if s is not self and s.is_root:
+                raise ValueError("a fully_shard'd module ran forward as root before its parent; "
+                                 "run the outermost fully_shard'd module first")
+        self.role = advance(self.role, Role.ROOT, "FSDPState.role")
+        ctx = _RootContext(states)
+        for s in states:
+            if s is not self and s.role is Role.UNSET:
+                s.role = advance(s.role, Role.NON_ROOT, "FSDPState.role")
+            s.ctx = ctx
+
+    # -- forward -----------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._lazy_init()
+        if self.is_root:
+            self.ctx.callback_queued = False
+            if torch.is_grad_enabled():
+                self.ctx.fwd_order.clear()
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            dt = self.mp_policy.param_dtype
+            args, kwargs = tree_map(
+                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs))
+        g = self.group
+        if g is None:
+            return args, kwargs
+        g.unshard()
+        g.wait_unshard()
+        for s in self.fwd_prefetch:
+            if s.group is not None:
+                s.group.unshard(async_op=True)
+        g.register(sharded=False)
+        if torch.is_grad_enabled():
+            args, kwargs, hooked = self._register_post_backward(args, kwargs)
+            if hooked:
+                self.uses += 1
+            else:
+                self.untracked = True
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        g = self.group
+        if g is not None and torch.is_grad_enabled():
+            self.ctx.fwd_order.append(self)
+        if g is not None:
+            g.register(sharded=True)
+            if self.reshard_after_forward and not self.is_root:  # as FSDP2: root keeps its params for backward
+                g.free()
+        if self.mp_policy.output_dtype is not None:
+            dt = self.mp_policy.output_dtype
+            output = tree_map(
+                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        if torch.is_grad_enabled():
+            flat, _ = tree_flatten(output)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs, False
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, o in zip(idx, outs, strict=True):
+            flat[i] = o
+        args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs, True
+
+    # -- backward ----------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if ctx is not None and not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(ctx_final_callback(ctx))
+        if self.in_backward:
+            return grad
+        self._set_training(TrainingState.BACKWARD)
+        g = self.group
+        if g is not None:
+            if g.unsharding:
+                g.wait_unshard()
+            elif not g.gathered:
+                g.unshard()
+            g.attach_grads()
+        for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
+            if s.group is not None and not s.group.gathered:
+                s.group.unshard(async_op=True)
+        return grad
+
+    def _implicit_bwd_prefetch(self) -> list[FSDPState]:
+        """The group whose forward ran just before this one's last forward: next in backward."""
+        order = self.ctx.fwd_order if self.ctx is not None else []
+        for i in range(len(order) - 1, 0, -1):
+            if order[i] is self:
+                prev = order[i - 1]
+                return [] if prev is self or prev.in_backward else [prev]
+        return []
+
+    def post_backward(self, final: bool = False) -> None:
+        """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
+
+        From a use's post-backward hook (``final=False``) only the last outstanding use
+        finishes the group; the root's final callback (``final=True``) finishes it always.
+        """
+        if not final:
+            self.uses -= 1
+            if self.uses > 0 or self.untracked:
+                return
+        if not self.in_backward:
+            return
+        self._set_training(TrainingState.IDLE)
+        g = self.group
+        if g is None:
+            return
+        g.free()
+        ctx = self.ctx
+        if ctx is not None:
+            wait_reductions(ctx)
+        g.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
+        if g.reducing:
+            if ctx is not None:
+                ctx.reducing.append(g)
+            else:
+                g.wait_reduce()
+
+
+def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
+    def callback() -> None:
+        for s in ctx.states:
+            s.post_backward(final=True)
+            s.uses, s.untracked = 0, False
+            if s.group is not None:
+                s.group.wait_unshard()
+                if s.reshard_after_forward and not s.is_root and s.group.gathered:
+                    s.group.free()  # prefetched, but its backward did not run
+        wait_reductions(ctx)  # the optimizer reads the sharded .grad next
+        ctx.fwd_order.clear()
+        ctx.callback_queued = False
+
+    return callback
+
+
+def wait_reductions(ctx: _RootContext) -> None:
+    """Complete every launched reduce-scatter under this root, in launch order."""
+    pending, ctx.reducing = ctx.reducing, []
+    for g in pending:
+        g.wait_reduce()
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(state: FSDPState, *inputs: torch.Tensor):  # noqa: ANN205
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # noqa: ANN001, ANN205
+        ctx.state.post_backward()
+        return (None, *grads)
