@@ -66,7 +66,13 @@ def test_registered_by_name():
     assert vefsdp_optim.get_optimizer("tile_sgd") is cls
     assert vefsdp_optim.get_optimizer("TILE_SGD") is cls
     with pytest.raises(ValueError, match="already registered"):
-        vefsdp_optim.register_optimizer("tile_sgd", type("Other", (), {}))
+        vefsdp_optim.register_optimizer("tile_sgd", type("Other", (torch.optim.Optimizer,), {}))
+    for not_an_optimizer in (int, type("Plain", (), {}), 3):
+        with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+            vefsdp_optim.register_optimizer("not_an_optimizer", not_an_optimizer)
+    assert "not_an_optimizer" not in vefsdp_optim.list_optimizers()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+        vefsdp_optim.get_optimizer("collections:OrderedDict")
     with pytest.raises(ValueError, match="unknown optimizer"):
         vefsdp_optim.get_optimizer("no_such_optimizer")
     assert vefsdp_optim.get_optimizer(f"{cls.__module__}:TileNormalizedSGD") is cls
@@ -84,7 +90,7 @@ def test_same_definition_imported_twice_replaces_entry():
     try:
         assert mod.TileNormalizedSGD is not first
         assert vefsdp_optim.get_optimizer("tile_sgd") is mod.TileNormalizedSGD
-        same_name_other_source = type("TileNormalizedSGD", (), {})
+        same_name_other_source = type("TileNormalizedSGD", (torch.optim.Optimizer,), {})
         with pytest.raises(ValueError, match="overwrite=True"):
             vefsdp_optim.register_optimizer("tile_sgd", same_name_other_source)
     finally:

@@ -31,12 +31,14 @@ def adam_bucket_(
     group: dict[str, Any], eps_key: str = "eps", amsgrad: bool = False, maximize: bool = False,
     decoupled: bool = True,
 ) -> None:
-    """Adam(W) with ``group``'s hyperparameters on local 1-D slices, one state dict per
-    slice (created, as torch creates it, on first use), in one foreach call."""
+    """Adam(W) with ``group``'s hyperparameters and implementation flags (``foreach``,
+    ``fused``, ``capturable``, ``differentiable`` where the group has them) on local 1-D
+    slices, one state dict per slice (created, as torch creates it, on first use)."""
     exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], []
+    on_device = group.get("capturable", False) or group.get("fused", False)
     for state, p in zip(states, params, strict=True):
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if not state:  # torch keeps the step on the CPU unless capturable or fused
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else None)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if amsgrad:
@@ -49,4 +51,7 @@ def adam_bucket_(
     beta1, beta2 = group["betas"]
     adam_foreach_(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, lr=group["lr"],
                   beta1=beta1, beta2=beta2, eps=group[eps_key], weight_decay=group["weight_decay"],
-                  amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
+                  amsgrad=amsgrad, maximize=maximize, decoupled=decoupled,
+                  foreach=group.get("foreach"), fused=group.get("fused"),
+                  capturable=group.get("capturable", False),
+                  differentiable=group.get("differentiable", False))

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
+from vefsdp_optim.comm import sharded_view
 from vefsdp_optim.sharding import Elementwise, Requirement
 
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._flat_store import FlatStore, flat_store
-from ._math import adamw_step_, check_adam_hparams
+from ._math import adam_foreach_, adamw_step_, check_adam_hparams
 from ._registry import register_optimizer
 from ._step_loop import StepItem
 
@@ -71,17 +73,35 @@ class AdamW(BlockOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
+        *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
-        check_adam_hparams(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize)
+        check_adam_hparams(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable)
+        if differentiable:
+            raise NotImplementedError(
+                f"{type(self).__name__}(differentiable=True) is not supported: the step runs on "
+                "sharded slices under torch.no_grad(); use torch.optim.AdamW(differentiable=True) "
+                "to backpropagate through an optimizer step")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        defaults = dict(lr=lr, betas=tuple(_to_scalar(b) for b in betas), eps=eps,
+                        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused)
         super().__init__(params, defaults)
+        if fused:  # torch's own device and dtype check for its fused kernel
+            for group in self.param_groups:
+                for p in group["params"]:
+                    _device_dtype_check_for_fused(sharded_view(p).local)
         self._flat: weakref.WeakKeyDictionary[Any, _FlatState] = weakref.WeakKeyDictionary()
         #: fully_shard stores updated by the fused path so far (one per store per step)
         self.fused_updates = 0
@@ -123,7 +143,8 @@ class AdamW(BlockOptimizer):
 
     def _fused_store_(self, store: FlatStore, group: dict[str, Any]) -> bool:
         """The fused update of one fully_shard store; False (nothing done) if it does not apply."""
-        if any(isinstance(group[k], torch.Tensor) for k in ("lr", "eps", "weight_decay")) or any(
+        if group["capturable"] or group["differentiable"] or any(
+                isinstance(group[k], torch.Tensor) for k in ("lr", "eps", "weight_decay")) or any(
                 isinstance(b, torch.Tensor) for b in group["betas"]):
             return False
         if not store.grads_in_place():
@@ -137,14 +158,21 @@ class AdamW(BlockOptimizer):
         steps = flat.steps.tolist()
         if any(s != steps[0] for s in steps) or steps[0] != int(steps[0]):
             return False  # parameters that skipped steps: per-parameter bias corrections
-        flat.steps.add_(1)
         beta1, beta2 = group["betas"]
-        adamw_step_(
-            flat.flat_param, store.flat_grad(), flat.exp_avg, flat.exp_avg_sq, flat.max_exp_avg_sq,
-            step=int(steps[0]) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], amsgrad=amsgrad,
-            maximize=group["maximize"], decoupled=self.decoupled,
-        )
+        hp = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], amsgrad=amsgrad,
+                  maximize=group["maximize"], decoupled=self.decoupled)
+        if group["fused"] or group["foreach"]:  # torch's fused or multi-tensor implementation
+            param = flat.flat_param
+            step = torch.tensor(steps[0], dtype=torch.float32,  # incremented by torch
+                                device=param.device if group["fused"] else None)
+            adam_foreach_([param], [store.flat_grad()], [flat.exp_avg], [flat.exp_avg_sq],
+                          [flat.max_exp_avg_sq] if amsgrad else [], [step],
+                          foreach=group["foreach"], fused=group["fused"], **hp)
+        else:  # torch's single-tensor implementation, op for op (its default on the CPU)
+            adamw_step_(flat.flat_param, store.flat_grad(), flat.exp_avg, flat.exp_avg_sq,
+                        flat.max_exp_avg_sq, step=int(steps[0]) + 1, **hp)
+        flat.steps.add_(1)
         self.fused_updates += 1
         return True
 

@@ -13,10 +13,12 @@ from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
 from vefsdp_optim.sharding import RaggedShard, Requirement
 
 from ._flat_store import ReplanReport, apply_requirements, flat_store
+from ._fsdp import replaced_by_fully_shard
 from ._state_format import export_state, load_state
 from ._step_loop import (
     BlockContext,
     PendingExchange,
+    StepEntry,
     StepItem,
     check_consistent,
     exchange,
@@ -70,12 +72,12 @@ class BlockOptimizer(Optimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
-        self._checked_groups: set[int] = set()
         self._owner_cache: dict[tuple, tuple[int, ...]] = {}
         # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
         for group in self.param_groups:
             for p in group["params"]:
+                _check_not_replaced(p, type(self).__name__)
                 view = sharded_view(p)  # raises NotImplementedError for unsupported kinds
                 self.requirement(view.shape, group)  # validates the shape too
         #: what the re-plan at construction changed ([Note: requirements flow in])
@@ -202,10 +204,12 @@ class BlockOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = [it for group in self.param_groups for it in self._collect(group)]
+        entries: list[StepEntry] = []
+        items = [it for gi, group in enumerate(self.param_groups)
+                 for it in self._collect(group, gi, entries)]
         for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
             self.state[it.param]
-        check_consistent(items, self._checked_groups)
+        check_consistent(entries)
         buckets = make_buckets(items, self.bucket_numel)
         # pipeline: bucket k+1's inputs are in flight while bucket k computes
         pending = self._launch(buckets[0]) if buckets else None
@@ -224,12 +228,28 @@ class BlockOptimizer(Optimizer):
         buckets, [Note: fused buckets]) and leave out those it updated."""
         return group["params"]
 
-    def _collect(self, group: dict[str, Any]) -> list[StepItem]:
+    def _collect(self, group: dict[str, Any], gi: int, entries: list[StepEntry]) -> list[StepItem]:
+        """The step items of param group ``gi``; appends an entry per parameter, with a
+        gradient or not, to ``entries`` ([Note: consistent steps])."""
         items = []
         whole: list[int] = []
-        for p in self.claim_params(group):
+        claimed = self.claim_params(group)
+        position = ({id(p): i for i, p in enumerate(group["params"])}
+                    if claimed is not group["params"] else None)
+        for pi, p in enumerate(claimed):
+            pos = (gi, pi if position is None else position[id(p)])
             if p.grad is None:
+                _check_not_replaced(p, type(self).__name__)
+                view = sharded_view(p)
+                compute = self._compute_layout(self.requirement(view.shape, group), view)
+                entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
+                                         compute is None or compute != view.layout, view.group))
                 continue
+            if p.device.type == "meta":
+                raise NotImplementedError(
+                    f"{type(self).__name__} cannot step parameters on the meta device (shape "
+                    f"{tuple(p.shape)}); materialize them first (module.to_empty(device=...) and "
+                    "initialisation), then step")
             if p.grad.is_sparse:
                 raise NotImplementedError(f"{type(self).__name__} does not support sparse gradients")
             if torch.is_complex(p):
@@ -241,26 +261,32 @@ class BlockOptimizer(Optimizer):
                     f"gradient layout {gview.layout.extents} differs from parameter layout "
                     f"{view.layout.extents} for a parameter of shape {tuple(view.shape)}")
             req = self.requirement(view.shape, group)
-            key = (req, view.layout, view.shape)
-            if key in self._compute_cache:
-                compute = self._compute_cache[key]
-            else:
-                if view.layout.satisfies(req, view.shape):
-                    compute = view.layout
-                elif req.needs_whole:
-                    compute = None
-                else:
-                    compute = view.layout.snapped(req, view.shape)
-                if len(self._compute_cache) > 4096:
-                    self._compute_cache.clear()
-                self._compute_cache[key] = compute
+            compute = self._compute_layout(req, view)
+            may_move = compute is None or compute != view.layout
             if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
             items.append(StepItem(p, view, gview.local, req, compute, group))
+            entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move, view.group))
         if whole:
             self._assign_owners([items[i] for i in whole])
         return items
+
+    def _compute_layout(self, req: Requirement, view: ShardedView) -> RaggedShard | None:
+        """The compute layout for ``req`` ([Note: one step loop]); None: whole on an owner."""
+        key = (req, view.layout, view.shape)
+        if key in self._compute_cache:
+            return self._compute_cache[key]
+        if view.layout.satisfies(req, view.shape):
+            compute = view.layout
+        elif req.needs_whole:
+            compute = None
+        else:
+            compute = view.layout.snapped(req, view.shape)
+        if len(self._compute_cache) > 4096:
+            self._compute_cache.clear()
+        self._compute_cache[key] = compute
+        return compute
 
     def _assign_owners(self, items: list[StepItem]) -> None:
         by_group: dict[int, list[StepItem]] = {}
@@ -280,3 +306,11 @@ class BlockOptimizer(Optimizer):
 
     def _launch(self, bucket: list[StepItem]) -> PendingExchange:
         return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)
+
+
+def _check_not_replaced(p: torch.Tensor, name: str) -> None:
+    if replaced_by_fully_shard(p):
+        raise ValueError(
+            f"{name} holds a parameter of shape {tuple(p.shape)} that fully_shard has replaced "
+            "with a sharded one, so it would never train; build the optimizer after fully_shard, "
+            "from model.parameters()")

@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 __all__ = ["register_optimizer", "get_optimizer", "list_optimizers"]
 
 _REGISTRY: dict[str, type] = {}
@@ -28,8 +30,8 @@ def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = 
     key = name.strip().lower()
 
     def deco(c: T) -> T:
-        if not isinstance(c, type):
-            raise TypeError(f"register_optimizer takes a class, got {c!r}")
+        if not (isinstance(c, type) and issubclass(c, torch.optim.Optimizer)):
+            raise TypeError(f"register_optimizer takes a torch.optim.Optimizer subclass, got {c!r}")
         old = _REGISTRY.get(key)
         if old is not None and old is not c and not overwrite and not _same_definition(old, c):
             raise ValueError(
@@ -65,8 +67,8 @@ def get_optimizer(name: str) -> type:
             obj = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"cannot import optimizer {name!r}: {e}") from e
-        if not isinstance(obj, type):
-            raise TypeError(f"{name!r} is not a class: {obj!r}")
+        if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+            raise TypeError(f"{name!r} is not a torch.optim.Optimizer subclass: {obj!r}")
         return obj
     raise ValueError(
         f"unknown optimizer {name!r}; registered: {sorted(_REGISTRY)} "

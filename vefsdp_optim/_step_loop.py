@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from vefsdp_optim.comm import ShardedView, check_same_on_all_ranks, redistribute
+from vefsdp_optim.comm import ShardedView, all_gather_flat, redistribute
 from vefsdp_optim.sharding import RaggedShard, Requirement
 
-__all__ = ["BlockContext", "StepItem", "PendingExchange", "make_buckets", "check_consistent", "exchange"]
+__all__ = [
+    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "exchange",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,21 +81,70 @@ def make_buckets(items: list[StepItem], bucket_numel: int) -> list[list[StepItem
     return buckets
 
 
-def check_consistent(items: list[StepItem], checked: set[int]) -> None:
-    """Once per process group, before its first exchange: every rank must hold the
-    same parameters, layouts and compute layouts, or the exchange would hang."""
-    by_group: dict[int, list[StepItem]] = {}
-    for it in items:
-        if it.moves and id(it.view.group) not in checked:
-            by_group.setdefault(id(it.view.group), [])
-    for it in items:
-        if id(it.view.group) in by_group:
-            by_group[id(it.view.group)].append(it)
-    for key, its in by_group.items():
-        fingerprint = repr([(tuple(it.view.shape), it.view.layout.extents, it.compute.extents)
-                            for it in its])
-        check_same_on_all_ranks(fingerprint, its[0].view.group)
-        checked.add(key)
+# [Note: consistent steps]
+# An exchange needs every rank of its process group to step the same parameters with
+# the same layouts: a rank that skips a parameter (its .grad is None there only) would
+# leave the all_to_all waiting forever. So before the first exchange of every step,
+# each process group that exchanges anything all-gathers one 64-bit fingerprint per
+# rank of (parameter position, has a gradient, shape, storage and compute layouts)
+# over all its parameters: one tiny collective per group and step. Only on a mismatch
+# does a second gather name the parameters and the ranks that differ. Which groups
+# check depends only on the global layouts, never on gradients, so every rank checks
+# the same groups and the check itself cannot hang.
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    """What one rank steps of one parameter, for [Note: consistent steps]."""
+
+    position: tuple[int, int]  # (param group index, index in the group)
+    shape: tuple[int, ...]
+    layout: RaggedShard  # storage layout
+    compute: RaggedShard | None  # compute layout; None: no gradient on this rank
+    may_move: bool  # the requirement is not met by the storage layout
+    group: Any  # the shard process group (None at W = 1)
+
+
+def check_consistent(entries: list[StepEntry]) -> None:
+    """Raise ValueError, the same on every rank, unless every rank of each exchanging
+    process group steps the same parameters alike ([Note: consistent steps])."""
+    by_group: dict[int, list[StepEntry]] = {}
+    moving: set[int] = set()
+    for e in entries:
+        if e.group is None:
+            continue
+        by_group.setdefault(id(e.group), []).append(e)
+        if e.may_move:
+            moving.add(id(e.group))
+    for key in moving:
+        es = by_group[key]
+        group = es[0].group
+        # ints only: hash(None) and str hashes differ between processes
+        mine = torch.tensor([hash(tuple((e.position, e.shape, e.layout.extents,
+                                         e.compute.extents if e.compute is not None else ())
+                                        for e in es))], dtype=torch.int64)
+        every = mine.new_empty(group.size())
+        all_gather_flat(every, mine, group)
+        if bool((every == every[0]).all()):
+            continue
+        seen: list[Any] = [None] * group.size()
+        dist.all_gather_object(seen, {e.position: (e.shape, e.compute is not None, e.compute)
+                                      for e in es}, group=group)
+        diffs = []
+        for pos in sorted({p for d in seen for p in d}):
+            per_rank = [d.get(pos) for d in seen]
+            if any(v != per_rank[0] for v in per_rank):
+                shape = next(v[0] for v in per_rank if v is not None)
+                with_grad = [r for r, v in enumerate(per_rank) if v is not None and v[1]]
+                without = [r for r, v in enumerate(per_rank) if v is None or not v[1]]
+                diffs.append(f"param group {pos[0]} parameter {pos[1]} (shape {shape}): a gradient on "
+                             f"ranks {with_grad}, none on ranks {without}" if with_grad and without else
+                             f"param group {pos[0]} parameter {pos[1]} (shape {shape}): layouts differ "
+                             "between ranks")
+        raise ValueError(
+            "ranks disagree on what this optimizer step updates, so its exchange would hang: "
+            + "; ".join(diffs[:8]) + ". Every rank must step the same parameters: set .grad to None "
+            "(or zero it) on every rank alike")
 
 
 def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool) -> PendingExchange:

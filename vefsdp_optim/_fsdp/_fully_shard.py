@@ -8,6 +8,8 @@ from FSDPModule (_module.py).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,9 +22,17 @@ from ._param import ManagedParam
 from ._sharded_tensor import ShardedParameter
 from ._state import FSDPState
 
-__all__ = ["fully_shard", "FSDPModule", "FSDPState"]
+__all__ = ["fully_shard", "FSDPModule", "FSDPState", "replaced_by_fully_shard"]
 
 _CLS_CACHE: dict[type, type] = {}
+# every Parameter object fully_shard replaced by a sharded one (weak: id -> object)
+_REPLACED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+
+
+def replaced_by_fully_shard(t: object) -> bool:
+    """Whether ``t`` is a Parameter that fully_shard replaced (the module now holds a
+    sharded one; ``t`` gets no gradient any more)."""
+    return _REPLACED.get(id(t)) is t
 
 
 def _default_device(mesh: DeviceMesh) -> torch.device:
@@ -91,6 +101,7 @@ def fully_shard(
     _move_buffers(module, device)
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
     state.originals.update({id(mp.original): mp.original for mp in params})
+    _REPLACED.update({id(mp.original): mp.original for mp in params})
     for mp in params:
         del mp.original
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)

@@ -95,30 +95,46 @@ def adamw_step_(
 
 def adam_foreach_(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float | Tensor, beta1: float,
-    beta2: float, eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float | Tensor,
+    beta1: float | Tensor, beta2: float | Tensor, eps: float, weight_decay: float, amsgrad: bool,
+    maximize: bool, decoupled: bool, foreach: bool | None = None, fused: bool | None = None,
+    capturable: bool = False, differentiable: bool = False,
 ) -> None:
-    """torch.optim's own functional Adam(W) on lists of tensors, in place (its ``foreach``
-    implementation when every tensor is on one device, else the single-tensor one).
+    """torch.optim's own functional Adam(W) on lists of tensors, in place, with torch's
+    implementation flags: ``fused=True`` runs torch's fused kernel, ``foreach`` picks the
+    multi-tensor (True) or single-tensor (False) implementation, ``capturable`` and
+    ``differentiable`` are passed on (torch raises where they cannot work).
+    ``foreach=None`` takes the multi-tensor one when every tensor is on one device and
+    torch allows it (no Tensor lr or betas without ``capturable``, not ``differentiable``):
+    the same bits as torch's default single-tensor path on the CPU, faster.
 
     ``steps`` are float32 0-d tensors, incremented here as torch does. Elementwise, so a
-    list of slices gets exactly the values the whole tensors would.
+    list of slices (or one flat buffer) gets exactly the values the whole tensors would.
     """
     if not params:
         return
+    if foreach is None and not fused:
+        tensor_hp = any(isinstance(h, Tensor) for h in (lr, beta1, beta2))
+        foreach = (len({p.device for p in params}) == 1 and not differentiable
+                   and not (tensor_hp and not capturable))
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        foreach=len({p.device for p in params}) == 1, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
-        lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
-        decoupled_weight_decay=decoupled,
+        foreach=bool(foreach) and not fused, fused=fused, capturable=capturable,
+        differentiable=differentiable, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
+        weight_decay=weight_decay, eps=eps, maximize=maximize, decoupled_weight_decay=decoupled,
+        grad_scale=None, found_inf=None,
     )
 
 
 def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: float,
-                       weight_decay: float) -> None:
+                       weight_decay: float, *, foreach: bool | None = None,
+                       capturable: bool = False) -> None:
     """torch.optim.Adam's argument checks, with the same messages."""
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+    if isinstance(lr, Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -131,3 +147,11 @@ def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: floa
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, Tensor):
+            if foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")

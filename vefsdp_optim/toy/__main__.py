@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vefsdp_optim._registry import list_optimizers
+from vefsdp_optim._registry import get_optimizer, list_optimizers
 
 from ._report import check_results, curve_departure, format_table, write_outputs
 from ._runner import (
@@ -93,6 +93,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[list[RunConfig], int]:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    for o in opts:  # a clear error now, not a traceback from a spawned rank later
+        get_optimizer(o)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is an existing file; give a directory (new or existing)")
     configs = []
     for t in tasks:
         steps = args.steps if args.steps is not None else TASKS.get(t.lower(), TASKS["gpt"]).steps
