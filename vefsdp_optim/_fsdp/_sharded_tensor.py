@@ -1,11 +1,11 @@
 """ShardedParameter: a tensor with a global shape whose data is one rank's ragged slice.
 
 Like FSDP2's DTensor, but the placement is a :class:`RaggedShard` of the flattened
-storage and the local data is a 1-D view into the group's DistributedBuffer. Only the
-ops an optimizer and ``clip_grad_norm_`` need are supported: elementwise ops between
-tensors of the same layout (and with Python scalars or 0-d plain tensors), their
-in-place and ``_foreach_`` forms, ``*_like``/clone/copy_/detach, and vector norms,
-which return a plain replicated tensor. See [Note: sharded dispatch].
+storage and the local data is a 1-D view into the group's DistributedBuffer. Elementwise
+ops (and torch's fused optimizer kernels) run on the local slices; norms are partial
+sums and one all_reduce; any other op gathers its sharded operands and returns a plain
+replicated tensor, as DTensor does. The rules are [Note: sharded dispatch], in
+``_sharded_dispatch.py``.
 """
 
 from __future__ import annotations
@@ -16,43 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from vefsdp_optim.comm import ShardedView, all_gather_flat
 from vefsdp_optim.sharding import RaggedShard
+
+from ._sharded_dispatch import dispatch
 
 if TYPE_CHECKING:
     from vefsdp_optim._flat_store import FlatStore
 
 __all__ = ["ShardedParameter", "flat_range_boxes"]
-
-aten = torch.ops.aten
-
-# [Note: sharded dispatch]
-# Every op is run on the local slices. An op is legal on slices when its result at each
-# flat element depends only on the inputs at that element (torch.Tag.pointwise), so all
-# sharded operands must have the same layout on the same group; Python scalars and 0-d
-# plain tensors broadcast. Reductions are partial sums on the slices followed by one
-# all_reduce, giving a plain tensor equal on every rank. Anything else raises
-# NotImplementedError naming the op, never a silently wrong local result.
-
-_LIKE_OPS = {
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.empty_like.default,
-    aten.full_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.clone.default,
-    aten.detach.default,
-    aten.alias.default,
-    aten._to_copy.default,
-    aten.zero_.default,
-    aten.fill_.Scalar,
-    aten.copy_.default,
-}
-_NORM_OPS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
-
 
 class ShardedParameter(torch.Tensor):
     """A tensor of global ``shape`` stored as this rank's slice ``layout.local(rank)``.
@@ -207,129 +180,7 @@ class ShardedParameter(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        kwargs = kwargs or {}
-        if func in _NORM_OPS:
-            return _norm(func, args, kwargs)
-        if func.overloadpacket.__name__.startswith("_foreach_"):
-            return _foreach(func, args, kwargs)
-        if func is aten.copy_.default and _is_full_source(args):
-            # a plain tensor of the global shape (a full state dict): take this rank's slice
-            dst, src = args[0], args[1]
-            start, length = dst._layout.local(dst._rank)
-            dst._local.copy_(src.reshape(-1)[start: start + length], *args[2:], **kwargs)
-            return dst
-        if func in _LIKE_OPS or torch.Tag.pointwise in func.tags:
-            return _pointwise(func, args, kwargs)
-        if func is aten.is_same_size.default:
-            return args[0].shape == args[1].shape
-        raise NotImplementedError(
-            f"ShardedParameter does not support {func}; supported: elementwise ops between tensors "
-            "of the same RaggedShard layout (and with scalars), their in-place and _foreach_ forms, "
-            "*_like/clone/copy_/detach, linalg_vector_norm and _foreach_norm. "
-            "Use full_tensor() or to_local() for anything else.")
-
-
-def _is_full_source(args: tuple) -> bool:
-    dst, src = args[0], args[1]
-    return (isinstance(dst, ShardedParameter) and type(src) in (torch.Tensor, torch.nn.Parameter)
-            and src.dim() > 0 and src.shape == dst.shape)
-
-
-def _pointwise(func, args, kwargs):  # noqa: ANN001, ANN202
-    flat, spec = tree_flatten((args, kwargs))
-    ref: ShardedParameter | None = None
-    for a in flat:
-        if isinstance(a, ShardedParameter):
-            if ref is None:
-                ref = a
-            elif a._layout != ref._layout or a._group is not ref._group or a.shape != ref.shape:
-                raise ValueError(
-                    f"{func}: sharded operands differ in shape or layout: {tuple(ref.shape)} "
-                    f"{ref._layout.extents} vs {tuple(a.shape)} {a._layout.extents}")
-    if ref is None:
-        raise AssertionError(f"{func} dispatched to ShardedParameter without a sharded operand")
-
-    def unwrap(a: Any) -> Any:
-        if isinstance(a, ShardedParameter):
-            return a._local
-        if isinstance(a, torch.Tensor) and a.dim() != 0:
-            raise NotImplementedError(
-                f"{func}: a plain tensor of shape {tuple(a.shape)} mixed with a ShardedParameter; "
-                "supported: sharded tensors of the same layout, Python scalars and 0-d tensors")
-        return a
-
-    local_args, local_kwargs = tree_unflatten([unwrap(a) for a in flat], spec)
-    out = func(*local_args, **local_kwargs)
-    if func._schema.is_mutable or func is aten.copy_.default:
-        return args[0]
-
-    def wrap(o: Any) -> Any:
-        if isinstance(o, torch.Tensor) and o.dim() == 1 and o.numel() == ref._local.numel():
-            return ref._same(o)
-        raise AssertionError(f"{func} on local slices gave {o!r}, not a slice of the layout")
-
-    return tree_map(wrap, out)
-
-
-def _foreach(func, args, kwargs):  # noqa: ANN001, ANN202
-    """Run a ``_foreach_`` op as its per-element op (its lists may mix groups)."""
-    name = func.overloadpacket.__name__
-    inplace = name.endswith("_")
-    base = name[len("_foreach_"):]
-    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
-    n = len(args[lists[0]])
-    per = getattr(torch.ops.aten, base)
-    results = []
-    for k in range(n):
-        a_k = [a[k] if i in lists else a for i, a in enumerate(args)]
-        kw = dict(kwargs)
-        if base.startswith(("addcmul", "addcdiv")) and len(a_k) == 4:
-            v = a_k.pop()  # positional in the foreach schema, keyword-only per element
-            kw["value"] = v[k].item() if isinstance(v, torch.Tensor) else v
-        results.append(per(*a_k, **kw))
-    return None if inplace else results
-
-
-def _norm(func, args, kwargs):  # noqa: ANN001, ANN202
-    tensors = list(args[0]) if func is aten._foreach_norm.Scalar else [args[0]]
-    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    if func is aten.linalg_vector_norm.default:
-        if (len(args) > 2 and args[2] is not None) or kwargs.get("dim") is not None:
-            raise NotImplementedError("linalg_vector_norm over a dim of a ShardedParameter; only full norms")
-    ord_ = float(ord_)
-    dtype = kwargs.get("dtype")
-    outs = []
-    for t in tensors:
-        local = t._local if isinstance(t, ShardedParameter) else t.reshape(-1)
-        if dtype is not None:
-            local = local.to(dtype)
-        if ord_ == math.inf:
-            part = local.abs().amax() if local.numel() else local.new_zeros(())
-        elif ord_ == 0:
-            part = (local != 0).sum().to(local.dtype)
-        else:
-            part = local.abs().pow(ord_).sum() if local.numel() else local.new_zeros(())
-        outs.append((t, part))
-    # one all_reduce per (group, kind) of partials
-    results: list[torch.Tensor | None] = [None] * len(outs)
-    by_group: dict[int, list[int]] = {}
-    for i, (t, _) in enumerate(outs):
-        g = t._group if isinstance(t, ShardedParameter) else None
-        by_group.setdefault(id(g), []).append(i)
-    for idx in by_group.values():
-        t0 = outs[idx[0]][0]
-        g = t0._group if isinstance(t0, ShardedParameter) else None
-        parts = torch.stack([outs[i][1].float() if outs[i][1].dtype in (torch.float16, torch.bfloat16)
-                             else outs[i][1] for i in idx])
-        if g is not None:
-            op = dist.ReduceOp.MAX if ord_ == math.inf else dist.ReduceOp.SUM
-            dist.all_reduce(parts, op=op, group=g)
-        for j, i in enumerate(idx):
-            v = parts[j]
-            if ord_ not in (math.inf, 0.0):
-                v = v.pow(1.0 / ord_)
-            results[i] = v.to(outs[i][1].dtype)
-    return results if func is aten._foreach_norm.Scalar else results[0]
+        return dispatch(cls, func, args, kwargs or {})  # [Note: sharded dispatch]
 
 
 # [Note: ragged slices as DCP boxes]
