@@ -193,3 +193,45 @@ def test_stale_optimizer_and_rank_disagreement_raise(world_size: int) -> None:
     for res in run_distributed(_failures, world_size, timeout=120):
         assert res["stale"] and res["stale_at_build"], res
         assert res["fully_shard"][0] and res["fsdp2"][0], res
+
+
+# -- one non-finite gradient element: the blast radius of torch's AdamW --------------------
+
+
+def _nan_run(make, bad: float, shape=(1024,), where=(5,), steps: int = 3):
+    p = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(3)))
+    opt = make([p])
+    g = torch.Generator().manual_seed(4)
+    for step in range(steps):
+        p.grad = torch.randn(shape, generator=g) * 1e-2
+        if step == 1:
+            p.grad[where] = bad
+        opt.step()
+    return p.detach(), opt
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_adamw8bit_non_finite_gradient_element_stays_one_element(bad):
+    make = lambda ps: vefsdp_optim.AdamW8bit(ps, min_8bit_size=0, block_size=256)  # noqa: E731
+    got, opt = _nan_run(make, bad)
+    zero, _ = _nan_run(make, 0.0)
+    ref, _ = _nan_run(lambda ps: torch.optim.AdamW(ps), bad)
+    assert not torch.isfinite(got[5]) and not torch.isfinite(ref[5])
+    keep = torch.ones(got.numel(), dtype=torch.bool)
+    keep[5] = False
+    assert torch.equal(got[keep], zero[keep])  # the rest of its block as if the element's grad were 0
+    st = opt.state[opt.param_groups[0]["params"][0]]
+    assert all(bool(torch.isfinite(st[k].float()).all())
+               for k in ("exp_avg_absmax", "exp_avg_sq_absmax"))
+
+
+def test_shampoo_non_finite_gradient_element_stays_one_element():
+    make = lambda ps: vefsdp_optim.Shampoo(ps, lr=1e-2, precondition_frequency=1,  # noqa: E731
+                                           start_preconditioning_step=1, max_preconditioner_dim=4)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        got, opt = _nan_run(make, float("nan"), shape=(8, 6), where=(2, 3), steps=4)
+    assert int((~torch.isfinite(got)).sum()) == 1 and not torch.isfinite(got[2, 3])
+    st = opt.state[opt.param_groups[0]["params"][0]]
+    for tile in st["tiles"].values():
+        for k in ("L", "R", "L_inv_root", "R_inv_root"):
+            assert bool(torch.isfinite(tile[k]).all()), k

@@ -243,7 +243,7 @@ class Shampoo(BlockOptimizer):
 
         tiles = state.get("tiles")
         if tiles is not None:
-            self._update_statistics(g, state, ctx, group, t)
+            self._update_statistics(g, state, ctx, group, t, finite=bool(torch.isfinite(g).all()))
         if tiles is None or t < group["start_preconditioning_step"]:
             # the grafted method alone (torch AdamW's op order for grafting="adam")
             if denom is not None:
@@ -256,6 +256,14 @@ class Shampoo(BlockOptimizer):
         rows = ctx.length // cols
         m_hat = (m / bc1).view(rows, cols)  # (rows, cols)
         graft = m_hat if denom is None else m_hat / denom.view(rows, cols)  # (rows, cols)
+        # [Note: non-finite elements] elements whose moments are not finite (a NaN or
+        # inf gradient reached them) must not spread through the tile products: they
+        # count as 0 in the preconditioned direction and its grafting norm, and get a
+        # NaN update, so exactly they become NaN, as torch's AdamW makes them
+        bad = None
+        if not (bool(torch.isfinite(m_hat).all()) and bool(torch.isfinite(graft).all())):
+            bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
+            m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
         update = torch.empty_like(m_hat)  # (rows, cols)
         for key, (rs, cs) in self._tiles(ctx, group):
             tile = tiles[key]
@@ -266,23 +274,28 @@ class Shampoo(BlockOptimizer):
                 norm = torch.linalg.vector_norm(direction)
                 direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
             update[rs, cs] = direction
+        if bad is not None:
+            update.masked_fill_(bad, float("nan"))
         p.add_(update.view(-1), alpha=-lr)
 
     def _update_statistics(
         self, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext, group: dict[str, Any],
-        t: int,
+        t: int, finite: bool = True,
     ) -> None:
         beta2 = group["betas"][1]
         cols = _matrix_cols(ctx.shape)
         grad = g.reshape(ctx.length // cols, cols)  # (rows, cols)
         start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
         recompute = t >= start and (t - start) % freq == 0
-        failed = 0
+        failed = skipped = 0
         for key, (rs, cs) in self._tiles(ctx, group):
             tile = state["tiles"][key]
             gt = grad[rs, cs].to(tile["L"].dtype)  # (r, c)
-            tile["L"].mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
-            tile["R"].mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
+            if finite or bool(torch.isfinite(gt).all()):
+                tile["L"].mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
+                tile["R"].mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
+            else:  # one NaN would make the whole tile's statistics (and roots) NaN for good
+                skipped += 1
             if not recompute:
                 continue
             bc2 = 1 - beta2**t
@@ -292,6 +305,13 @@ class Shampoo(BlockOptimizer):
                     tile[f"{stat}_inv_root"] = root
                 else:
                     failed += 1
+        if skipped:
+            msg = (f"Shampoo: a non-finite gradient in {skipped} tile(s) of a parameter of shape "
+                   f"{tuple(ctx.shape)} at step {t}; those tiles' statistics skip this step and "
+                   "stay finite (the affected elements themselves become non-finite, as with "
+                   "torch's AdamW)")
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
         if failed:
             if state["root_failures"] == 0:
                 msg = (f"Shampoo: {failed} inverse root(s) of a parameter of shape "

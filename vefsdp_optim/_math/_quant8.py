@@ -199,6 +199,12 @@ class TableQuantizer:
         # (nb,) max |x| = max(max x, -min x), exactly, without an |x| temporary; abs_ makes a
         # block of -0.0 give +0.0 as abs().amax() does
         absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
+        if not bool(torch.isfinite(absmax).all()):
+            # [Note: non-finite moments] a NaN / inf element (from a non-finite gradient)
+            # would make its whole block's absmax, and so every code of the block,
+            # garbage for good. Its parameter element is already non-finite (as torch's
+            # AdamW makes it); store its moment as 0 and keep the block's other elements.
+            return self(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), block_size, out)
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
         normed = (blocks / scale[:, None]).reshape(-1)[:n]  # (n,), in [-1, 1]
         bucket = normed.view(torch.int32) >> 16
