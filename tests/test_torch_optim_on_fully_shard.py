@@ -200,6 +200,8 @@ def _rules() -> dict[str, Any]:
         out["mask_put"] = torch.equal(q.full_tensor(), torch.where(w > 0, 0.5, w))
         out["item"] = p.sum().item() == w.sum().item() and p.max().item() == w.max().item()
         out["new_zeros"] = type(p.new_zeros(13, 1)) is torch.Tensor
+        out["norms"] = (torch.equal(torch.linalg.vector_norm(p, -math.inf), w.abs().min())
+                        and torch.linalg.vector_norm(p, keepdim=True).shape == (1, 1))
         refusals = {
             "t_": lambda: p.t_(),
             "normal_": lambda: p.normal_(),
@@ -218,6 +220,18 @@ def _rules() -> dict[str, Any]:
             out["mixed_layouts"] = "no error"
         except ValueError as e:
             out["mixed_layouts"] = str(e)
+    # a fused kernel's lists may mix sharded and plain parameters (one param group)
+    extra, extra_ref = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+    with torch.no_grad():
+        extra_ref.copy_(extra)
+    x = torch.randn(4, 7)
+    for net, e in ((model, extra), (ref, extra_ref)):
+        (net(x).square().mean() + e.square().sum()).backward()
+    _average_like_ranks(ref, torch.distributed.get_world_size())
+    torch.optim.AdamW([*model.parameters(), extra], fused=True).step()
+    torch.optim.AdamW([*ref.parameters(), extra_ref], fused=True).step()
+    out["fused_mixed"] = torch.equal(extra, extra_ref) and all(
+        torch.equal(a.full_tensor(), b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
     return out
 
 

@@ -83,6 +83,10 @@ _SUPPORTED = ("elementwise ops (local), flat-order views, norms (partial sums), 
 
 def dispatch(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     name = func.overloadpacket.__name__
+    for a in tree_flatten((args, kwargs))[0]:
+        if (isinstance(a, torch.Tensor) and not isinstance(a, cls)
+                and type(a) not in (torch.Tensor, torch.nn.Parameter)):
+            return NotImplemented  # another tensor subclass (a DTensor): let it decide
     if func in _NORM_OPS and not _norm_has_dim(func, args, kwargs):
         return _norm(cls, func, args, kwargs)
     if name in _FUSED:
@@ -97,14 +101,14 @@ def dispatch(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
             f"supported: {_SUPPORTED}")
     if func in _NEW_OPS:
         return _new(cls, func, args, kwargs)
+    if torch.Tag.nondeterministic_seeded in func.tags and func not in _LIKE_OPS:
+        raise NotImplementedError(
+            f"ShardedParameter does not support {func}: a random op would differ between ranks; "
+            f"supported: {_SUPPORTED}")
     if func in _LIKE_OPS or func in _ELEMENTWISE or torch.Tag.pointwise in func.tags:
         local = _pointwise(cls, func, args, kwargs)
         if local is not NotImplemented:
             return local
-    elif torch.Tag.nondeterministic_seeded in func.tags:
-        raise NotImplementedError(
-            f"ShardedParameter does not support {func}: a random op would differ between ranks; "
-            f"supported: {_SUPPORTED}")
     elif func.is_view:
         view = _flat_view(cls, func, args, kwargs)
         if view is not NotImplemented:
@@ -176,24 +180,28 @@ def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _fused(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
-    """A fused optimizer kernel on the local slices (its math is per element)."""
-    flat, spec = tree_flatten((args, kwargs))
-    lists = [a for a in args if isinstance(a, (list, tuple))]
-    for k in range(len(lists[0]) if lists else 0):
-        _ref(cls, func, [lst[k] for lst in lists if len(lst) > k])
-
-    def unwrap(a: Any) -> Any:
+    """A fused optimizer kernel on the local slices (its math is per element). Entry k of
+    every list belongs to parameter k: all sharded with one layout, or all plain."""
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    new_args = [list(a) if i in lists else a for i, a in enumerate(args)]
+    for a in tree_flatten(([a for i, a in enumerate(args) if i not in lists], kwargs))[0]:
         if isinstance(a, cls):
-            return a._local
-        if isinstance(a, torch.Tensor) and a.numel() > 1:
-            raise NotImplementedError(
-                f"{func}: a plain tensor of shape {tuple(a.shape)} among ShardedParameters; supported: "
-                "sharded params, grads and states of one layout per parameter, and 0-d / 1-element tensors")
-        return a
-
-    local_args, local_kwargs = tree_unflatten([unwrap(a) for a in flat], spec)
-    func(*local_args, **local_kwargs)
-    return None if func._schema.returns == [] else ()
+            raise NotImplementedError(f"{func}: a ShardedParameter as a scalar argument")
+    for k in range(len(args[lists[0]]) if lists else 0):
+        column = [(i, args[i][k]) for i in lists if len(args[i]) > k]
+        if not any(isinstance(t, cls) for _, t in column):
+            continue
+        _ref(cls, func, [t for _, t in column])
+        for i, t in column:
+            if isinstance(t, cls):
+                new_args[i][k] = t._local
+            elif isinstance(t, torch.Tensor) and t.numel() > 1:
+                raise NotImplementedError(
+                    f"{func}: a plain tensor of shape {tuple(t.shape)} with a ShardedParameter's params, "
+                    "grads or states; supported: all of one parameter's tensors sharded with one layout "
+                    "(steps and scalars as 0-d / 1-element tensors), or all plain")
+    func(*new_args, **kwargs)
+    return None
 
 
 def _mask_put(cls: type, args: tuple, kwargs: dict) -> Any:
@@ -250,19 +258,18 @@ def _flat_view(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _new(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     t = args[0]
-    kwargs = dict(kwargs)
-    kwargs.setdefault("dtype", t.dtype)
-    kwargs.setdefault("device", t.device)
-    like = torch.empty(0, dtype=t.dtype, device=t.device)
+    like = torch.empty(0, dtype=t.dtype, device=t.device)  # carries dtype and device only
     return func(like, *args[1:], **kwargs)
 
 
 # -- rule 4: norms -------------------------------------------------------------------------
 
 def _norm_has_dim(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A norm over dims, or with keepdim: not a full reduction to a 0-d tensor (rule 5)."""
     if func is not aten.linalg_vector_norm.default:
         return False
-    return (len(args) > 2 and args[2] is not None) or kwargs.get("dim") is not None
+    return ((len(args) > 2 and args[2] is not None) or kwargs.get("dim") is not None
+            or (len(args) > 3 and args[3]) or bool(kwargs.get("keepdim")))
 
 
 def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -280,6 +287,8 @@ def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
             local = local.float()  # as torch's own kernel accumulates
         if ord_ == math.inf:
             part = local.abs().amax() if local.numel() else local.new_zeros(())
+        elif ord_ == -math.inf:
+            part = local.abs().amin() if local.numel() else local.new_full((), math.inf)
         elif ord_ == 0:
             part = (local != 0).sum().to(local.dtype)
         else:
@@ -296,11 +305,11 @@ def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         g = t0._group if isinstance(t0, cls) else None
         parts = torch.stack([outs[i][1] for i in idx])
         if g is not None:
-            op = dist.ReduceOp.MAX if ord_ == math.inf else dist.ReduceOp.SUM
+            op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord_, dist.ReduceOp.SUM)
             dist.all_reduce(parts, op=op, group=g)
         for j, i in enumerate(idx):
             v = parts[j]
-            if ord_ not in (math.inf, 0.0):
+            if ord_ not in (math.inf, -math.inf, 0.0):
                 v = v.pow(1.0 / ord_)
             results[i] = v.to(outs[i][2])
     return results if func is aten._foreach_norm.Scalar else results[0]
