@@ -31,8 +31,12 @@ STEPS = 3
 #   Muon: Newton-Schulz in bfloat16. fully_shard gathers the matrix and runs exactly the
 #     single-device matmuls; DTensor multiplies row shards and sums partial norms, and a
 #     flipped bf16 rounding moves an update element by 2^-8 (observed: 1e-4 to 4e-3).
-#   fused Adam / AdamW: FSDP2's fused step differs from the single device's by an ulp in
-#     a few elements (observed: 1e-9); fully_shard's equals the single device's.
+# vs FSDP2 and the single device:
+#   fused=True: torch's CPU fused kernels (Adam, AdamW, SGD, Adagrad) compute the vector
+#     body and the scalar tail of each tensor slightly differently, so an element's last
+#     bit depends on its position in the tensor it is stepped in: a slice moves it (about
+#     1 trial in 100 flips an element of a 65-element tensor cut at 52). Observed: FSDP2
+#     off by 1e-9 in one element; fully_shard bitwise equal to the single device so far.
 # vs the single device:
 #   Adafactor: the parameter's RMS (alpha) is a partial-sum norm on the slices.
 # LBFGS, Adafactor, Rprop and the fused SGD / Adagrad raise on FSDP2 (uneven flatten,
@@ -41,7 +45,7 @@ STEPS = 3
 FSDP2_RAISES = {"LBFGS", "Adafactor", "Rprop"}
 FSDP2_RAISES_FUSED = {"SGD", "Adagrad"}
 FSDP2_TOL = {"Muon": 2e-2}
-FUSED_FSDP2_TOL = 1e-6
+FUSED_TOL = 1e-6
 SINGLE_TOL = {"Adafactor": 1e-6}
 
 
@@ -124,9 +128,9 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert r["ours_err"] is None and r["single_err"] is None, (r["cfg"], r["ours_err"], r["single_err"])
         if r["fsdp2_err"] is not None:  # only where FSDP2 is known to raise, else we'd compare less
             assert r["optim"] in FSDP2_RAISES or (r["fused"] and r["optim"] in FSDP2_RAISES_FUSED), r
-        fused_tol = FUSED_FSDP2_TOL if r["fused"] else 0.0
+        fused_tol = FUSED_TOL if r["fused"] else 0.0
         for key, tol in (("vs_fsdp2", FSDP2_TOL.get(r["optim"], fused_tol)),
-                         ("vs_single", SINGLE_TOL.get(r["optim"], 0.0))):
+                         ("vs_single", SINGLE_TOL.get(r["optim"], fused_tol))):
             if r[key] is None:  # FSDP2 raised: compared with the single device only
                 continue
             rel, bitwise = r[key]
