@@ -41,6 +41,11 @@ def _rank_main(a: argparse.Namespace) -> None:
     import faulthandler
 
     faulthandler.enable(all_threads=True)
+    if a.core_dir:  # keep a core file of an abort, for gdb
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        os.chdir(a.core_dir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -64,6 +69,8 @@ def _rank_main(a: argparse.Namespace) -> None:
     if a.teardown == "destroy":
         dist.destroy_process_group()
     print(f"rank {a.rank} done", flush=True)
+    if a.exit == "os_exit":
+        os._exit(0)
 
 
 def _configs(kind: str):
@@ -148,10 +155,12 @@ def _rank_cmd(a: argparse.Namespace, rank: int, world: int, init_file: str) -> l
         "--world-size", str(world), "--init-file", init_file,
         "--mode", a.mode, "--opt", a.opt, "--shard", a.shard, "--kind", a.kind,
         "--steps", str(a.steps), "--teardown", a.teardown,
-        "--barrier" if a.barrier else "--no-barrier",
+        "--barrier" if a.barrier else "--no-barrier", "--exit", a.exit,
     ]
     if not a.lib:
         cmd.append("--no-lib")
+    if a.core_dir:
+        cmd += ["--core-dir", os.path.abspath(a.core_dir)]
     if a.gdb:
         cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGPIPE nostop",
                "-ex", "run", "-ex", "thread apply all bt 30", "--args"] + cmd
@@ -168,7 +177,7 @@ def _one_run(a: argparse.Namespace, world: int) -> list[tuple[int, int, str]]:
     logs = [tempfile.TemporaryFile() for _ in range(world)]
     procs = [
         subprocess.Popen(_rank_cmd(a, r, world, init_file), env=env,
-                         stdout=subprocess.DEVNULL if not a.gdb else logs[r], stderr=logs[r])
+                         stdout=logs[r], stderr=subprocess.STDOUT)
         for r in range(world)
     ]
     bad = []
@@ -211,9 +220,12 @@ def main(argv=None) -> int:
     p.add_argument("--barrier", dest="barrier", action="store_true", default=True)
     p.add_argument("--no-barrier", dest="barrier", action="store_false")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--exit", choices=["normal", "os_exit"], default="normal",
+                   help="os_exit: skip interpreter finalization after teardown")
     p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (0: off)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--gdb", action="store_true")
+    p.add_argument("--core-dir", default=None, help="ranks dump core there (core_pattern permitting)")
     p.add_argument("--tail", type=int, default=1500, help="stderr characters shown per abort")
     # rank mode
     p.add_argument("--rank", type=int, default=None)
@@ -227,7 +239,7 @@ def main(argv=None) -> int:
         p.error("--no-lib needs --opt torch --shard fsdp2")
 
     desc = (f"mode={a.mode} opt={a.opt} kind={a.kind} shard={a.shard} lib={a.lib} "
-            f"teardown={a.teardown} barrier={a.barrier} steps={a.steps}")
+            f"teardown={a.teardown} barrier={a.barrier} exit={a.exit} steps={a.steps}")
     print(f"# {desc}", flush=True)
     total_runs = total_aborts = 0
     for world in a.world:
