@@ -146,8 +146,11 @@ def _slice_of(ref: Any, t: torch.Tensor) -> torch.Tensor:
 def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     flat, spec = tree_flatten((args, kwargs))
     ref = _ref(cls, func, flat)
-    mutable = func._schema.is_mutable or func is aten.copy_.default
-    written = kwargs["out"] if "out" in kwargs else args[0] if mutable else None
+    names = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    mutable = bool(names)
+    if names - {"self"} and names != {"out"}:
+        return NotImplemented  # several outputs written: rule 5 maps them back
+    written = kwargs.get("out") if names == {"out"} else args[0] if mutable else None
     plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() > 0]
     if plain:
         try:
