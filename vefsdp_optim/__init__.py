@@ -14,6 +14,7 @@ from ._fsdp import ShardedParameter, fully_shard
 from ._muon import Muon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
 from ._shampoo import Shampoo
+from ._state_format import ELEMENTWISE, LOCAL, REPLICATED, WHOLE
 
 __all__ = [
     "AdamW",
@@ -23,6 +24,10 @@ __all__ = [
     "Shampoo",
     "BlockOptimizer",
     "BlockContext",
+    "REPLICATED",
+    "ELEMENTWISE",
+    "WHOLE",
+    "LOCAL",
     "register_optimizer",
     "get_optimizer",
     "list_optimizers",

@@ -14,7 +14,7 @@ from vefsdp_optim.sharding import RaggedShard, Requirement
 
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._fsdp import replaced_by_fully_shard
-from ._state_format import export_state, load_state
+from ._state_format import export_state, load_state, validate_state
 from ._step_loop import (
     BlockContext,
     PendingExchange,
@@ -73,6 +73,7 @@ class BlockOptimizer(Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self._owner_cache: dict[tuple, tuple[int, ...]] = {}
+        self._validated: set[int] = set()  # ids of parameters whose state validate_state passed
         # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
         for group in self.param_groups:
@@ -125,21 +126,26 @@ class BlockOptimizer(Optimizer):
     extra_state_prefixes: tuple[str, ...] = ()
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None:
-        """How each state entry of a parameter of global ``shape`` is saved: REPLICATED,
-        ELEMENTWISE, or an int block size (one value per block). None (the default):
-        torch's own, world-size dependent, state_dict format."""
+        """The declaration of a parameter's state: ``{key: kind}`` for every state entry of
+        a parameter of global ``shape``, kinds ``REPLICATED`` (the same on every rank:
+        step counts), ``ELEMENTWISE`` (one value per element), an int ``k`` (one value
+        per block of ``k`` elements), ``WHOLE`` (any shape; the state of a whole-tensor
+        requirement, kept by its owner) or ``LOCAL`` (not saved). Save, load and
+        resharding across world sizes follow from it, and the first step checks the
+        live state against it. None (the default) is for optimizers whose state is only
+        scalars: torch's own state_dict format."""
         return None
 
-    def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard:
-        """The layout of a parameter's state: its compute layout ([Note: one step loop]).
-        Optimizers that keep state of whole-tensor parameters sharded override this."""
+    def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard | None:
+        """The layout of a parameter's state: its compute layout ([Note: one step loop]),
+        or None for the state of a whole-tensor requirement, which lives whole on the
+        rank that computes the tensor ([Note: world-size-free optimizer state]).
+        Optimizers that keep such state sharded instead (Muon's momentum) override this."""
         req = self.requirement(view.shape, group)
         if view.layout.satisfies(req, view.shape):
             return view.layout
         if req.needs_whole:
-            raise NotImplementedError(
-                f"{type(self).__name__}: the state of a whole-tensor requirement lives on an owner "
-                "chosen per step; override state_layout() to give its checkpoint layout")
+            return None
         return view.layout.snapped(req, view.shape)
 
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard,
@@ -220,6 +226,10 @@ class BlockOptimizer(Optimizer):
             back = exchange(bucket, outputs, forward=False).wait()
             for it, outs in zip(bucket, back, strict=True):
                 self.apply_results(it, outs)
+        for it in items:  # once per parameter, after the step that made its state
+            if id(it.param) not in self._validated and self.state.get(it.param):
+                validate_state(self, it.param, it.group)
+                self._validated.add(id(it.param))
         return loss
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:

@@ -16,7 +16,7 @@ from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBloc
 
 from ._block_optimizer import BlockContext, BlockOptimizer
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, REPLICATED
+from ._state_format import ELEMENTWISE, LOCAL, REPLICATED
 
 __all__ = ["Shampoo"]
 
@@ -135,7 +135,9 @@ class Shampoo(BlockOptimizer):
     extra_state_prefixes = tuple(f"{stat}." for stat in _TILE_STATS)
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
-        spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE}
+        # tiles: saved by the extra-state hooks, keyed by global (band, column)
+        spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "start": LOCAL,
+                                      "tiles": LOCAL, "root_failures": LOCAL}
         if group["grafting"] == "adam":
             spec["exp_avg_sq"] = ELEMENTWISE
         return spec

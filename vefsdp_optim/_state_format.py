@@ -18,11 +18,16 @@ from vefsdp_optim.sharding import RaggedShard
 if TYPE_CHECKING:
     from ._block_optimizer import BlockOptimizer
 
-__all__ = ["REPLICATED", "ELEMENTWISE", "CLASS_KEY", "export_state", "load_state"]
+__all__ = ["REPLICATED", "ELEMENTWISE", "WHOLE", "LOCAL", "CLASS_KEY", "export_state", "load_state",
+           "validate_state"]
 
-#: checkpoint kinds of a state entry (see [Note: world-size-free optimizer state])
-REPLICATED = "replicated"
-ELEMENTWISE = "elementwise"
+#: checkpoint kinds of a state entry (see [Note: world-size-free optimizer state]); an
+#: int k is the fourth kind: one value per block of k consecutive parameter elements
+REPLICATED = "replicated"  # the same value on every rank that steps the parameter (step counts)
+ELEMENTWISE = "elementwise"  # one value per parameter element, sliced like the parameter's state layout
+WHOLE = "whole"  # any shape, of a whole-tensor requirement: kept and saved by the rank that owns it
+LOCAL = "local"  # rank-local bookkeeping, not saved by the declaration (rebuilt by init_state)
+KINDS = (REPLICATED, ELEMENTWISE, WHOLE, LOCAL)
 CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's class name
 
 # [Note: world-size-free optimizer state]
@@ -36,7 +41,16 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 #     global block;
 #   - REPLICATED state (step counters) is saved as is, by the ranks whose slice is not
 #     empty (they all hold the same value; empty slices may never have stepped);
-#   - anything else (Shampoo's tiles) by the subclass hooks, keyed by global index.
+#   - the state of a whole-tensor requirement (WholeTensor, not kept sharded by an
+#     override of state_layout) lives on the rank that computes the whole tensor, its
+#     owner: every entry of it (WHOLE ones in any shape, ELEMENTWISE ones in the
+#     parameter's shape, block ones in blocks, REPLICATED ones) is saved whole, by the
+#     rank that holds it, and loaded whole by the owner at the new world size;
+#   - LOCAL entries are not saved; anything else (Shampoo's tiles) by the subclass
+#     hooks, keyed by global index.
+# validate_state() checks each parameter's live state against this declaration after
+# the step that creates it, so an undeclared or mismatched entry fails there, not at a
+# load at another world size.
 # The local data of every tensor handed out are the live state tensors themselves, so
 # ``dcp.load`` into ``state_dict()`` writes the state in place; load_state_dict() then
 # copies whatever is not already in place (plain full tensors from torch.load or a
@@ -128,15 +142,24 @@ def _export_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
     view = sharded_view(p)
     layout = opt.state_layout(view, group)
     spec = opt.checkpoint_spec(view.shape, group)
-    length = layout.local(view.rank)[1]
     out: dict[str, Any] = {}
+    if layout is None:  # owner-held: this rank computes the whole tensor, it writes it all
+        for key, kind in spec.items():
+            if key in state and kind != LOCAL:
+                v = state[key]
+                out[key] = v.view(view.shape) if kind == ELEMENTWISE else v
+        out.update(opt.export_extra_state(state, view, layout, group))
+        return out
+    length = layout.local(view.rank)[1]
     for key, kind in spec.items():
-        if key not in state:
+        if key not in state or kind == LOCAL:
             continue
         v = state[key]
         if kind == REPLICATED:
             if length > 0 or (layout.numel == 0 and view.rank == 0):
                 out[key] = v
+        elif kind == WHOLE:  # only the rank that computes the whole tensor has it
+            out[key] = v
         else:
             shape, lay = _entry_geometry(kind, view, layout)
             out[key] = _sharded_entry(v, lay, view, shape)
@@ -148,7 +171,8 @@ def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard) -> 
     if kind == ELEMENTWISE:
         return view.shape, layout
     if isinstance(kind, bool) or not isinstance(kind, int) or kind < 1:
-        raise AssertionError(f"checkpoint kind {kind!r}: expected {REPLICATED!r}, {ELEMENTWISE!r} or a block size")
+        raise ValueError(f"checkpoint kind {kind!r}: expected one of {KINDS} or a block size (int >= 1); "
+                         f"{WHOLE!r} only for the state of a whole-tensor requirement")
     n = layout.numel
     if any(b % kind and b != n for b in layout.boundaries):
         raise AssertionError(f"state layout {layout.extents} cuts blocks of {kind}")
@@ -169,9 +193,12 @@ def _check_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, An
                          f"{unexpected} that {type(opt).__name__} does not keep; it keeps {sorted(spec)}")
     layout = opt.state_layout(view, group)
     for key, kind in spec.items():
-        if key not in saved or kind == REPLICATED:
+        if key not in saved or kind in (REPLICATED, LOCAL, WHOLE):
             continue
-        shape, _ = _entry_geometry(kind, view, layout)
+        if layout is None:
+            shape = view.shape if kind == ELEMENTWISE else torch.Size((-(-view.layout.numel // kind),))
+        else:
+            shape, _ = _entry_geometry(kind, view, layout)
         v = saved[key]
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"optimizer state {name!r}.{key} must be a tensor, got {type(v).__name__}")
@@ -189,14 +216,14 @@ def _import_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
     view = sharded_view(p)
     layout = opt.state_layout(view, group)
     spec = opt.checkpoint_spec(view.shape, group)
-    length = layout.local(view.rank)[1]
+    held = layout is None or layout.local(view.rank)[1] > 0
     missing = [k for k, kind in spec.items()
-               if k in state and k not in saved and length > 0]
+               if k in state and k not in saved and held and kind != LOCAL]
     if missing:
         raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}): the "
                          f"checkpoint lacks {sorted(missing)}; it has {sorted(saved)}")
     for key, kind in spec.items():
-        if key not in state or key not in saved:
+        if key not in state or key not in saved or kind == LOCAL:
             continue
         live, v = state[key], saved[key]
         if kind == REPLICATED:
@@ -209,9 +236,23 @@ def _import_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
             else:
                 state[key] = v
             continue
+        if layout is None or kind == WHOLE:  # owner-held: the whole saved tensor
+            _copy_whole(live, v, f"{name}.{key}")
+            continue
         _, lay = _entry_geometry(kind, view, layout)
         _copy_slice(live, v, lay, view.rank, f"{name}.{key}")
     opt.import_extra_state(state, saved, view, layout, group, name)
+
+
+def _copy_whole(live: torch.Tensor, v: Any, name: str) -> None:
+    if not isinstance(v, torch.Tensor) or hasattr(v, "full_tensor"):
+        raise TypeError(f"optimizer state {name} must be a plain tensor (saved whole by its owner), "
+                        f"got {type(v).__name__}")
+    if v.numel() != live.numel():
+        raise ValueError(f"optimizer state {name} has {v.numel()} elements, the live state {live.numel()}")
+    if live.numel() and v.data_ptr() == live.data_ptr():
+        return  # already loaded in place by DCP
+    live.copy_(v.reshape(live.shape))
 
 
 def _sharded_entry(local: torch.Tensor, layout: RaggedShard, view: ShardedView, shape: torch.Size) -> torch.Tensor:
@@ -251,3 +292,57 @@ def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard, rank: int, name
     if src.numel() and src.data_ptr() == live.data_ptr():
         return  # already loaded in place by DCP
     live.copy_(src)
+
+
+_KINDS_DOC = ("REPLICATED, ELEMENTWISE, WHOLE or LOCAL (from vefsdp_optim), or an int block "
+              "size (one value per block of that many elements)")
+
+
+def validate_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) -> None:
+    """After the step that created ``p``'s state: it matches ``checkpoint_spec`` (see
+    [Note: world-size-free optimizer state]), or a ValueError says which entry does not."""
+    state = opt.state.get(p)
+    if not state:
+        return
+    view = sharded_view(p)
+    spec = opt.checkpoint_spec(view.shape, group)
+    cls, shape = type(opt).__name__, tuple(view.shape)
+    if spec is None:
+        big = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() > 1)
+        if big:
+            raise ValueError(
+                f"{cls} keeps state {big} for a parameter of shape {shape} but declares no "
+                f"checkpoint_spec(shape, group), so its checkpoints would depend on the world size; "
+                f"return {{key: kind}} with kinds {_KINDS_DOC}")
+        return
+    unknown = sorted(str(k) for k in state if k not in spec)
+    if unknown:
+        raise ValueError(
+            f"{cls}.checkpoint_spec does not declare state keys {unknown} of a parameter of shape "
+            f"{shape} (it declares {sorted(spec)}); give each a kind: {_KINDS_DOC}")
+    layout = opt.state_layout(view, group)
+    for key, kind in spec.items():
+        if key not in state or kind in (REPLICATED, LOCAL):
+            continue
+        v = state[key]
+        if kind == WHOLE:
+            if not opt.requirement(view.shape, group).needs_whole:
+                raise ValueError(
+                    f"{cls}: state {key!r} of a parameter of shape {shape} is declared WHOLE, which is "
+                    "the state of a whole-tensor requirement; this parameter's requirement cuts it, "
+                    "so its state is sliced (ELEMENTWISE or block kinds)")
+            continue
+        if kind not in KINDS and (isinstance(kind, bool) or not isinstance(kind, int) or kind < 1):
+            raise ValueError(f"{cls}: state {key!r} has kind {kind!r}; expected {_KINDS_DOC}")
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{cls}: state {key!r} is declared {kind!r} but is a {type(v).__name__}")
+        if layout is None:
+            n = view.layout.numel
+            want = n if kind == ELEMENTWISE else -(-n // kind)
+        else:
+            want = _entry_geometry(kind, view, layout)[1].local(view.rank)[1]
+        if v.numel() != want:
+            raise ValueError(
+                f"{cls}: state {key!r} of a parameter of shape {shape} is declared {kind!r} but has "
+                f"{v.numel()} elements; that declaration needs {want} on rank {view.rank} "
+                f"({'the whole tensor, on its owner' if layout is None else 'this rank slice'})")
