@@ -250,7 +250,10 @@ def _flat_view(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     if not isinstance(t, cls) or any(isinstance(a, cls) for a in tree_flatten((args[1:], kwargs))[0]):
         return NotImplemented
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    out = func(meta, *args[1:], **kwargs)
+    try:
+        out = func(meta, *args[1:], **kwargs)
+    except (RuntimeError, NotImplementedError):  # no meta kernel: rule 5 decides
+        return NotImplemented
     if (not isinstance(out, torch.Tensor) or out.dtype != t.dtype or out.numel() != t.numel()
             or out.storage_offset() != 0 or not out.is_contiguous()):
         return NotImplemented
@@ -353,6 +356,6 @@ def _written_positions(func: Any, args: tuple, kwargs: dict, spec: Any) -> list[
     for j, a in enumerate(func._schema.arguments):
         value = kwargs[a.name] if a.name in kwargs else args[j] if j < len(args) and not a.kwarg_only else None
         marks.append((a.name, value))
-    written = {id(v) for n, v in marks if n in names and v is not None}
+    written = {id(t) for n, v in marks if n in names for t in tree_flatten(v)[0]}  # lists too
     flat, _ = tree_flatten((args, kwargs))
     return [i for i, a in enumerate(flat) if id(a) in written]
