@@ -235,3 +235,22 @@ def test_shampoo_non_finite_gradient_element_stays_one_element():
     for tile in st["tiles"].values():
         for k in ("L", "R", "L_inv_root", "R_inv_root"):
             assert bool(torch.isfinite(tile[k]).all()), k
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adam8bit"])
+def test_8bit_maximize_equals_negated_gradients(name):
+    cls = vefsdp_optim.get_optimizer(name)
+    kw = dict(min_8bit_size=8, block_size=8)
+    ps = [nn.Parameter(t.clone()) for t in _init()]
+    qs = [nn.Parameter(t.clone()) for t in _init()]
+    a, b = cls(ps, maximize=True, **kw), cls(qs, **kw)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        for p, q in zip(ps, qs, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = -p.grad
+        a.step()
+        b.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs, strict=True))
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        cls(ps, amsgrad=True)

@@ -59,11 +59,18 @@ class _Adam8bitBase(BlockOptimizer):
         block_size: int,
         *,
         min_8bit_size: int,
+        amsgrad: bool = False,
+        maximize: bool = False,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
         _check_8bit_args(block_size, min_8bit_size)
+        if amsgrad:
+            raise NotImplementedError(
+                f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state keeps the two "
+                "Adam moments only; use vefsdp_optim.AdamW(amsgrad=True)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        block_size=block_size, min_8bit_size=min_8bit_size)
+                        block_size=block_size, min_8bit_size=min_8bit_size, amsgrad=False,
+                        maximize=maximize)
         # code maps per device, shared by every parameter
         self._codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._quantizers: dict[torch.device, tuple[TableQuantizer, TableQuantizer]] = {}
@@ -73,6 +80,9 @@ class _Adam8bitBase(BlockOptimizer):
         merged = {**self.defaults, **param_group}
         check_adam_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         _check_8bit_args(merged["block_size"], merged["min_8bit_size"])
+        if merged.get("amsgrad"):
+            raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported (param group "
+                                      "keys); use vefsdp_optim.AdamW(amsgrad=True)")
         super().add_param_group(param_group)
 
     def is_quantized(self, shape: torch.Size, group: dict[str, Any]) -> bool:
@@ -146,7 +156,7 @@ class _Adam8bitBase(BlockOptimizer):
             state["exp_avg_sq_absmax"], step=int(state["step"].item()), lr=group["lr"],
             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             decoupled=self.decoupled, block_size=bs, signed_code=signed, unsigned_code=unsigned,
-            quantizers=self._table_quantizers(p.device))
+            quantizers=self._table_quantizers(p.device), maximize=group["maximize"])
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]
@@ -159,7 +169,8 @@ class _Adam8bitBase(BlockOptimizer):
                 out[i] = [inputs[i][0]]
         if fp32:
             adam_bucket_([self.state[items[i].param] for i in fp32], [inputs[i][0] for i in fp32],
-                         [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled)
+                         [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled,
+                         maximize=items[0].group["maximize"])
         return out
 
 
@@ -190,9 +201,11 @@ class AdamW8bit(_Adam8bitBase):
         block_size: int = 256,
         *,
         min_8bit_size: int = 4096,
+        amsgrad: bool = False,
+        maximize: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, block_size,
-                         min_8bit_size=min_8bit_size)
+                         min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize)
 
 
 @register_optimizer("adam8bit")
@@ -212,6 +225,8 @@ class Adam8bit(_Adam8bitBase):
         block_size: int = 256,
         *,
         min_8bit_size: int = 4096,
+        amsgrad: bool = False,
+        maximize: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, block_size,
-                         min_8bit_size=min_8bit_size)
+                         min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize)

@@ -254,6 +254,7 @@ def adam8bit_block_step_(
     signed_code: Tensor,
     unsigned_code: Tensor,
     quantizers: tuple[TableQuantizer, TableQuantizer] | None = None,
+    maximize: bool = False,
 ) -> None:
     """One 8-bit Adam / AdamW step on a run of whole quantization blocks, in place.
 
@@ -291,7 +292,7 @@ def adam8bit_block_step_(
     adamw_step_(
         p32, grad.reshape(-1).float(), exp_avg, exp_avg_sq, None, step=step, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=False,
-        maximize=False, decoupled=decoupled,
+        maximize=maximize, decoupled=decoupled,
     )
     if p32.data_ptr() != param.data_ptr():
         param.copy_(p32.view(param.shape))
