@@ -13,248 +13,18 @@ is two explicit states (``GatherState``, ``GradState`` in _lifecycle.py). See
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from vefsdp_optim._flat_store import StoreReplan, dense_offset
-from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
-from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
-
 from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
-from ._replan import replan_store
+from ._store import DtypeStore, PendingReduce
 
 __all__ = ["ShardGroup", "DtypeStore", "check_group_consistent"]
-
-ALIGN = 16
-
-
-class DtypeStore:
-    """One dtype's parameters of a shard group: plan, master / compute / reduce buffers.
-
-    Implements the ``FlatStore`` protocol ([Note: flat store contract]) over the master
-    buffer: members' local data are its segments, their reduced grads the same
-    segments of ``master.local_grad``.
-    """
-
-    plan: GroupPlan
-    params: list[ManagedParam]
-    master: DistributedBuffer  # original dtype; sharded params view master.local
-    compute: DistributedBuffer  # param_dtype (is master without mixed precision)
-    reduce: DistributedBuffer  # reduce_dtype (is master or compute when dtypes agree)
-
-    def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ShardGroup,
-                 dtype: torch.dtype, data: dict[str, torch.Tensor], validate: bool = True) -> None:
-        self.params = params
-        self.dtype = dtype
-        self.group = group
-        self.units: dict[str, int] = dict(units)  # fqn -> unit; absent: 1
-        # optimizers whose state of the members a re-plan must not invalidate
-        self._holders: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self.build(units, data, validate=validate)
-
-    def specs(self, units: dict[str, int]) -> list[TensorSpec]:
-        return [TensorSpec(p.fqn, tuple(p.shape) or (1,), units.get(p.fqn, 1)) for p in self.params]
-
-    def build(self, units: dict[str, int], data: dict[str, torch.Tensor], validate: bool,
-              plan: GroupPlan | None = None) -> None:
-        """(Re)create the buffers for ``units`` and fill the local shard from ``data``.
-
-        ``data[fqn]`` is the whole tensor (any shape, flattened here). The same
-        sharded Parameter objects are re-pointed when they already exist.
-        """
-        g = self.group
-        w = g.shard_world
-        self.units = dict(units)
-        self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
-        pg = g.shard_pg if w > 1 else None
-        self.master = DistributedBuffer(self.plan, pg, dtype=self.dtype, device=g.device,
-                                        rank=g.shard_rank if pg is None else None, validate=validate)
-        mp = g.mp_policy
-        pdt = mp.param_dtype or self.dtype
-        rdt = mp.reduce_dtype or pdt
-        self.compute = self.master if pdt == self.dtype else DistributedBuffer(
-            self.plan, pg, dtype=pdt, device=g.device, validate=False)
-        if rdt == self.dtype:
-            self.reduce = self.master
-        elif rdt == pdt:
-            self.reduce = self.compute
-        else:
-            self.reduce = DistributedBuffer(self.plan, pg, dtype=rdt, device=g.device, validate=False)
-        for p in self.params:
-            a, n = self.master.local_extent(p.fqn)
-            local = self.master.local_view(p.fqn)
-            with torch.no_grad():
-                local.copy_(data[p.fqn].reshape(-1)[a:a + n])
-            layout = self.plan.layout(p.fqn)
-            if hasattr(p, "sharded"):
-                p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
-            else:
-                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self)
-            p.unsharded = None
-        self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
-
-    def _segment_of(self, p: ManagedParam) -> tuple[int, int]:
-        view = self.master.local_view(p.fqn)
-        return view.storage_offset() - self.master.local.storage_offset(), view.numel()
-
-    # -- the FlatStore protocol ([Note: flat store contract]) ---------------------------
-
-    def members(self) -> Sequence[torch.Tensor]:
-        return [p.sharded for p in self.params]
-
-    def flat_param(self) -> torch.Tensor:
-        return self.master.local
-
-    def flat_grad(self) -> torch.Tensor:
-        return self.master.local_grad
-
-    def segment(self, p: torch.Tensor) -> tuple[int, int]:
-        seg = self._segments.get(id(p))
-        if seg is None:
-            raise ValueError(f"a tensor of shape {tuple(p.shape)} is not stored in this DtypeStore")
-        return seg
-
-    def grads_in_place(self) -> bool:
-        flat, grad = self.master.local, self.master.local_grad
-        if flat.is_complex() or flat.is_sparse:
-            return False
-        for p in self.params:
-            sp = p.sharded
-            off, n = self._segments[id(sp)]
-            g = sp.grad
-            gl = g.to_local() if g is not None and hasattr(g, "to_local") else None
-            if gl is None or gl.numel() != n:
-                return False
-            if n and (dense_offset(gl, grad) != off or dense_offset(sp.to_local(), flat) != off):
-                return False
-        return True
-
-    def add_state_holder(self, holder: torch.optim.Optimizer) -> None:
-        self._holders.add(holder)
-
-    def replan(self, units: Mapping[torch.Tensor, int]) -> StoreReplan | None:
-        return replan_store(self, units, list(self._holders))
-
-    # -- all-gather / free -------------------------------------------------------------
-
-    def unshard(self, async_op: bool) -> Any:
-        c = self.compute
-        if c is not self.master:
-            with torch.no_grad():
-                c.local.copy_(self.master.local)  # the one cast per all-gather
-        c.alloc_global()
-        # [Note: version counter] the unsharded params (saved for backward) alias the
-        # global buffer; re-gathering the same values must not bump their version, and
-        # gloo's async work writes the output from its own thread, so the version is
-        # restored after wait() too, as FSDP2 does around its all-gather copy-out.
-        out = c.global_buffer
-        with torch.autograd._unsafe_preserve_version_counter(out):
-            version = out._version
-            work = c.all_gather(async_op=async_op)
-        for p in self.params:
-            if p.unsharded is None:
-                p.make_unsharded(c.full_view(p.fqn))
-        return None if work is None else (work, out, version)
-
-    def free(self) -> None:
-        self.compute.free_global()
-
-    @property
-    def gathered(self) -> bool:
-        return self.compute.global_allocated
-
-    # -- gradients ---------------------------------------------------------------------
-
-    @property
-    def direct(self) -> bool:
-        """W == 1 without mixed precision: autograd accumulates into master.local_grad."""
-        return self.group.shard_world == 1 and self.compute is self.master and self.reduce is self.master
-
-    def attach_grads(self, fresh: bool) -> None:
-        """Point each unsharded param's .grad at the compute gradient buffer.
-
-        ``fresh``: first backward since the last reduction, so the buffer starts at zero
-        (for ``direct`` buckets: except where a kept sharded .grad is accumulated).
-        """
-        c = self.compute
-        c.alloc_grad_global()
-        if fresh and self.group.shard_world == 1:
-            with torch.no_grad():
-                if self.direct:
-                    for p in self.params:
-                        if p.requires_grad and p.sharded.grad is None:
-                            self.master.local_grad_view(p.fqn).zero_()
-                else:
-                    c.grad_global.zero_()
-        for p in self.params:
-            if p.requires_grad and p.unsharded is not None:
-                p.unsharded.grad = c.grad_full_view(p.fqn).view(p.shape)
-
-    def launch_reduce(self) -> _PendingReduce | None:
-        """Start the reduce-scatter (avg) of the accumulated gradients; ``finish_reduce`` ends it.
-
-        [Note: async reduce-scatter] The collective is launched with ``async_op=True`` so
-        that it runs while autograd computes the previous group's gradients; everything
-        that reads its output (the division of gloo's SUM-as-AVG, HSDP's replicate
-        all-reduce, the cast into the master's dtype, kept-gradient accumulation, the
-        sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
-        gradient buffer (the collective's input) stays allocated until then.
-        """
-        g, c, r, m = self.group, self.compute, self.reduce, self.master
-        if not any(p.requires_grad for p in self.params) or not c.grad_global_allocated:
-            return None
-        accumulate = [] if self.direct else [
-            p for p in self.params if p.requires_grad and p.sharded.grad is not None]
-        prev = None
-        if accumulate:  # the user kept last step's grads: add the new ones to them
-            prev = torch.zeros_like(m.local_grad)
-            for p in accumulate:
-                v = m.local_grad_view(p.fqn)
-                a = v.storage_offset() - m.local_grad.storage_offset()
-                prev[a:a + v.numel()] = v
-        if r is not c:
-            r.alloc_grad_global()
-            with torch.no_grad():
-                r.grad_global.copy_(c.grad_global)
-            c.free_grad_global()
-        work = r.reduce_scatter(op="avg", async_op=True) if g.shard_world > 1 else None
-        return _PendingReduce(work, prev)
-
-    def finish_reduce(self, pending: _PendingReduce) -> None:
-        """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note)."""
-        g, c, r, m = self.group, self.compute, self.reduce, self.master
-        if pending.work is not None:
-            pending.work.wait()
-        if g.replicate_pg is not None:
-            all_reduce_avg(r.local_grad, g.replicate_pg)
-        with torch.no_grad():
-            if r is not m:
-                m.local_grad.copy_(r.local_grad)
-            if pending.prev is not None:
-                m.local_grad.add_(pending.prev)
-        if g.shard_world > 1:
-            r.free_grad_global()
-            c.free_grad_global()
-        for p in self.params:
-            if p.requires_grad:
-                if p.sharded.grad is None:
-                    p.sharded.grad = p.sharded.with_local(m.local_grad_view(p.fqn))
-                if p.unsharded is not None:
-                    p.unsharded.grad = None
-
-
-class _PendingReduce(NamedTuple):
-    """A bucket's launched reduce-scatter: its handle (None: no collective) and kept grads."""
-
-    work: FlatWork | None
-    prev: torch.Tensor | None  # 1-D, m elements: the kept local grad to add back; None: none kept
-
 
 def check_group_consistent(signature: list, shard_pg: dist.ProcessGroup,
                            replicate_pg: dist.ProcessGroup | None) -> None:
@@ -296,11 +66,33 @@ class ShardGroup:
         self.stores = [DtypeStore(ps, {}, self, dt, data, validate=False) for dt, ps in by_dtype.items()]
         check_group_consistent(self.signature(), shard_pg, self.replicate_pg)
         self.requires_gradient_sync = True
+        # [Note: gradient reduction policy] FSDP2's knobs (FSDPModule.set_*): by default the
+        # gradients are averaged over every data-parallel rank (the backend's AVG where it
+        # has one, else SUM and one division). With a gradient_divide_factor f, or with
+        # force_sum_reduction, every collective is a SUM and the result is divided once by
+        # f (default: the number of data-parallel ranks), before HSDP's all-reduce: f = 1
+        # gives summed gradients, as frameworks that normalise the loss themselves expect.
+        # requires_all_reduce=False (HSDP) skips the replicate all-reduce; the partial
+        # result is kept and joins the next all-reduce. all_reduce_hook(t) runs on the
+        # reduced shard before it becomes the sharded .grad.
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.requires_all_reduce = True
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
         self._gathers: list[Any] = []  # GATHERING: (work, output, version) per store
-        self._reductions: list[tuple[DtypeStore, _PendingReduce]] = []  # REDUCING: launched
+        self._reductions: list[tuple[DtypeStore, PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
+
+    @property
+    def replicate_world(self) -> int:
+        return self.replicate_pg.size() if self.replicate_pg is not None else 1
+
+    @property
+    def native_average(self) -> bool:
+        """Reduce with the default average ([Note: gradient reduction policy])."""
+        return self.gradient_divide_factor is None and not self.force_sum_reduction
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
         """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
@@ -394,6 +186,23 @@ class ShardGroup:
         pending = [(b, b.launch_reduce()) for b in self.stores]
         self._reductions = [(b, pr) for b, pr in pending if pr is not None]
         self._set_grad(GradState.REDUCING if self._reductions else GradState.IDLE)
+
+    def reset(self) -> None:
+        """Wait for in-flight collectives, discard unreduced gradients, reshard."""
+        for work, _, _ in self._gathers:
+            work.wait()
+        self._gathers = []
+        for _, pr in self._reductions:
+            if pr.work is not None:
+                pr.work.wait()
+        self._reductions = []
+        for b in self.stores:
+            b.free()
+            if self.shard_world > 1:
+                b.reduce.free_grad_global()
+                b.compute.free_grad_global()
+        self.gather_state, self.grad_state = GatherState.SHARDED, GradState.IDLE
+        self.register(sharded=True)
 
     @property
     def reducing(self) -> bool:

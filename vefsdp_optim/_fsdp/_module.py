@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
 from ._group import ShardGroup
 
@@ -30,9 +33,15 @@ class UnshardHandle:
             g.register(sharded=False)
 
 
-class FSDPModule:
-    """Mixin added to a fully_shard'd module's class, mirroring FSDP2's FSDPModule."""
+class FSDPModule(_TorchFSDPModule):
+    """Added to a fully_shard'd module's class: FSDP2's ``FSDPModule`` (an instance of
+    ``torch.distributed.fsdp.FSDPModule``, so frameworks' ``isinstance`` checks see it)
+    with every public method implemented on this library's shard groups, with FSDP2's
+    semantics; the few that have no meaning here raise NotImplementedError."""
 
+    # [FSDPX, this class, torch's FSDPModule, the module's class, ...]: torch's __new__
+    # (indexing into containers) constructs the original class from this index
+    _orig_cls_mro_index: int = 3
     _vefsdp_state: FSDPState
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -53,28 +62,59 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free the all-gathered parameters and register the sharded ones."""
+        """Free the all-gathered parameters and register the sharded ones (not recursive)."""
         g = self._vefsdp_state.group
         if g is not None:
             g.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: wait for in-flight
+        collectives, discard that iteration's gradients, reshard. Root only."""
+        st = self._vefsdp_state
+        if st.ctx is not None and not st.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root fully_shard'd module")
+        for s in st.ctx.states if st.ctx is not None else self._states(True):
+            s.reset()
+        if st.ctx is not None:
+            st.ctx.reset()
 
     def _states(self, recurse: bool) -> Iterable[FSDPState]:
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         return [m._vefsdp_state for m in mods if isinstance(m, FSDPModule)]
 
+    def _groups(self, recurse: bool = False) -> list[ShardGroup]:
+        return [s.group for s in self._states(recurse) if s.group is not None]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility: every backward completes its reductions in
+        the root's final callback, last or not, so the flag changes nothing here."""
+        _check_bool("is_last_backward", is_last_backward)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Off: backward accumulates unreduced gradients; the next synced backward reduces."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
-        for s in self._states(recurse):
-            if s.group is not None:
-                s.group.requires_gradient_sync = requires_gradient_sync
+        """Off: backward accumulates unreduced gradients; the next synced backward reduces
+        (FSDP1's ``no_sync``). Controls reduce-scatter and HSDP's all-reduce together."""
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for g in self._groups(recurse):
+            g.requires_gradient_sync = requires_gradient_sync
+            g.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: off skips the replicate all-reduce (the reduce-scatter still runs); the
+        partial result joins the next all-reduce ([Note: gradient reduction policy])."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for g in self._groups(recurse):
+            g.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        _check_bool("reshard_after_forward", reshard_after_forward)
         for s in self._states(recurse):
             s.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Off: keep the unsharded parameters after backward (e.g. between microbatches)."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for s in self._states(recurse):
+            s.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups (async) at this module's forward start."""
@@ -83,6 +123,94 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups (async) at this module's backward start."""
         self._vefsdp_state.bwd_prefetch = [state_of(m) for m in modules]
+
+    def set_custom_all_gather(self, comm: object) -> None:
+        raise NotImplementedError(
+            "set_custom_all_gather is not supported: fully_shard all-gathers each group's flat "
+            "buffer with one all_gather_single into its global buffer (zero copy)")
+
+    def set_custom_reduce_scatter(self, comm: object) -> None:
+        raise NotImplementedError(
+            "set_custom_reduce_scatter is not supported: fully_shard reduce-scatters each group's "
+            "flat gradient buffer with one reduce_scatter_single; see set_gradient_divide_factor "
+            "and set_all_reduce_hook")
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: object | None = None) -> None:
+        """``hook(reduce_output)`` runs on each group's reduced gradient shard (after HSDP's
+        all-reduce), before it becomes the sharded ``.grad``."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        if stream is not None:
+            raise NotImplementedError("set_all_reduce_hook(stream=...): fully_shard runs the hook "
+                                      "on the current stream")
+        for g in self._groups():
+            g.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: object) -> None:
+        """Accepted for FSDP2 compatibility: fully_shard's all-gathers run on the current
+        stream, after the optimizer step, so there is nothing to wait for."""
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2: :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of averaging them over the
+        data-parallel ranks ([Note: gradient reduction policy]); 1.0 gives sums."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
+        for g in self._groups():
+            g.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only SUM collectives, with the division done separately."""
+        _check_bool("enable", enable)
+        for g in self._groups():
+            g.force_sum_reduction = enable
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Accepted: fully_shard always reduce-scatters the whole flat gradient buffer, so
+        parameters unused on some rank contribute zeros there (as with True)."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted: fully_shard's reduce-scatter input is the group's own gradient buffer
+        (no copy-in buffer), at most one group's in flight."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+
+    def set_separate_reduce_scatter_group(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("set_separate_reduce_scatter_group is not supported by "
+                                  "vefsdp_optim.fully_shard (one process group per mesh axis)")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Off: backward does not all-gather this module's parameters (when its backward
+        does not need them, e.g. an embedding)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._vefsdp_state.unshard_in_backward = unshard_in_backward
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm: fully_shard's "
+                                  "collectives use the groups' own buffers, with no staging copies")
+
+    def set_symm_mem_for_comm(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("set_symm_mem_for_comm is not supported by vefsdp_optim.fully_shard")
+
+    def _get_fsdp_state(self) -> object:
+        raise NotImplementedError(
+            "this module was sharded by vefsdp_optim.fully_shard, not torch's: it has no FSDP2 "
+            "state; use its FSDPModule methods")
+
+    def _apply(self, *args: object, **kwargs: object) -> object:
+        self.reshard()
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def state_of(m: object) -> FSDPState:

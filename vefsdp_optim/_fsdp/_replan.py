@@ -22,7 +22,7 @@ from ._lifecycle import GradState
 from ._sharded_tensor import ShardedParameter
 
 if TYPE_CHECKING:
-    from ._group import DtypeStore
+    from ._store import DtypeStore
 
 __all__ = ["replan_store"]
 

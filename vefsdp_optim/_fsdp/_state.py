@@ -39,6 +39,12 @@ class _RootContext:
         # gradient buffer in flight), the final callback for the last
         self.reducing: list[ShardGroup] = []
 
+    def reset(self) -> None:
+        """Forget the iteration in flight (FSDPModule.reset_iter_state)."""
+        self.reducing.clear()
+        self.fwd_order.clear()
+        self.callback_queued = False
+
 
 class FSDPState:
     """Hooks and flags of one fully_shard'd module."""
@@ -54,6 +60,8 @@ class FSDPState:
         self.fwd_prefetch: list[FSDPState] = []
         self.bwd_prefetch: list[FSDPState] = []
         self.training_state = TrainingState.IDLE
+        self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
+        self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
         # [Note: repeated use] forward calls (grad enabled) since the last backward whose
         # inputs carry a post-backward hook; the group is reduced when the last of them
         # has run backward, or by the root's final callback when some call had no hook.
@@ -69,6 +77,15 @@ class FSDPState:
     @property
     def in_backward(self) -> bool:
         return self.training_state is TrainingState.BACKWARD
+
+    def reset(self) -> None:
+        """Drop this module's iteration state after a failed forward or backward
+        (FSDPModule.reset_iter_state): in-flight collectives are waited for and their
+        results discarded, parameters resharded."""
+        self.training_state = TrainingState.IDLE
+        self.uses, self.untracked = 0, False
+        if self.group is not None:
+            self.group.reset()
 
     def _set_training(self, new: TrainingState) -> None:
         self.training_state = advance(self.training_state, new, "FSDPState.training_state")
@@ -164,7 +181,7 @@ class FSDPState:
         if g is not None:
             if g.unsharding:
                 g.wait_unshard()
-            elif not g.gathered:
+            elif not g.gathered and self.unshard_in_backward:
                 g.unshard()
             g.attach_grads()
         for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
@@ -197,7 +214,10 @@ class FSDPState:
         g = self.group
         if g is None:
             return
-        g.free()
+        if self.reshard_after_backward:
+            g.free()
+        else:
+            g.wait_unshard()
         ctx = self.ctx
         if ctx is not None:
             wait_reductions(ctx)
@@ -216,7 +236,8 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
             s.uses, s.untracked = 0, False
             if s.group is not None:
                 s.group.wait_unshard()
-                if s.reshard_after_forward and not s.is_root and s.group.gathered:
+                if (s.reshard_after_forward and s.reshard_after_backward and not s.is_root
+                        and s.group.gathered):
                     s.group.free()  # prefetched, but its backward did not run
         wait_reductions(ctx)  # the optimizer reads the sharded .grad next
         ctx.fwd_order.clear()

@@ -1,0 +1,150 @@
+"""fully_shard'd modules are torch FSDPModules, and FSDP2's methods do what FSDP2's do.
+
+Each check runs the same model, data and loss with torch's FSDP2 and with
+vefsdp_optim.fully_shard, applies the same FSDPModule calls to both, and compares the
+full gradients (and a plain single-device reference where one exists).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+import vefsdp_optim
+
+RTOL = 1e-6
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.blocks = nn.Sequential(nn.Linear(6, 13), nn.Tanh(), nn.Linear(13, 6))
+        self.out = nn.Linear(6, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.emb(tokens)))
+
+
+def _pair() -> tuple[nn.Module, nn.Module, nn.Module]:
+    from torch.distributed.fsdp import fully_shard as fsdp2
+
+    torch.manual_seed(0)
+    ref = Net()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    for m, shard in ((ours, vefsdp_optim.fully_shard), (theirs, fsdp2)):
+        shard(m.emb)
+        shard(m.blocks)
+        shard(m)
+    return ref, ours, theirs
+
+
+def _grads(m: nn.Module) -> list[torch.Tensor]:
+    return [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for p in m.parameters()]
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(a, b, strict=True))
+
+
+def _backward(m: nn.Module, step: int = 0) -> None:
+    tokens = torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(step))
+    m(tokens).square().sum().backward()
+
+
+def _api() -> dict[str, object]:
+    w = dist.get_world_size()
+    out: dict[str, object] = {}
+    ref, ours, theirs = _pair()
+    out["isinstance"] = all(isinstance(m, TorchFSDPModule) for m in (ours, ours.emb, ours.blocks))
+    out["container_index"] = type(ours.blocks[0:2]) is nn.Sequential  # torch's __new__ rule
+    # summed gradients, as frameworks that normalise the loss themselves ask for. FSDP2
+    # reduces with PREMUL_SUM then, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with
+    # Gloo"): the reference is the single device (every rank has the same data, so the
+    # sum is W times its gradient)
+    for sub in ours.modules():
+        if isinstance(sub, TorchFSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+    for m in (ref, ours):
+        _backward(m)
+    g_ref = [w * g for g in _grads(ref)]
+    out["sum_vs_single_bitwise"] = all(torch.equal(a, b) for a, b in zip(_grads(ours), g_ref, strict=True))
+    # any other factor (FSDP2 needs PREMUL_SUM for it, which gloo lacks: against the single
+    # device); and forced SUM collectives
+    ref, ours, theirs = _pair()
+    ours.set_gradient_divide_factor(3.5)
+    ours.emb.set_gradient_divide_factor(3.5)
+    ours.blocks.set_force_sum_reduction_for_comms(True)
+    for m in (ref, ours):
+        _backward(m, 1)
+    want = _grads(ref)
+    n_emb = len(list(ref.emb.parameters()))
+    n_blocks = len(list(ref.blocks.parameters()))
+    scale = [w / 3.5] * n_emb + [1.0] * n_blocks + [w / 3.5] * (len(want) - n_emb - n_blocks)
+    out["factor_vs_single"] = _rel(_grads(ours), [s * g for s, g in zip(scale, want, strict=True)])
+    # an all-reduce hook sees the reduced shard before it becomes .grad
+    ref, ours, theirs = _pair()
+    calls: list[int] = []
+
+    def hook(t: torch.Tensor) -> None:
+        calls.append(t.numel())
+        t.mul_(2.0)
+
+    for m in (ours, theirs):
+        m.set_all_reduce_hook(hook)
+    for m in (ours, theirs):
+        _backward(m, 2)
+    out["hook_vs_fsdp2"] = _rel(_grads(ours), _grads(theirs))
+    out["hook_called"] = len(calls) >= 2
+    # no reshard after backward; no unshard in backward for the embedding
+    ref, ours, theirs = _pair()
+    for m in (ours, theirs):
+        m.blocks.set_reshard_after_backward(False)
+        m.emb.set_unshard_in_backward(False)
+    for m in (ref, ours, theirs):
+        _backward(m, 3)
+    from vefsdp_optim._fsdp._module import state_of
+
+    out["kept_gathered"] = state_of(ours.blocks).group.gathered
+    for m in (ours, theirs):
+        m.blocks.reshard()  # FSDP2 registers the sharded parameters (and their grads) again
+    out["knobs_vs_fsdp2"] = _rel(_grads(ours), _grads(theirs))
+    # an exception mid-forward, then reset_iter_state on the root: the next step is clean
+    ref, ours, theirs = _pair()
+    bad = torch.tensor([[99]])  # out of the embedding's range
+    try:
+        ours(bad)
+    except IndexError:
+        pass
+    ours.reset_iter_state()
+    for m in (ours, theirs):
+        _backward(m, 4)
+    out["after_reset_vs_fsdp2"] = _rel(_grads(ours), _grads(theirs))
+    # what has no meaning here says so
+    errs = []
+    for call in (lambda: ours.set_custom_all_gather(None), lambda: ours.set_custom_reduce_scatter(None),
+                 lambda: ours.set_symm_mem_for_comm(), lambda: ours.blocks.reset_iter_state()):
+        try:
+            call()
+            errs.append(False)
+        except (NotImplementedError, RuntimeError):
+            errs.append(True)
+    out["refusals"] = all(errs)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp_module_api_matches_fsdp2(world_size: int) -> None:
+    for res in run_distributed(_api, world_size):
+        assert res["isinstance"] and res["container_index"], res
+        assert res["sum_vs_single_bitwise"], res
+        assert res["factor_vs_single"] < RTOL and res["hook_vs_fsdp2"] < RTOL and res["hook_called"], res
+        assert res["kept_gathered"] and res["knobs_vs_fsdp2"] < RTOL, res
+        assert res["after_reset_vs_fsdp2"] < RTOL and res["refusals"], res

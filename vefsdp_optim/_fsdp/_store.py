@@ -1,0 +1,287 @@
+"""One dtype's parameters of a shard group, in flat buffers: the FlatStore of fully_shard.
+
+A :class:`DtypeStore` holds one plan and one master DistributedBuffer (the sharded
+parameters' storage; the ``FlatStore`` of [Note: flat store contract]), plus, under
+mixed precision, a compute buffer in ``param_dtype`` (same plan; one cast of the local
+shard per all-gather) and a reduce buffer in ``reduce_dtype``. Its shard group
+(_group.py) drives it: all-gather, gradient attachment, reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from vefsdp_optim._flat_store import StoreReplan, dense_offset
+from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
+from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
+
+from ._param import ManagedParam
+from ._replan import replan_store
+
+if TYPE_CHECKING:
+    from ._group import ShardGroup
+
+__all__ = ["DtypeStore", "PendingReduce", "ALIGN"]
+
+ALIGN = 16
+
+
+class DtypeStore:
+    """One dtype's parameters of a shard group: plan, master / compute / reduce buffers.
+
+    Implements the ``FlatStore`` protocol ([Note: flat store contract]) over the master
+    buffer: members' local data are its segments, their reduced grads the same
+    segments of ``master.local_grad``.
+    """
+
+    plan: GroupPlan
+    params: list[ManagedParam]
+    master: DistributedBuffer  # original dtype; sharded params view master.local
+    compute: DistributedBuffer  # param_dtype (is master without mixed precision)
+    reduce: DistributedBuffer  # reduce_dtype (is master or compute when dtypes agree)
+
+    def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ShardGroup,
+                 dtype: torch.dtype, data: dict[str, torch.Tensor], validate: bool = True) -> None:
+        self.params = params
+        self.dtype = dtype
+        self.group = group
+        self.units: dict[str, int] = dict(units)  # fqn -> unit; absent: 1
+        # optimizers whose state of the members a re-plan must not invalidate
+        self._holders: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._partial = False  # the kept .grad is reduce-scattered but not all-reduced (HSDP)
+        self._kept: torch.Tensor | None = None  # 1-D, m: kept grads set aside at W = 1
+        self.build(units, data, validate=validate)
+
+    def specs(self, units: dict[str, int]) -> list[TensorSpec]:
+        return [TensorSpec(p.fqn, tuple(p.shape) or (1,), units.get(p.fqn, 1)) for p in self.params]
+
+    def build(self, units: dict[str, int], data: dict[str, torch.Tensor], validate: bool,
+              plan: GroupPlan | None = None) -> None:
+        """(Re)create the buffers for ``units`` and fill the local shard from ``data``.
+
+        ``data[fqn]`` is the whole tensor (any shape, flattened here). The same
+        sharded Parameter objects are re-pointed when they already exist.
+        """
+        g = self.group
+        w = g.shard_world
+        self.units = dict(units)
+        self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
+        pg = g.shard_pg if w > 1 else None
+        self.master = DistributedBuffer(self.plan, pg, dtype=self.dtype, device=g.device,
+                                        rank=g.shard_rank if pg is None else None, validate=validate)
+        mp = g.mp_policy
+        pdt = mp.param_dtype or self.dtype
+        rdt = mp.reduce_dtype or pdt
+        self.compute = self.master if pdt == self.dtype else DistributedBuffer(
+            self.plan, pg, dtype=pdt, device=g.device, validate=False)
+        if rdt == self.dtype:
+            self.reduce = self.master
+        elif rdt == pdt:
+            self.reduce = self.compute
+        else:
+            self.reduce = DistributedBuffer(self.plan, pg, dtype=rdt, device=g.device, validate=False)
+        for p in self.params:
+            a, n = self.master.local_extent(p.fqn)
+            local = self.master.local_view(p.fqn)
+            with torch.no_grad():
+                local.copy_(data[p.fqn].reshape(-1)[a:a + n])
+            layout = self.plan.layout(p.fqn)
+            if hasattr(p, "sharded"):
+                p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
+            else:
+                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self)
+            p.unsharded = None
+        self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
+
+    def _segment_of(self, p: ManagedParam) -> tuple[int, int]:
+        view = self.master.local_view(p.fqn)
+        return view.storage_offset() - self.master.local.storage_offset(), view.numel()
+
+    # -- the FlatStore protocol ([Note: flat store contract]) ---------------------------
+
+    def members(self) -> Sequence[torch.Tensor]:
+        return [p.sharded for p in self.params]
+
+    def flat_param(self) -> torch.Tensor:
+        return self.master.local
+
+    def flat_grad(self) -> torch.Tensor:
+        return self.master.local_grad
+
+    def segment(self, p: torch.Tensor) -> tuple[int, int]:
+        seg = self._segments.get(id(p))
+        if seg is None:
+            raise ValueError(f"a tensor of shape {tuple(p.shape)} is not stored in this DtypeStore")
+        return seg
+
+    def grads_in_place(self) -> bool:
+        flat, grad = self.master.local, self.master.local_grad
+        if flat.is_complex() or flat.is_sparse:
+            return False
+        for p in self.params:
+            sp = p.sharded
+            off, n = self._segments[id(sp)]
+            g = sp.grad
+            gl = g.to_local() if g is not None and hasattr(g, "to_local") else None
+            if gl is None or gl.numel() != n:
+                return False
+            if n and (dense_offset(gl, grad) != off or dense_offset(sp.to_local(), flat) != off):
+                return False
+        return True
+
+    def add_state_holder(self, holder: torch.optim.Optimizer) -> None:
+        self._holders.add(holder)
+
+    def replan(self, units: Mapping[torch.Tensor, int]) -> StoreReplan | None:
+        return replan_store(self, units, list(self._holders))
+
+    # -- all-gather / free -------------------------------------------------------------
+
+    def unshard(self, async_op: bool) -> Any:
+        c = self.compute
+        if c is not self.master:
+            with torch.no_grad():
+                c.local.copy_(self.master.local)  # the one cast per all-gather
+        c.alloc_global()
+        # [Note: version counter] the unsharded params (saved for backward) alias the
+        # global buffer; re-gathering the same values must not bump their version, and
+        # gloo's async work writes the output from its own thread, so the version is
+        # restored after wait() too, as FSDP2 does around its all-gather copy-out.
+        out = c.global_buffer
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            version = out._version
+            work = c.all_gather(async_op=async_op)
+        for p in self.params:
+            if p.unsharded is None:
+                p.make_unsharded(c.full_view(p.fqn))
+        return None if work is None else (work, out, version)
+
+    def free(self) -> None:
+        self.compute.free_global()
+
+    @property
+    def gathered(self) -> bool:
+        return self.compute.global_allocated
+
+    # -- gradients ---------------------------------------------------------------------
+
+    @property
+    def direct(self) -> bool:
+        """W == 1 without mixed precision nor a division: autograd accumulates into
+        master.local_grad."""
+        g = self.group
+        return (g.shard_world == 1 and self.compute is self.master and self.reduce is self.master
+                and g.replicate_pg is None and g.all_reduce_hook is None
+                and (g.native_average or (g.gradient_divide_factor or 1.0) == 1.0))
+
+    def attach_grads(self, fresh: bool) -> None:
+        """Point each unsharded param's .grad at the compute gradient buffer.
+
+        ``fresh``: first backward since the last reduction, so the buffer starts at zero
+        (for ``direct`` buckets: except where a kept sharded .grad is accumulated).
+        """
+        c = self.compute
+        c.alloc_grad_global()
+        if fresh and self.group.shard_world == 1:
+            with torch.no_grad():
+                if self.direct:
+                    for p in self.params:
+                        if p.requires_grad and p.sharded.grad is None:
+                            self.master.local_grad_view(p.fqn).zero_()
+                else:
+                    if c is self.master:  # the buffer holds the kept grads: set them aside
+                        self._kept = self._kept_grads()
+                    c.grad_global.zero_()
+        for p in self.params:
+            if p.requires_grad and p.unsharded is not None:
+                p.unsharded.grad = c.grad_full_view(p.fqn).view(p.shape)
+
+    def _kept_grads(self) -> torch.Tensor | None:
+        """A copy of the kept sharded .grad (1-D, m elements), or None when none is kept."""
+        m = self.master
+        kept = [p for p in self.params if p.requires_grad and p.sharded.grad is not None]
+        if not kept:
+            return None
+        out = torch.zeros_like(m.local_grad)
+        for p in kept:
+            v = m.local_grad_view(p.fqn)
+            a = v.storage_offset() - m.local_grad.storage_offset()
+            out[a:a + v.numel()] = v
+        return out
+
+    def launch_reduce(self) -> PendingReduce | None:
+        """Start the reduce-scatter (avg) of the accumulated gradients; ``finish_reduce`` ends it.
+
+        [Note: async reduce-scatter] The collective is launched with ``async_op=True`` so
+        that it runs while autograd computes the previous group's gradients; everything
+        that reads its output (the division of gloo's SUM-as-AVG, HSDP's replicate
+        all-reduce, the cast into the master's dtype, kept-gradient accumulation, the
+        sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
+        gradient buffer (the collective's input) stays allocated until then.
+        """
+        g, c, r, m = self.group, self.compute, self.reduce, self.master
+        if not any(p.requires_grad for p in self.params) or not c.grad_global_allocated:
+            return None
+        if self.direct:
+            prev = None
+        elif self._kept is not None or (g.shard_world == 1 and c is m):
+            prev, self._kept = self._kept, None  # set aside by attach_grads
+        else:  # the user kept last step's grads: add the new ones to them
+            prev = self._kept_grads()
+        if r is not c:
+            r.alloc_grad_global()
+            with torch.no_grad():
+                r.grad_global.copy_(c.grad_global)
+            c.free_grad_global()
+        op = "avg" if g.native_average else "sum"
+        work = r.reduce_scatter(op=op, async_op=True) if g.shard_world > 1 else None
+        return PendingReduce(work, prev)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note
+        and [Note: gradient reduction policy])."""
+        g, c, r, m = self.group, self.compute, self.reduce, self.master
+        if pending.work is not None:
+            pending.work.wait()
+        with torch.no_grad():
+            if not g.native_average:
+                factor = g.gradient_divide_factor or float(g.shard_world * g.replicate_world)
+                if factor != 1.0:
+                    r.local_grad.div_(factor)
+            prev = pending.prev
+            if prev is not None and self._partial:  # the kept grads were never all-reduced
+                r.local_grad.add_(prev.to(r.local_grad.dtype))
+                prev = None
+            if g.replicate_pg is not None and g.requires_all_reduce:
+                if g.native_average:
+                    all_reduce_avg(r.local_grad, g.replicate_pg)
+                else:
+                    dist.all_reduce(r.local_grad, op=dist.ReduceOp.SUM, group=g.replicate_pg)
+            self._partial = g.replicate_pg is not None and not g.requires_all_reduce
+            if g.all_reduce_hook is not None:
+                g.all_reduce_hook(r.local_grad)
+            if r is not m:
+                m.local_grad.copy_(r.local_grad)
+            if prev is not None:
+                m.local_grad.add_(prev)
+        if g.shard_world > 1:
+            r.free_grad_global()
+            c.free_grad_global()
+        for p in self.params:
+            if p.requires_grad:
+                if p.sharded.grad is None:
+                    p.sharded.grad = p.sharded.with_local(m.local_grad_view(p.fqn))
+                if p.unsharded is not None:
+                    p.unsharded.grad = None
+
+
+class PendingReduce(NamedTuple):
+    """A bucket's launched reduce-scatter: its handle (None: no collective) and kept grads."""
+
+    work: FlatWork | None
+    prev: torch.Tensor | None  # 1-D, m elements: the kept local grad to add back; None: none kept
