@@ -51,6 +51,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _threads(a, "before init")
     if a.lib:
         import vefsdp_optim  # noqa: F401
 
@@ -64,13 +65,25 @@ def _rank_main(a: argparse.Namespace) -> None:
         dist.all_reduce(t)
     else:
         _train_loop(a)
+    _threads(a, "after work")
     if a.barrier:
         dist.barrier()
     if a.teardown == "destroy":
         dist.destroy_process_group()
+        _threads(a, "after destroy_process_group")
+        import gc
+
+        gc.collect()
+        _threads(a, "after gc.collect")
     print(f"rank {a.rank} done", flush=True)
     if a.exit == "os_exit":
         os._exit(0)
+
+
+def _threads(a: argparse.Namespace, when: str) -> None:
+    """Print this process's OS thread count (gloo's worker threads are not Python threads)."""
+    if a.verbose:
+        print(f"rank {a.rank}: {len(os.listdir('/proc/self/task'))} threads {when}", flush=True)
 
 
 def _configs(kind: str):
@@ -225,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (0: off)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--gdb", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="ranks print their thread counts")
     p.add_argument("--core-dir", default=None, help="ranks dump core there (core_pattern permitting)")
     p.add_argument("--tail", type=int, default=1500, help="stderr characters shown per abort")
     # rank mode
@@ -251,6 +265,9 @@ def main(argv=None) -> int:
             if bad:
                 aborts += 1
                 total_aborts += 1
+                core = os.path.join(a.core_dir or "", "core")
+                if a.core_dir and os.path.exists(core):
+                    os.rename(core, f"{core}.W{world}.run{i}")
                 for r, rc, text in bad:
                     print(f"--- W={world} run {i} rank {r}: {_describe(rc)}\n{text[-a.tail:]}", flush=True)
         dt = time.monotonic() - t0
