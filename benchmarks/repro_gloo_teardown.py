@@ -1,21 +1,23 @@
 """Minimal reproduction, pure torch (no vefsdp_optim): gloo aborts a process at exit.
 
-"terminate called without an active exception" (SIGABRT) when a process finalizes the
-Python interpreter while a gloo worker thread (ProcessGroupGloo::runLoop) still holds a
-finished or running collective (its AsyncWork) whose tensors' Python objects were
-already dropped by Python. torch then owns those PyObjects ("PyObject preservation")
-and the worker thread, when it releases the work, must take the GIL to decref them.
-During finalization, taking the GIL makes CPython end the thread with
-pthread_exit(); the forced unwind reaches a noexcept frame of the worker loop and
-libstdc++ calls std::terminate(), which prints exactly that message and aborts.
+"terminate called without an active exception" (SIGABRT) when a gloo worker thread
+(ProcessGroupGloo::runLoop) releases a collective (its AsyncWork) just as the Python
+interpreter starts to finalize. The work holds tensors whose Python objects Python
+dropped and torch preserved; their last release decrefs them
+(TensorImpl::decref_pyobject -> ConcretePyInterpreterVTable::decref), which checks
+Py_IsInitialized() and then takes the GIL. If finalization starts in between, CPython's
+take_gil ends the thread with pthread_exit(); the forced unwind meets the noexcept
+~AsyncWork and libstdc++ calls std::terminate(). A race: about 1 run in 5 here.
+destroy_process_group() joins the worker threads only when nothing else holds the
+group (a DeviceMesh does: FSDP2 keeps one), see benchmarks/STRESS.md.
 
 Usage: python benchmarks/repro_gloo_teardown.py [--world 2] [--reps 10] [--mode MODE]
 
   --mode pending   (default) every rank launches an async all_reduce, drops the tensor
                    and the handle, and exits: the work is still in the gloo queue or
                    running when the interpreter finalizes -> aborts almost every run.
-  --mode waited    same, but work.wait() first (no destroy_process_group): the work is
-                   finished, only the worker's release of it can race the exit; rare.
+  --mode waited    same, but work.wait() first (no destroy_process_group): only the
+                   worker's release of the finished work can race the exit; rare.
   --mode fixed     work.wait(), barrier, destroy_process_group() with no other
                    reference left to the group -> the worker threads are joined before
                    the interpreter finalizes: never aborts.
