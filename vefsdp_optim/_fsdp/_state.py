@@ -183,6 +183,8 @@ class FSDPState:
                 g.wait_unshard()
             elif not g.gathered and self.unshard_in_backward:
                 g.unshard()
+            if g.gathered:  # as FSDP2: activation checkpointing recomputes with these
+                g.register(sharded=False)
             g.attach_grads()
         for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
             if s.group is not None and not s.group.gathered:
@@ -218,6 +220,7 @@ class FSDPState:
             g.free()
         else:
             g.wait_unshard()
+        g.register(sharded=True)
         ctx = self.ctx
         if ctx is not None:
             wait_reductions(ctx)
