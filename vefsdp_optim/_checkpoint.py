@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vefsdp_optim._safe_load import SafeReader, load_bytes_safely
 from vefsdp_optim.comm import sharded_view
 
 __all__ = ["save", "load", "export_full", "import_full"]
@@ -67,7 +68,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
     tag = _broadcast_str(uuid.uuid4().hex if rank == 0 else "", process_group)
     tmp = f"{path}.tmp-{tag}"
     try:
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
+        dcp.save(state_dict, storage_writer=_writer(tmp), process_group=process_group)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -80,6 +81,19 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     _barrier(process_group)
+
+
+def _writer(path: str) -> Any:
+    """torch's FileSystemWriter, recording no path of this machine in the metadata
+    (``storage_meta.checkpoint_id`` would hold the absolute temporary directory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Writer(dcp.FileSystemWriter):
+        def storage_meta(self) -> StorageMeta | None:
+            return StorageMeta(checkpoint_id=None, save_id=self.save_id)
+
+    return _Writer(path)
 
 
 def _resolve(path: str) -> str:
@@ -96,15 +110,19 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
          process_group: dist.ProcessGroup | None = None) -> None:
     """``dcp.load`` of the checkpoint at ``path`` into ``state_dict`` (in place), after
     checking that the checkpoint has every key of ``state_dict`` with the same shape;
-    raises ValueError listing what differs. Non-tensor entries are unpickled with
-    ``torch.load(weights_only=True)``. Then call ``set_model_state_dict`` /
+    raises ValueError listing what differs. Safe on a checkpoint you did not write (see
+    the README's Trust section): the metadata is unpickled with an allowlist ([Note:
+    restricted metadata]), every data file must lie inside ``path`` and hold what the
+    metadata claims ([Note: confined storage]), non-tensor entries are unpickled with
+    ``torch.load(weights_only=True)``; a refusal is a ValueError naming the checkpoint,
+    raised before any data is read. Then call ``set_model_state_dict`` /
     ``set_optimizer_state_dict`` (or ``load_state_dict``) as usual."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = _resolve(_check_path(path).rstrip(os.sep))
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
     flat, _ = flatten_state_dict(state_dict)
     missing = sorted(k for k in flat if k not in saved)
@@ -123,10 +141,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
         if shapes:
             lines.append(f"shapes differ: {_few(shapes)}")
         raise ValueError(f"checkpoint {path!r} does not match the state dict; " + "; ".join(lines))
-    dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(), process_group=process_group)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(path), process_group=process_group)
+    except dcp.api.CheckpointException as e:  # a BaseException: surface our ValueError
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, ValueError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
-def _weights_only_planner() -> Any:
+def _weights_only_planner(where: str) -> Any:
     """DCP's default load planner, unpickling non-tensor entries with weights_only=True."""
     import io
 
@@ -135,7 +159,7 @@ def _weights_only_planner() -> Any:
 
     class _Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
+            obj = load_bytes_safely(value, where, read_item.dest_index.fqn)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
@@ -257,19 +281,35 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     their sharding (single device, FSDP2, fully_shard, any world size): each rank reads
     the file (``torch.load(weights_only=True)``) and copies its own slices. Missing or
     unexpected model keys and shape mismatches raise ValueError."""
-    data = torch.load(_check_path(path), map_location="cpu", weights_only=True)
-    if not isinstance(data, Mapping) or "model" not in data:
-        raise ValueError(f"{os.fspath(path)!r} is not a full export (no 'model' entry)")
+    where = _check_path(path)
+    try:  # torch's restricted unpickler: tensors and plain containers only
+        data = torch.load(where, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a refused global, a truncated zip, ...
+        raise ValueError(f"{where!r} cannot be imported: torch.load(weights_only=True) refused it "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
+        raise ValueError(f"{where!r} is not a full export (no 'model' entry)")
     saved = data["model"]
     live = model.state_dict()
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
+    bad = sorted(k for k in live if k in saved and not isinstance(saved[k], torch.Tensor))
     shapes = [f"{k}: file {tuple(saved[k].shape)}, model {tuple(live[k].shape)}"
-              for k in live if k in saved and saved[k].shape != live[k].shape]
-    if missing or unexpected or shapes:
+              for k in live if k in saved and k not in bad and saved[k].shape != live[k].shape]
+    if missing or unexpected or shapes or bad:
         parts = [f"{what} {_few(items)}" for what, items in
-                 (("missing", missing), ("unexpected", unexpected), ("shapes differ:", shapes)) if items]
-        raise ValueError(f"{os.fspath(path)!r} does not match the model: " + "; ".join(parts))
+                 (("missing", missing), ("unexpected", unexpected), ("shapes differ:", shapes),
+                  ("not tensors:", bad)) if items]
+        raise ValueError(f"{where!r} does not match the model: " + "; ".join(parts))
+    if optimizer is not None:
+        # [Note: import validates, then writes] the optimizer's load_state_dict checks
+        # class, groups and every state entry before it changes anything; it runs before
+        # the model's weights are written, so a refused import leaves both untouched.
+        if not isinstance(data.get("optim"), Mapping):
+            raise ValueError(f"{where!r} has no optimizer state ('optim' entry)")
+        optimizer.load_state_dict(data["optim"])
     with torch.no_grad():
         for k, v in live.items():
             src = saved[k]
@@ -279,7 +319,3 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 view.local.copy_(src.reshape(-1)[start: start + length])
             else:
                 v.copy_(src)
-    if optimizer is not None:
-        if "optim" not in data:
-            raise ValueError(f"{os.fspath(path)!r} has no optimizer state ('optim' entry)")
-        optimizer.load_state_dict(data["optim"])

@@ -1,0 +1,189 @@
+"""Loading a checkpoint runs no code from it and reads nothing outside it.
+
+Each case crafts a checkpoint as an attacker (or a broken disk) would, and checks that
+``vefsdp_optim.load`` / ``import_full`` raise a ValueError naming the checkpoint, and
+that the payload never ran (its marker file does not exist). Single process: the
+checks run on every rank alike, before any collective reads data.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import vefsdp_optim
+
+
+class _Evil:
+    """Unpickling this creates the marker file: code from the checkpoint ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _state() -> dict[str, object]:
+    torch.manual_seed(0)
+    return {"w": torch.randn(5, 3), "b": torch.randn(7), "step": 3, "cfg": {"lr": 0.1}}
+
+
+def _target() -> dict[str, object]:
+    return {"w": torch.zeros(5, 3), "b": torch.zeros(7), "step": 0, "cfg": {"lr": 0.0}}
+
+
+def _saved(tmp_path) -> str:  # noqa: ANN001
+    path = str(tmp_path / "ckpt")
+    vefsdp_optim.save(_state(), path)
+    return path
+
+
+def _rewrite_metadata(path: str, edit) -> None:  # noqa: ANN001
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # the test's own, trusted file
+    edit(md)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def _set_paths(md, rel: str) -> None:  # noqa: ANN001
+    for info in md.storage_data.values():
+        info.relative_path = rel
+
+
+def test_metadata_pickle_runs_no_code(tmp_path):
+    path = _saved(tmp_path)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(str(marker)), f)
+    with pytest.raises(ValueError, match=r"metadata references posix\.system, which is not allowed") as e:
+        vefsdp_optim.load(_target(), path)
+    assert path in str(e.value)
+    assert not marker.exists()
+
+
+def test_metadata_with_foreign_class_inside_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    marker = tmp_path / "pwned"
+    _rewrite_metadata(path, lambda md: setattr(md, "planner_data", _Evil(str(marker))))
+    with pytest.raises(ValueError, match="posix.system"):
+        vefsdp_optim.load(_target(), path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("rel, why", [
+    ("../outside/__0_0.distcp", "not a plain relative path"),
+    ("sub/../../outside/__0_0.distcp", "not a plain relative path"),
+    ("ABS", "not a plain relative path"),
+])
+def test_storage_paths_are_confined(tmp_path, rel, why):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = _saved(tmp_path)
+    os.replace(os.path.join(path, "__0_0.distcp"), outside / "__0_0.distcp")
+    rel = str(outside / "__0_0.distcp") if rel == "ABS" else rel
+    _rewrite_metadata(path, lambda md: _set_paths(md, rel))
+    with pytest.raises(ValueError, match=why):
+        vefsdp_optim.load(_target(), path)
+
+
+def test_symlink_leading_out_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = _saved(tmp_path)
+    os.replace(os.path.join(path, "__0_0.distcp"), outside / "data")
+    os.symlink(outside / "data", os.path.join(path, "__0_0.distcp"))
+    with pytest.raises(ValueError, match="resolves outside the checkpoint"):
+        vefsdp_optim.load(_target(), path)
+
+
+def test_truncated_files_and_lying_sizes(tmp_path):
+    path = _saved(tmp_path)
+    data = os.path.join(path, "__0_0.distcp")
+    size = os.path.getsize(data)
+    os.truncate(data, size - 100)
+    with pytest.raises(ValueError, match=r"has \d+ bytes \(truncated or lying metadata\)"):
+        vefsdp_optim.load(_target(), path)
+
+    path = str(tmp_path / "big")
+    vefsdp_optim.save({"big": torch.zeros(40000), "small": torch.zeros(3)}, path)
+
+    def lie(md):  # noqa: ANN001, ANN202
+        for idx, info in md.storage_data.items():
+            if idx.fqn == "small":
+                info.offset, info.length = 0, os.path.getsize(os.path.join(path, info.relative_path))
+
+    _rewrite_metadata(path, lie)
+    with pytest.raises(ValueError, match="more than its chunk needs"):
+        vefsdp_optim.load({"small": torch.zeros(3)}, path)
+
+    def huge_chunk(md):  # noqa: ANN001, ANN202
+        md.state_dict_metadata["small"].chunks[0].sizes = torch.Size([10**12])
+
+    _rewrite_metadata(path, huge_chunk)
+    with pytest.raises(ValueError, match="lies outside the tensor"):
+        vefsdp_optim.load({"small": torch.zeros(3)}, path)
+
+    meta = os.path.join(path, ".metadata")
+    os.truncate(meta, os.path.getsize(meta) // 2)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        vefsdp_optim.load({"small": torch.zeros(3)}, path)
+
+
+def test_bytes_entry_runs_no_code(tmp_path):
+    marker = tmp_path / "pwned"
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(2), "x": _Evil(str(marker))}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(ValueError, match=r"entry 'x' is not plain data") as e:
+        vefsdp_optim.load({"w": torch.zeros(2), "x": None}, path)
+    assert path in str(e.value)
+    assert not marker.exists()
+
+
+def test_import_full_runs_no_code(tmp_path):
+    marker = tmp_path / "pwned"
+    torch.save({"model": _Evil(str(marker))}, tmp_path / "m.pt")
+    with pytest.raises(ValueError, match="refused it"):
+        vefsdp_optim.import_full(torch.nn.Linear(2, 2), path=tmp_path / "m.pt")
+    assert not marker.exists()
+    with open(tmp_path / "t.pt", "wb") as f:
+        f.write(b"PK\x03\x04 truncated")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        vefsdp_optim.import_full(torch.nn.Linear(2, 2), path=tmp_path / "t.pt")
+
+
+def test_import_full_validates_before_writing(tmp_path):
+    torch.manual_seed(0)
+    src = torch.nn.Linear(3, 2)
+    opt = vefsdp_optim.AdamW(src.parameters())
+    src(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    vefsdp_optim.export_full(src, opt, path=tmp_path / "m.pt")
+    dst = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ValueError):
+        vefsdp_optim.import_full(dst, vefsdp_optim.Muon(dst.parameters()), path=tmp_path / "m.pt")
+    assert all(torch.equal(dst.state_dict()[k], v) for k, v in before.items()), "weights written before refusal"
+
+
+def test_interop_and_no_writer_path(tmp_path):
+    ours = str(tmp_path / "ours")
+    vefsdp_optim.save(_state(), ours)
+    with open(os.path.join(ours, ".metadata"), "rb") as f:
+        raw = f.read()
+    assert str(tmp_path).encode() not in raw, "the writer's path is recorded in the metadata"
+    got = _target()
+    dcp.load(got, checkpoint_id=ours, no_dist=True)  # torch's own reader
+    want = _state()
+    assert torch.equal(got["w"], want["w"]) and got["step"] == 3 and got["cfg"] == {"lr": 0.1}
+
+    theirs = str(tmp_path / "theirs")
+    dcp.save(_state(), checkpoint_id=theirs, no_dist=True)  # records a PosixPath
+    got = _target()
+    vefsdp_optim.load(got, theirs)
+    assert torch.equal(got["b"], want["b"]) and got["step"] == 3 and got["cfg"] == {"lr": 0.1}

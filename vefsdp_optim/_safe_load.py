@@ -1,0 +1,243 @@
+"""Reading a checkpoint that someone else wrote: no code runs, nothing outside is read.
+
+Two pieces, used by :func:`vefsdp_optim.load`:
+
+- :func:`read_dcp_metadata`: the ``.metadata`` file of a DCP checkpoint, unpickled with
+  an allowlist of the classes DCP metadata is made of ([Note: restricted metadata]),
+  then type-checked, then confined ([Note: confined storage]).
+- :class:`SafeReader`: torch's ``FileSystemReader`` reading its metadata that way.
+
+Every other unpickling on the load path goes through ``torch.load(weights_only=True)``,
+torch's own restricted unpickler (an explicit ``weights_only=True`` is not overridden by
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``); its errors are re-raised naming the checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pathlib
+import pickle
+import stat
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+__all__ = ["read_dcp_metadata", "SafeReader", "MetadataRefused"]
+
+# [Note: restricted metadata]
+# DCP's FileSystemReader reads ``.metadata`` with a plain ``pickle.load``: a crafted file
+# runs any code at load time (torch treats DCP as trusted-environment only). We unpickle
+# it as torch/_weights_only_unpickler.py does a weights file: ``find_class`` answers only
+# the globals below, every other one raises before any REDUCE/BUILD runs, and
+# ``persistent_load`` is refused. The allowlist is what torch's writers put there: the
+# metadata dataclasses, torch.Size / dtypes / layouts / memory formats / devices,
+# pathlib paths (older writers record ``checkpoint_id`` as a PosixPath) and plain
+# containers. Calling an allowed class only builds data. After unpickling, the result
+# is type-checked field by field, so a well-formed pickle of the wrong shape is refused
+# with a ValueError too, never a late AttributeError.
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_DCP_MD, n): getattr(_md, n)
+    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    if hasattr(_md, n)
+}
+_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+_ALLOWED[("torch", "Size")] = torch.Size
+_ALLOWED[("torch", "device")] = torch.device
+_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # name -> layout
+for _n in dir(torch):
+    _v = getattr(torch, _n, None)
+    if isinstance(_v, (torch.dtype, torch.layout, torch.memory_format)):
+        _ALLOWED[("torch", _n)] = _v
+for _n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path", "PurePath"):
+    _ALLOWED[("pathlib", _n)] = getattr(pathlib, _n)
+_ALLOWED[("collections", "OrderedDict")] = OrderedDict
+for _n in ("set", "frozenset", "complex", "slice"):
+    _ALLOWED[("builtins", _n)] = getattr(__import__("builtins"), _n)
+_ALLOWED[("__builtin__", "set")] = set
+
+
+class MetadataRefused(ValueError):
+    """A checkpoint's metadata is not plain DCP metadata (or lies about its files)."""
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BufferedIOBase, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise MetadataRefused(
+                f"checkpoint {self._where!r} metadata references {module}.{name}, which is not allowed; "
+                "vefsdp_optim.load only reads DCP metadata (see README, Trust)") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise MetadataRefused(f"checkpoint {self._where!r} metadata holds a persistent id {pid!r}, "
+                              "which is not allowed; vefsdp_optim.load only reads DCP metadata")
+
+
+def _bad(where: str, what: str) -> MetadataRefused:
+    return MetadataRefused(f"checkpoint {where!r} metadata is malformed: {what}")
+
+
+def _check_size(v: object, where: str, what: str) -> None:
+    if not isinstance(v, torch.Size) or any(type(d) is not int or d < 0 for d in v):
+        raise _bad(where, f"{what} is {v!r}, expected a torch.Size of non-negative ints")
+
+
+def _check_types(md: object, where: str) -> _md.Metadata:
+    """Field by field: what DCP's reader and planner will touch is what it claims to be."""
+    if not isinstance(md, _md.Metadata):
+        raise _bad(where, f"the file holds a {type(md).__name__}, not DCP Metadata")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        raise _bad(where, "state_dict_metadata is not a dict")
+    for fqn, entry in sdm.items():
+        if not isinstance(fqn, str):
+            raise _bad(where, f"key {fqn!r} is not a str")
+        if isinstance(entry, _md.TensorStorageMetadata):
+            _check_size(entry.size, where, f"{fqn}.size")
+            props = entry.properties
+            if not isinstance(props, _md.TensorProperties) or not isinstance(props.dtype, torch.dtype):
+                raise _bad(where, f"{fqn} has no tensor properties with a dtype")
+            if not isinstance(entry.chunks, list):
+                raise _bad(where, f"{fqn}.chunks is not a list")
+            for c in entry.chunks:
+                if not isinstance(c, _md.ChunkStorageMetadata):
+                    raise _bad(where, f"{fqn} has a chunk of type {type(c).__name__}")
+                _check_size(c.offsets, where, f"{fqn} chunk offsets")
+                _check_size(c.sizes, where, f"{fqn} chunk sizes")
+                if len(c.offsets) != len(entry.size) or len(c.sizes) != len(entry.size) or any(
+                        o + s > d for o, s, d in zip(c.offsets, c.sizes, entry.size, strict=True)):
+                    raise _bad(where, f"{fqn} chunk at {tuple(c.offsets)} of {tuple(c.sizes)} lies outside "
+                                      f"the tensor's {tuple(entry.size)}")
+        elif not isinstance(entry, _md.BytesStorageMetadata):
+            raise _bad(where, f"{fqn} is a {type(entry).__name__}")
+    sdata = getattr(md, "storage_data", None)
+    if not isinstance(sdata, dict):
+        raise _bad(where, "storage_data is not a dict")
+    for idx, info in sdata.items():
+        if not isinstance(idx, _md.MetadataIndex) or not isinstance(idx.fqn, str):
+            raise _bad(where, f"storage key {idx!r} is not a MetadataIndex")
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) or any(
+                type(x) is not int or x < 0 for x in (info.offset, info.length)):
+            raise _bad(where, f"storage entry of {idx.fqn} is {info!r}, expected a relative path, "
+                              "offset >= 0 and length >= 0")
+        td = getattr(info, "transform_descriptors", None)
+        if td is not None and not (isinstance(td, (list, tuple)) and all(isinstance(t, str) for t in td)):
+            raise _bad(where, f"storage entry of {idx.fqn} has transforms {td!r}")
+    return md
+
+
+# [Note: confined storage]
+# Every storage entry names a file by ``relative_path``. Before the first byte of data
+# is read (read_metadata runs before DCP plans any read), each one must be a plain
+# relative path with no ``..`` component that, with every symlink resolved, lies inside
+# the checkpoint directory, and be a regular file (no FIFO, no device); its
+# ``offset + length`` must fit in the file. A tensor entry's length must also fit the
+# chunk it claims to hold (elements x element size, plus torch.save's few-KiB framing),
+# and every chunk lies inside its tensor, whose size load() has already compared with
+# the target state dict: a crafted file can make load read and allocate no more than
+# that target needs.
+
+_FRAMING = 64 << 10  # torch.save's zip framing of one tensor: ~1.5 KiB, alignment included
+
+
+def _confine(md: _md.Metadata, root: str, where: str) -> None:
+    real_root = os.path.realpath(root)
+    sizes: dict[str, int] = {}
+    for idx, info in md.storage_data.items():
+        rel = info.relative_path
+        if rel not in sizes:
+            parts = rel.replace("\\", "/").split("/")
+            if (not rel or "\0" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
+                    or any(p in ("", ".", "..") for p in parts)):
+                raise MetadataRefused(f"checkpoint {where!r} metadata names the file {rel!r}, which is not a "
+                                      "plain relative path inside the checkpoint; refused before reading")
+            real = os.path.realpath(os.path.join(real_root, rel))
+            if os.path.commonpath([real, real_root]) != real_root:
+                raise MetadataRefused(f"checkpoint {where!r} metadata names the file {rel!r}, which resolves "
+                                      f"outside the checkpoint (a symlink?); refused before reading")
+            try:
+                st = os.stat(real)
+            except OSError as e:
+                raise MetadataRefused(f"checkpoint {where!r} lacks the data file {rel!r} ({e.strerror})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise MetadataRefused(f"checkpoint {where!r}: {rel!r} is not a regular file")
+            sizes[rel] = st.st_size
+        if info.offset + info.length > sizes[rel]:
+            raise MetadataRefused(
+                f"checkpoint {where!r}: the entry of {idx.fqn} claims bytes {info.offset}..{info.offset + info.length}"
+                f" of {rel!r}, which has {sizes[rel]} bytes (truncated or lying metadata)")
+        entry = md.state_dict_metadata.get(idx.fqn)
+        if isinstance(entry, _md.TensorStorageMetadata) and not getattr(info, "transform_descriptors", None):
+            bound = _FRAMING
+            for c in entry.chunks:
+                if idx.offset is None or tuple(c.offsets) == tuple(idx.offset):
+                    bound = max(bound, _FRAMING + math.prod(c.sizes) * entry.properties.dtype.itemsize)
+            if info.length > bound:
+                raise MetadataRefused(
+                    f"checkpoint {where!r}: the entry of {idx.fqn} claims {info.length} bytes, more than its "
+                    f"chunk needs ({bound} at most)")
+
+
+def read_dcp_metadata(root: str, filename: str = ".metadata") -> _md.Metadata:
+    """Read, type-check and confine the DCP metadata of the checkpoint directory ``root``.
+    Raises :class:`MetadataRefused` (a ValueError) naming the checkpoint."""
+    path = os.path.join(root, filename)
+    try:
+        with open(path, "rb") as f:
+            md = _Unpickler(f, root).load()
+    except MetadataRefused:
+        raise
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint at {root!r} (no {filename})") from None
+    except Exception as e:  # noqa: BLE001 - truncated or garbled pickles raise anything
+        raise MetadataRefused(f"checkpoint {root!r} metadata {filename} cannot be read "
+                              f"(truncated or corrupt): {type(e).__name__}: {e}") from None
+    md = _check_types(md, root)
+    _confine(md, root, root)
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = _md.StorageMeta()
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata` (and kept:
+    load() and dcp.load() both ask for it)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._cached: dict[Any, _md.Metadata] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
+        rank = kwargs.get("rank")
+        if rank not in self._cached:
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            self._cached[rank] = read_dcp_metadata(os.fspath(self.path), name)
+        md = self._cached[rank]
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def load_bytes_safely(value: io.BytesIO, where: str, fqn: str) -> Any:
+    """A BYTE_IO entry through torch's weights-only unpickler; its refusal names the checkpoint."""
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"checkpoint {where!r} entry {fqn!r} is not plain data, refused by "
+                         f"torch.load(weights_only=True): {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"checkpoint {where!r} entry {fqn!r} cannot be read (truncated or corrupt): "
+                         f"{type(e).__name__}: {e}") from None
