@@ -205,11 +205,16 @@ def _rules() -> dict[str, Any]:
         out["mask_put"] = torch.equal(q.full_tensor(), torch.where(w > 0, 0.5, w))
         out["item"] = p.sum().item() == w.sum().item() and p.max().item() == w.max().item()
         out["new_zeros"] = type(p.new_zeros(13, 1)) is torch.Tensor
+        # an in-place random fill draws what one device draws (rule 6), then keeps the slice
+        torch.manual_seed(7)
+        q.normal_()
+        torch.manual_seed(7)
+        out["random_fill"] = torch.equal(q.full_tensor(), torch.empty(q.shape).normal_())
         out["norms"] = (torch.equal(torch.linalg.vector_norm(p, -math.inf), w.abs().min())
                         and torch.linalg.vector_norm(p, keepdim=True).shape == (1, 1))
         refusals = {
             "t_": lambda: p.t_(),
-            "normal_": lambda: p.normal_(),
+            "bernoulli": lambda: torch.bernoulli(p.abs().clamp(0, 1)),
             "fused_plain": lambda: torch._fused_sgd_([p], [full], [], weight_decay=0.0, momentum=0.0, lr=0.1,
                                                       dampening=0.0, nesterov=False, maximize=False,
                                                       is_first_step=False),
@@ -244,6 +249,6 @@ def test_dispatch_rules() -> None:
     for res in run_distributed(_rules, 3):
         assert all(v is True for v in res.values() if isinstance(v, bool)), res
         assert "aten.t_" in res["t_"] and "supported" in res["t_"], res["t_"]
-        assert "aten.normal_" in res["normal_"] and "random" in res["normal_"], res["normal_"]
+        assert "aten.bernoulli" in res["bernoulli"] and "random" in res["bernoulli"], res["bernoulli"]
         assert "_fused_sgd_" in res["fused_plain"] and "plain tensor" in res["fused_plain"], res["fused_plain"]
         assert "differ in shape or layout" in res["mixed_layouts"], res["mixed_layouts"]

@@ -120,7 +120,7 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """Buffers stay replicated (as in FSDP2); only their device follows the mesh."""
     for sub in module.modules():
         for name, b in list(sub._buffers.items()):
-            if b is not None and b.device != device:
+            if b is not None and b.device != device and not b.is_meta:  # meta: to_empty moves it
                 sub._buffers[name] = b.to(device)
 
 
@@ -147,7 +147,9 @@ def _collect(module: nn.Module, device: torch.device) -> list[ManagedParam]:
             mp = managed.get(id(p))
             if mp is None:
                 mp = ManagedParam(fqn, [], p.shape, p.requires_grad)
-                mp.sharded_src = p.detach().to(device)  # type: ignore[attr-defined]
+                # meta parameters (large models built under torch.device("meta")) give
+                # their shape and dtype only: the local shard is allocated, uninitialised
+                mp.sharded_src = p.detach() if p.is_meta else p.detach().to(device)  # type: ignore[attr-defined]
                 mp.original = p  # type: ignore[attr-defined]
                 managed[id(p)] = mp
                 order.append(mp)

@@ -204,8 +204,31 @@ class FSDPModule(_TorchFSDPModule):
             "state; use its FSDPModule methods")
 
     def _apply(self, *args: object, **kwargs: object) -> object:
+        """``module.to(...)``, ``to_empty(...)``, ``cuda()``, ...: buffers and parameters
+        that fully_shard does not manage follow ``fn``; the managed ones stay in the
+        group's flat buffers on the mesh's device (their storage, which the collectives
+        and the optimizers share), so ``to_empty(device=...)`` after a meta-device
+        construction keeps them. A change of dtype raises (use MixedPrecisionPolicy)."""
         self.reshard()
-        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        slots = [(m, a, m._parameters[a]) for s in self._states(recurse=True) if s.group is not None
+                 for mp in s.group.params for m, a in mp.slots]
+        dtypes = {id(p): p.dtype for _, _, p in slots}
+        for m, a, _ in slots:
+            m._parameters[a] = None  # nn.Module._apply skips None entries
+        try:
+            out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            for m, a, p in slots:
+                m._parameters[a] = p
+        fn = args[0] if args else kwargs.get("fn")
+        for _, _, p in slots[:1]:
+            probe = fn(torch.empty(0, dtype=dtypes[id(p)], device=p.device)) if callable(fn) else None
+            if isinstance(probe, torch.Tensor) and probe.dtype != dtypes[id(p)]:
+                raise NotImplementedError(
+                    f"changing the dtype of fully_shard'd parameters ({dtypes[id(p)]} -> {probe.dtype}) "
+                    "is not supported; shard the module in the dtype you want, or use "
+                    "MixedPrecisionPolicy(param_dtype=...)")
+        return out
 
 
 def _check_bool(name: str, value: object) -> None:

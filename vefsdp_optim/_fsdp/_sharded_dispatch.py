@@ -49,10 +49,33 @@ aten = torch.ops.aten
 #    result back and is returned itself. Caveat: a non-flat-order view (p.t(), p[1])
 #    is a gathered copy, not a view: writing into it does not reach p.
 #
+# 6. In-place random fills (uniform_, normal_, ..., what nn.init and reset_parameters
+#    call): the whole tensor is drawn on every rank from the same generator, as one
+#    device draws it, and this rank keeps its slice: initialisation after meta-device
+#    construction equals the single device's when the ranks share a seed (one full
+#    parameter at a time is materialised, transiently).
+#
 # Refused with NotImplementedError naming the op: in-place shape changes (t_, resize_,
-# set_, ...), random ops other than rand_like / randn_like (each rank's generator would
-# give a different tensor), and fused / foreach kernels handed a plain non-scalar tensor.
+# set_, ...), other random ops (each rank's generator would give a different tensor),
+# and fused / foreach kernels handed a plain non-scalar tensor.
 # Never a silently wrong local result.
+
+_RANDOM_FILLS = {
+    aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.random_.default,
+    getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default, aten.cauchy_.default,
+    aten.log_normal_.default, aten.geometric_.default,
+}
+
+
+def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Rule 6: draw the whole tensor as one device would, keep this rank's slice."""
+    dst = args[0]
+    full = torch.empty(dst.shape, dtype=dst.dtype, device=dst._local.device)
+    func(full, *args[1:], **kwargs)
+    start, length = dst._layout.local(dst._rank)
+    dst._local.copy_(full.view(-1)[start:start + length])
+    return dst
+
 
 _LIKE_OPS = {
     aten.zeros_like.default,
@@ -101,6 +124,8 @@ def dispatch(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
             f"supported: {_SUPPORTED}")
     if func in _NEW_OPS:
         return _new(cls, func, args, kwargs)
+    if func in _RANDOM_FILLS:
+        return _random_fill(func, args, kwargs)
     if torch.Tag.nondeterministic_seeded in func.tags and func not in _LIKE_OPS:
         raise NotImplementedError(
             f"ShardedParameter does not support {func}: a random op would differ between ranks; "

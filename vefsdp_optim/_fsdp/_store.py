@@ -88,8 +88,10 @@ class DtypeStore:
         for p in self.params:
             a, n = self.master.local_extent(p.fqn)
             local = self.master.local_view(p.fqn)
-            with torch.no_grad():
-                local.copy_(data[p.fqn].reshape(-1)[a:a + n])
+            src = data[p.fqn]
+            if not src.is_meta:  # meta: initialised later (to_empty, then init or a load)
+                with torch.no_grad():
+                    local.copy_(src.reshape(-1)[a:a + n])
             layout = self.plan.layout(p.fqn)
             if hasattr(p, "sharded"):
                 p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
