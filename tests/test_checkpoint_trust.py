@@ -38,8 +38,11 @@ def _target() -> dict[str, object]:
 
 
 def _saved(tmp_path) -> str:  # noqa: ANN001
+    """Our checkpoint without our marker (an attacker rewrites or drops it), so that the
+    restricted read and the confinement, not the checksums, must refuse it."""
     path = str(tmp_path / "ckpt")
     vefsdp_optim.save(_state(), path)
+    os.unlink(os.path.join(path, ".vefsdp-checkpoint.json"))
     return path
 
 
@@ -112,6 +115,7 @@ def test_truncated_files_and_lying_sizes(tmp_path):
 
     path = str(tmp_path / "big")
     vefsdp_optim.save({"big": torch.zeros(40000), "small": torch.zeros(3)}, path)
+    os.unlink(os.path.join(path, ".vefsdp-checkpoint.json"))
 
     def lie(md):  # noqa: ANN001, ANN202
         for idx, info in md.storage_data.items():

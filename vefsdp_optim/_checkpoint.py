@@ -10,27 +10,37 @@ the safety of [Note: write aside, then rename] and an unsharded export.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from vefsdp_optim import _ckpt_commit as _commit
 from vefsdp_optim._safe_load import SafeReader, load_bytes_safely
 from vefsdp_optim.comm import sharded_view
 
 __all__ = ["save", "load", "export_full", "import_full"]
 
 # [Note: write aside, then rename]
-# save() writes the checkpoint into ``path + ".tmp-<uuid>"`` (one uuid, chosen by rank
-# 0), waits for every rank, and only then rank 0 moves the previous checkpoint aside
-# (``path + ".old-<uuid>"``), renames the new one to ``path`` and deletes the old one.
-# A save interrupted while writing leaves ``path`` untouched; one interrupted between
-# the two renames leaves the previous checkpoint at ``.old-<uuid>``, where load() finds
-# it when ``path`` is missing.
+# save() writes the checkpoint into ``path + ".tmp-<tag>"`` (one tag, chosen by rank 0),
+# waits for every rank, records checksums and a generation in the copy's marker, and
+# only then rank 0 moves the previous checkpoint aside (``path + ".old-<tag>"``),
+# renames the new one to ``path`` and removes the old one. A save stopped at any point
+# leaves a complete copy that load() finds (the newest, by generation), and the next
+# successful save removes what it left. See [Note: generations and markers] in
+# _ckpt_commit.py for which files are ours and are ever deleted.
+
+# Fault injection for tests: called with the phase name on every rank.
+_fault_hook: Callable[[str], None] | None = None
+
+
+def _fault(phase: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(phase)
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:
@@ -57,30 +67,77 @@ def _check_path(path: object) -> str:
 
 
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
-         process_group: dist.ProcessGroup | None = None) -> None:
+         process_group: dist.ProcessGroup | None = None, overwrite: bool = True) -> None:
     """``dcp.save(state_dict)`` to the directory ``path``, atomically: an interrupted
-    save leaves the previous checkpoint loadable ([Note: write aside, then rename]).
-    Collective over ``process_group`` (the default group when None)."""
+    save leaves the newest complete checkpoint loadable ([Note: write aside, then
+    rename]). Writes only its own files: ``path`` must be new, an empty directory or a
+    checkpoint this function wrote (replaced when ``overwrite``, the default; refused
+    otherwise); an existing file or a directory holding anything else raises
+    ValueError naming it. Collective over ``process_group`` (the default group when None)."""
     import torch.distributed.checkpoint as dcp
 
     path = _check_path(path).rstrip(os.sep)
+    if not path:
+        raise ValueError("save: path is empty; give the checkpoint directory")
     rank = _rank(process_group)
-    tag = _broadcast_str(uuid.uuid4().hex if rank == 0 else "", process_group)
+    plan = ""
+    if rank == 0:
+        try:
+            plan = _begin(path, overwrite)
+        except (ValueError, OSError) as e:
+            plan = f"!{type(e).__name__}:{e}"
+    plan = _broadcast_str(plan, process_group)
+    if plan.startswith("!"):
+        kind, _, msg = plan[1:].partition(":")
+        raise (ValueError if kind == "ValueError" else OSError)(msg)
+    tag, gen = plan.split(":")
     tmp = f"{path}.tmp-{tag}"
     try:
+        _fault("write")
         dcp.save(state_dict, storage_writer=_writer(tmp), process_group=process_group)
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _commit.remove_ours(tmp)
         raise
     _barrier(process_group)
-    if rank == 0:
-        old = f"{path}.old-{tag}"
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+    old = f"{path}.old-{tag}"
+    steps = (
+        ("complete", lambda: _commit.write_marker(
+            tmp, {"generation": int(gen), "state": "complete", "files": _commit.describe_files(tmp)})),
+        ("move_old", lambda: os.path.isdir(path) and os.rename(path, old)),
+        ("move_new", lambda: os.rename(tmp, path)),
+        ("clean", lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
+                            if os.path.isdir(d)]),
+    )
+    for phase, step in steps:
+        _fault(phase)
+        if rank == 0:
+            step()
     _barrier(process_group)
+
+
+def _begin(path: str, overwrite: bool) -> str:
+    """Rank 0: refuse a path that is not ours, create the new copy with its "writing"
+    marker; returns "<tag>:<generation>"."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"save: {path!r} is an existing file, not a checkpoint directory; vefsdp_optim.save "
+                         "never replaces a file it did not write: remove it or save to another path")
+    if os.path.isdir(path):
+        mine = _commit.read_marker(path)
+        if mine is None and os.listdir(path):
+            raise ValueError(f"save: {path!r} is a non-empty directory that is not a vefsdp_optim checkpoint "
+                             f"(no {_commit.MARKER}); save into a new or empty directory (overwrite=True only "
+                             "replaces a vefsdp_optim checkpoint, never other files)")
+        if mine is not None and not overwrite:
+            raise ValueError(f"save: {path!r} already holds a checkpoint (generation {mine['generation']}); "
+                             "pass overwrite=True to replace it")
+    found = _commit.copies(path)
+    gen = (found[0][0] if found else 0) + 1
+    tag = uuid.uuid4().hex
+    tmp = f"{path}.tmp-{tag}"
+    os.makedirs(tmp)
+    _commit.write_marker(tmp, {"generation": gen, "state": "writing"})
+    return f"{tag}:{gen}"
 
 
 def _writer(path: str) -> Any:
@@ -96,18 +153,25 @@ def _writer(path: str) -> Any:
     return _Writer(path)
 
 
-def _resolve(path: str) -> str:
+def _resolve(path: str) -> tuple[str, str]:
+    """The directory to load for the checkpoint ``path`` and, when that is not ``path``
+    itself, the warning to give ([Note: generations and markers])."""
+    found = _commit.copies(path)
+    if found:
+        gen, where = found[0]
+        if where == path:
+            return path, ""
+        here = _commit.read_marker(path) if os.path.isdir(path) else None
+        state = "missing" if here is None else f"at generation {here['generation']}"
+        return where, (f"checkpoint {path!r}: loading generation {gen} from {where!r}, left complete by an "
+                       f"interrupted save; {path!r} is {state}")
     if os.path.isdir(path):
-        return path
-    parent, base = os.path.split(path)
-    aside = sorted(n for n in os.listdir(parent or ".") if n.startswith(base + ".old-"))
-    if aside:
-        return os.path.join(parent, aside[-1])
+        return path, ""  # a DCP checkpoint not written by save(): no marker, no checksums
     raise FileNotFoundError(f"no checkpoint at {path!r}")
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
-         process_group: dist.ProcessGroup | None = None) -> None:
+         process_group: dist.ProcessGroup | None = None, verify: bool = True) -> None:
     """``dcp.load`` of the checkpoint at ``path`` into ``state_dict`` (in place), after
     checking that the checkpoint has every key of ``state_dict`` with the same shape;
     raises ValueError listing what differs. Safe on a checkpoint you did not write (see
@@ -115,14 +179,29 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     restricted metadata]), every data file must lie inside ``path`` and hold what the
     metadata claims ([Note: confined storage]), non-tensor entries are unpickled with
     ``torch.load(weights_only=True)``; a refusal is a ValueError naming the checkpoint,
-    raised before any data is read. Then call ``set_model_state_dict`` /
+    raised before any data is read. Loads the newest complete copy (warning when it
+    is one an interrupted save left) and, unless ``verify=False``, checks every file it
+    reads against the checksum save() recorded (ValueError naming the file). Then call ``set_model_state_dict`` /
     ``set_optimizer_state_dict`` (or ``load_state_dict``) as usual."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = _resolve(_check_path(path).rstrip(os.sep))
-    reader = SafeReader(path)
+    path = _check_path(path).rstrip(os.sep)
+    choice = ""
+    if _rank(process_group) == 0:
+        try:
+            choice = "\0".join(_resolve(path))
+        except FileNotFoundError as e:
+            choice = f"!{e}"
+    choice = _broadcast_str(choice, process_group)
+    if choice.startswith("!"):
+        raise FileNotFoundError(choice[1:])
+    path, warning = choice.split("\0")
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    marker = _commit.read_marker(path)
+    reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify)
     saved = reader.read_metadata().state_dict_metadata
     flat, _ = flatten_state_dict(state_dict)
     missing = sorted(k for k in flat if k not in saved)

@@ -215,16 +215,48 @@ def read_dcp_metadata(root: str, filename: str = ".metadata") -> _md.Metadata:
 
 class SafeReader(FileSystemReader):
     """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata` (and kept:
-    load() and dcp.load() both ask for it)."""
+    load() and dcp.load() both ask for it). With ``files`` (name -> {"size", "sha256"},
+    from save()'s marker), each file is checked before its first read: its size always,
+    its checksum when ``verify``."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, files: dict[str, Any] | None = None,
+                 verify: bool = True) -> None:
         super().__init__(path)
         self._cached: dict[Any, _md.Metadata] = {}
+        self._files = files
+        self._verify = verify
+        self._checked: set[str] = set()
+
+    def _check_file(self, rel: str) -> None:
+        if self._files is None or rel in self._checked:
+            return
+        root = os.fspath(self.path)
+        want = self._files.get(rel)
+        if not isinstance(want, dict):
+            raise MetadataRefused(f"checkpoint {root!r}: {rel!r} is not among the files its save recorded")
+        p = os.path.join(root, rel)
+        size = os.path.getsize(p) if os.path.isfile(p) else -1
+        if size != want.get("size"):
+            raise MetadataRefused(f"checkpoint {root!r}: {rel!r} has {size} bytes, its save wrote "
+                                  f"{want.get('size')} (truncated or replaced)")
+        if self._verify:
+            from vefsdp_optim._ckpt_commit import sha256
+
+            if sha256(p) != want.get("sha256"):
+                raise MetadataRefused(f"checkpoint {root!r}: {rel!r} does not match the checksum its save "
+                                      "recorded (corrupt); load(..., verify=False) skips this check")
+        self._checked.add(rel)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        for rel in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+            self._check_file(rel)
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
         rank = kwargs.get("rank")
         if rank not in self._cached:
             name = ".metadata" if rank is None else f"__{rank}.metadata"
+            self._check_file(name)
             self._cached[rank] = read_dcp_metadata(os.fspath(self.path), name)
         md = self._cached[rank]
         md.storage_meta.load_id = self.load_id

@@ -1,0 +1,206 @@
+"""Checkpoints lose nothing: save never touches files it did not write, load takes the
+newest complete copy (and says when it recovered one), corruption is detected.
+
+Faults are injected at each phase of save() through ``_checkpoint._fault_hook`` (the
+job stops there on every rank: what a killed job leaves on disk), and during the DCP
+write by one rank failing to serialise its entry (DCP makes every rank raise).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+import vefsdp_optim
+from vefsdp_optim import _checkpoint
+
+MARKER = ".vefsdp-checkpoint.json"
+
+
+class _Unpicklable:
+    def __reduce__(self):  # noqa: ANN204
+        raise RuntimeError("rank died while writing (simulated)")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _sd(v: float) -> dict[str, object]:
+    return {f"t{i}": torch.full((16 + i,), v) for i in range(6)} | {"step": v}
+
+
+def _value(path: str, **kw) -> tuple[float, list[str]]:  # noqa: ANN003
+    sd = _sd(0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vefsdp_optim.load(sd, path, **kw)
+    vals = {float(t[0]) for k, t in sd.items() if k != "step"}
+    if len(vals) != 1 or sd["step"] not in vals:
+        raise AssertionError(f"mixed checkpoint: {vals}, step {sd['step']}")
+    return vals.pop(), [str(w.message) for w in caught if "interrupted save" in str(w.message)]
+
+
+def _interrupted(path: str, v: float, phase: str) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sd = _sd(v)
+    if phase == "write":  # the last rank dies inside the DCP write
+        if rank == (dist.get_world_size() if dist.is_initialized() else 1) - 1:
+            sd["bad"] = _Unpicklable()
+
+    def hook(p: str) -> None:
+        if p == phase:
+            raise _Stop(p)
+
+    _checkpoint._fault_hook = hook
+    try:
+        vefsdp_optim.save(sd, path)
+    except _Stop:
+        return "stopped"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return "raised: " + ("simulated" if "simulated" in str(e) else repr(e)[:200])
+    finally:
+        _checkpoint._fault_hook = None
+    return "no error"
+
+
+# what load must return after saves of 1, 2, then one of 3 stopped at each phase
+EXPECT = {"write": (2.0, False), "complete": (2.0, False), "move_old": (3.0, True),
+          "move_new": (3.0, True), "clean": (3.0, False)}
+
+
+def _faults(root: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for phase in EXPECT:
+        path = os.path.join(root, phase, "ckpt")
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(path))
+            with open(os.path.join(os.path.dirname(path), "train.log"), "w") as f:
+                f.write("user file")
+        dist.barrier()
+        vefsdp_optim.save(_sd(1.0), path)
+        vefsdp_optim.save(_sd(2.0), path)
+        out[phase, "save"] = _interrupted(path, 3.0, phase)
+        dist.barrier()
+        out[phase, "load"] = _value(path)
+        dist.barrier()
+        # a second interrupted save in a row, stopped between the renames
+        out[phase, "save2"] = _interrupted(path, 4.0, "move_new")
+        dist.barrier()
+        out[phase, "load2"] = _value(path)
+        dist.barrier()
+        vefsdp_optim.save(_sd(5.0), path)  # a good save removes every leftover
+        out[phase, "after"] = _value(path)
+        out[phase, "ls"] = sorted(os.listdir(os.path.dirname(path)))
+        dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_interrupted_saves_recover_the_newest(tmp_path, world):
+    for r in run_distributed(_faults, world, str(tmp_path)):
+        for phase, (want, warned) in EXPECT.items():
+            saved = r[phase, "save"]
+            assert saved in ("stopped", "raised: simulated"), (phase, saved)
+            got, warns = r[phase, "load"]
+            assert got == want, (phase, got, want)
+            assert bool(warns) == warned, (phase, warns)
+            assert r[phase, "save2"] == "stopped"
+            got, warns = r[phase, "load2"]
+            assert got == 4.0 and warns and "generation" in warns[0], (phase, got, warns)
+            assert r[phase, "after"] == (5.0, [])
+            assert r[phase, "ls"] == ["ckpt", "train.log"], (phase, r[phase, "ls"])
+
+
+def test_save_writes_only_its_own_files(tmp_path, monkeypatch):
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    with pytest.raises(ValueError, match=f"{f}.*existing file"):
+        vefsdp_optim.save(_sd(1.0), f)
+    assert f.read_text() == "mine"
+    d = tmp_path / "out"
+    (d / "sub").mkdir(parents=True)
+    (d / "train.log").write_text("log")
+    with pytest.raises(ValueError, match=f"{d}.*non-empty directory.*overwrite=True"):
+        vefsdp_optim.save(_sd(1.0), d)
+    assert (d / "train.log").read_text() == "log" and (d / "sub").is_dir()
+    ours = tmp_path / "ckpt"
+    vefsdp_optim.save(_sd(1.0), ours)
+    with pytest.raises(ValueError, match="overwrite=True"):
+        vefsdp_optim.save(_sd(2.0), ours, overwrite=False)
+    (ours / "notes.txt").write_text("kept")  # a user file inside our checkpoint
+    vefsdp_optim.save(_sd(2.0), ours)
+    assert _value(str(ours)) == (2.0, [])
+    left = [n for n in os.listdir(tmp_path) if n.startswith("ckpt.old-")]
+    assert len(left) == 1 and os.listdir(tmp_path / left[0]) == ["notes.txt"]  # moved aside, never deleted
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    vefsdp_optim.save(_sd(3.0), empty)
+    assert _value(str(empty)) == (3.0, [])
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match="path is empty"):
+        vefsdp_optim.save(_sd(1.0), "")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_corruption_is_detected(tmp_path):
+    path = tmp_path / "ckpt"
+    vefsdp_optim.save(_sd(1.0), path)
+    data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    p = path / data
+    raw = bytearray(p.read_bytes())
+    mid = len(raw) // 2
+    raw[mid: mid + 64] = bytes(b ^ 0xFF for b in raw[mid: mid + 64])
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"{data}.*checksum.*verify=False"):
+        _value(str(path))
+    p.write_bytes(bytes(raw[:-10]))
+    with pytest.raises(ValueError, match=f"{data}.*truncated"):
+        _value(str(path), verify=False)
+    vefsdp_optim.save(_sd(2.0), path)
+    meta = path / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=r"\.metadata.*truncated"):
+        _value(str(path))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        _value(str(tmp_path / "nothing"))
+
+
+_FULL_DISK = """
+import os, resource, signal, sys, torch, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {tests!r})
+import vefsdp_optim
+from test_checkpoint_commit import _sd, _value
+path = {path!r}
+vefsdp_optim.save(_sd(1.0), path)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # the disk fills at 4 KiB a file
+big = {{f"t{{i}}": torch.full((16 + i,), 2.0) for i in range(6)}} | {{"step": 2.0, "pad": torch.zeros(4096)}}
+try:
+    vefsdp_optim.save(big, path)
+    print("no error")
+except BaseException as e:
+    print("raised", type(e).__name__)
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+print(_value(path)[0], sorted(os.listdir(os.path.dirname(path))))
+"""
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    code = _FULL_DISK.format(tests=os.path.dirname(__file__), path=path)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("raised"), res.stdout
+    assert lines[1] == "1.0 ['ckpt']", res.stdout
