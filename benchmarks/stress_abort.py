@@ -255,25 +255,33 @@ def main(argv=None) -> int:
     desc = (f"mode={a.mode} opt={a.opt} kind={a.kind} shard={a.shard} lib={a.lib} "
             f"teardown={a.teardown} barrier={a.barrier} exit={a.exit} steps={a.steps}")
     print(f"# {desc}", flush=True)
-    total_runs = total_aborts = 0
+    total_runs = total_aborts = total_errors = 0
     for world in a.world:
-        aborts = 0
+        aborts = errors = 0
         t0 = time.monotonic()
         for i in range(a.reps):
             bad = _one_run(a, world)
             total_runs += 1
-            if bad:
+            # an abort: a rank killed by a signal (or a timeout); an error: a rank that
+            # exited with a non-zero status (a Python exception), reported apart
+            if any(not (isinstance(rc, int) and rc > 0) for _, rc, _ in bad):
                 aborts += 1
                 total_aborts += 1
+            elif bad:
+                errors += 1
+                total_errors += 1
+            if bad:
                 core = os.path.join(a.core_dir or "", "core")
                 if a.core_dir and os.path.exists(core):
                     os.rename(core, f"{core}.W{world}.run{i}")
                 for r, rc, text in bad:
                     print(f"--- W={world} run {i} rank {r}: {_describe(rc)}\n{text[-a.tail:]}", flush=True)
         dt = time.monotonic() - t0
-        print(f"W={world}: {aborts}/{a.reps} runs aborted ({dt / max(a.reps, 1):.1f}s per run)", flush=True)
-    print(f"TOTAL: {total_aborts}/{total_runs} runs aborted  [{desc}]", flush=True)
-    return 1 if total_aborts else 0
+        print(f"W={world}: {aborts}/{a.reps} runs aborted, {errors} with a Python error "
+              f"({dt / max(a.reps, 1):.1f}s per run)", flush=True)
+    print(f"TOTAL: {total_aborts}/{total_runs} runs aborted, {total_errors} with a Python error  "
+          f"[{desc}]", flush=True)
+    return 1 if total_aborts or total_errors else 0
 
 
 if __name__ == "__main__":
