@@ -4,7 +4,9 @@ The sharded state itself needs nothing from here: fully_shard parameters and the
 optimizers' state_dict() speak DCP's protocol (see [Note: ragged slices as DCP boxes]
 and [Note: world-size-free optimizer state]), so ``torch.distributed.checkpoint`` and
 its ``state_dict`` helpers save and reshard them at any world size. These helpers add
-the safety of [Note: write aside, then rename] and an unsharded export.
+the safety of [Note: write aside, then rename] (with the commit protocol of
+``_ckpt_commit.py``), a load that is safe on untrusted files (``_safe_load.py``) and an
+unsharded export.
 """
 
 from __future__ import annotations
