@@ -204,3 +204,48 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     lines = res.stdout.strip().splitlines()
     assert lines[0].startswith("raised"), res.stdout
     assert lines[1] == "1.0 ['ckpt']", res.stdout
+
+
+_KILLED = """
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {tests!r})
+import vefsdp_optim
+from vefsdp_optim import _checkpoint
+from test_checkpoint_commit import EXPECT, _sd, _value
+
+class _Die:
+    def __reduce__(self):
+        os._exit(17)  # the process dies inside the DCP write, nothing cleans up
+
+for phase in ["before_write", *EXPECT]:
+    path = os.path.join({root!r}, phase, "ckpt")
+    vefsdp_optim.save(_sd(1.0), path)
+    vefsdp_optim.save(_sd(2.0), path)
+    pid = os.fork()
+    if pid == 0:
+        sd = _sd(3.0)
+        if phase == "write":
+            sd["die"] = _Die()  # killed during the DCP write
+        stop = "write" if phase == "before_write" else phase
+        _checkpoint._fault_hook = lambda p: os._exit(17) if p == stop and phase != "write" else None
+        vefsdp_optim.save(sd, path)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    got, warns = _value(path)
+    vefsdp_optim.save(_sd(5.0), path)
+    print(phase, os.waitstatus_to_exitcode(status), got, bool(warns), _value(path)[0],
+          sorted(os.listdir(os.path.dirname(path))))
+"""
+
+
+def test_killed_saves_recover_the_newest(tmp_path):
+    """The process really dies (os._exit) at each phase: no cleanup code runs."""
+    code = _KILLED.format(tests=os.path.dirname(__file__), root=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    expect = {"before_write": (2.0, False), **EXPECT}
+    assert len(lines) == len(expect), res.stdout
+    for line, (phase, (want, warned)) in zip(lines, expect.items(), strict=True):
+        assert line == f"{phase} 17 {want} {warned} 5.0 ['ckpt']", line
