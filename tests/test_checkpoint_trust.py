@@ -70,6 +70,17 @@ def test_metadata_pickle_runs_no_code(tmp_path):
     assert not marker.exists()
 
 
+def test_well_formed_pickle_of_the_wrong_shape_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    _rewrite_metadata(path, lambda md: setattr(md, "storage_meta", 3))
+    with pytest.raises(ValueError, match="storage_meta is a int"):
+        vefsdp_optim.load(_target(), path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump({"not": "metadata"}, f)
+    with pytest.raises(ValueError, match="holds a dict, not DCP Metadata"):
+        vefsdp_optim.load(_target(), path)
+
+
 def test_metadata_with_foreign_class_inside_is_refused(tmp_path):
     path = _saved(tmp_path)
     marker = tmp_path / "pwned"

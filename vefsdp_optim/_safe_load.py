@@ -124,6 +124,10 @@ def _check_types(md: object, where: str) -> _md.Metadata:
                                       f"the tensor's {tuple(entry.size)}")
         elif not isinstance(entry, _md.BytesStorageMetadata):
             raise _bad(where, f"{fqn} is a {type(entry).__name__}")
+    if not isinstance(getattr(md, "storage_meta", None), (_md.StorageMeta, type(None))):
+        raise _bad(where, f"storage_meta is a {type(md.storage_meta).__name__}")
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        raise _bad(where, f"planner_data is a {type(md.planner_data).__name__}")
     sdata = getattr(md, "storage_data", None)
     if not isinstance(sdata, dict):
         raise _bad(where, "storage_data is not a dict")
@@ -181,7 +185,7 @@ def _confine(md: _md.Metadata, root: str, where: str) -> None:
                 f"checkpoint {where!r}: the entry of {idx.fqn} claims bytes {info.offset}..{info.offset + info.length}"
                 f" of {rel!r}, which has {sizes[rel]} bytes (truncated or lying metadata)")
         entry = md.state_dict_metadata.get(idx.fqn)
-        if isinstance(entry, _md.TensorStorageMetadata) and not getattr(info, "transform_descriptors", None):
+        if isinstance(entry, _md.TensorStorageMetadata):  # a compressed entry is smaller still
             bound = _FRAMING
             for c in entry.chunks:
                 if idx.offset is None or tuple(c.offsets) == tuple(idx.offset):
