@@ -148,3 +148,49 @@ def test_fsdp_module_api_matches_fsdp2(world_size: int) -> None:
         assert res["factor_vs_single"] < RTOL and res["hook_vs_fsdp2"] < RTOL and res["hook_called"], res
         assert res["kept_gathered"] and res["knobs_vs_fsdp2"] < RTOL, res
         assert res["after_reset_vs_fsdp2"] < RTOL and res["refusals"], res
+
+
+def _module_list() -> dict[str, object]:
+    from torch.distributed.fsdp import fully_shard as fsdp2
+
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    ref = Net()
+    models = {"ours": copy.deepcopy(ref), "fsdp2": copy.deepcopy(ref)}
+    for kind, m in models.items():
+        shard = vefsdp_optim.fully_shard if kind == "ours" else fsdp2
+        shard(m.blocks)
+        got = shard([m.emb, m.out])  # one group of two modules, as frameworks group norm + output
+        shard(m)
+        out[f"{kind}_returns_list"] = isinstance(got, list) and len(got) == 2
+    out["is_fsdp"] = isinstance(models["ours"].emb, TorchFSDPModule) and isinstance(models["ours"].out, TorchFSDPModule)
+    calls: list[int] = []
+    orig = torch.distributed.all_gather_single
+
+    def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return orig(*a, **k)
+
+    opts = {k: vefsdp_optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    for step in range(3):
+        for k, m in models.items():
+            opts[k].zero_grad()
+            if k == "ours" and step == 2:
+                torch.distributed.all_gather_single = counted
+            try:
+                _backward(m, step)
+            finally:
+                torch.distributed.all_gather_single = orig
+            opts[k].step()
+    out["gathers_per_step"] = len(calls)  # blocks and the [emb, out] group, forward + backward
+    out["vs_fsdp2"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())
+                          for a, b in zip(models["ours"].parameters(), models["fsdp2"].parameters(), strict=True))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_list_of_modules_is_one_group(world_size: int) -> None:
+    for res in run_distributed(_module_list, world_size):
+        assert res["ours_returns_list"] and res["fsdp2_returns_list"] and res["is_fsdp"], res
+        assert res["vs_fsdp2"] < 1e-6, res
+        assert res["gathers_per_step"] <= 4, res  # each group once in forward, once in backward

@@ -53,22 +53,29 @@ def _init_mesh() -> DeviceMesh:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s own parameters (not those of fully_shard'd descendants).
 
-    ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) HSDP mesh;
-    default: every rank of the default group on the current device type. Returns the
-    same module, whose class now also derives from :class:`FSDPModule`.
+    ``module`` may be a list of modules (FSDP2's form): their parameters form one group
+    that communicates together; it is gathered at the first of them to run forward and
+    resharded when all have. ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D
+    (replicate, shard) HSDP mesh; default: every rank of the default group on the current
+    device type. Returns ``module``, each of whose classes now also derives from
+    :class:`FSDPModule` (an instance of torch's ``FSDPModule``).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard needs a module or a non-empty list of modules, got an empty list")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward must be a bool, got {reshard_after_forward!r}; "
@@ -86,7 +93,7 @@ def fully_shard(
     else:
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
     device = _default_device(mesh)
-    params = _collect(module, device)
+    params = _collect(modules, device)
     data = {}
     for mp in params:
         data[mp.fqn] = mp.sharded_src  # type: ignore[attr-defined]
@@ -98,21 +105,23 @@ def fully_shard(
     else:  # ranks that do hold parameters here check their signature against this one
         check_group_consistent([], shard_pg, replicate_pg if replicate_pg is not None and
                                replicate_pg.size() > 1 else None)
-    _move_buffers(module, device)
-    state = FSDPState(module, group, reshard_after_forward, mp_policy)
+    for m in modules:
+        _move_buffers(m, device)
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     state.originals.update({id(mp.original): mp.original for mp in params})
     _REPLACED.update({id(mp.original): mp.original for mp in params})
     for mp in params:
         del mp.original
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
-    cls = type(module)
-    new_cls = _CLS_CACHE.get(cls)
-    if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        _CLS_CACHE[cls] = new_cls
-    module.__class__ = new_cls
-    module._vefsdp_state = state
+    for m in modules:
+        m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
+        cls = type(m)
+        new_cls = _CLS_CACHE.get(cls)
+        if new_cls is None:
+            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _CLS_CACHE[cls] = new_cls
+        m.__class__ = new_cls
+        m._vefsdp_state = state
     return module
 
 
@@ -124,15 +133,20 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = b.to(device)
 
 
-def _collect(module: nn.Module, device: torch.device) -> list[ManagedParam]:
-    """This module's parameters not managed by a fully_shard'd descendant."""
+def _collect(modules: list[nn.Module], device: torch.device) -> list[ManagedParam]:
+    """The modules' parameters not managed by a fully_shard'd descendant (names prefixed
+    by the module's index when there are several)."""
     managed: dict[int, ManagedParam] = {}
     order: list[ManagedParam] = []
     inner_ids: set[int] = set()
-    for sub in module.modules():
-        if sub is not module and isinstance(sub, FSDPModule):
-            inner_ids.update(id(m) for m in sub.modules())
-    for mname, sub in module.named_modules(remove_duplicate=False):
+    for module in modules:
+        for sub in module.modules():
+            if sub is not module and isinstance(sub, FSDPModule):
+                inner_ids.update(id(m) for m in sub.modules())
+    named = [(f"{i}.{n}" if len(modules) > 1 else n, sub) for i, module in enumerate(modules)
+             for n, sub in module.named_modules(remove_duplicate=False)]
+    for mname, sub in named:
+        mname = mname.rstrip(".")
         if id(sub) in inner_ids:
             continue
         for attr, p in list(sub._parameters.items()):
@@ -156,7 +170,7 @@ def _collect(module: nn.Module, device: torch.device) -> list[ManagedParam]:
             if (sub, attr) not in mp.slots:
                 mp.slots.append((sub, attr))
     # a parameter of this module also held by a managed child (whose slot now holds a copy)
-    inner_originals = [state_of(sub).originals for sub in module.modules()
+    inner_originals = [state_of(sub).originals for module in modules for sub in module.modules()
                        if sub is not module and isinstance(sub, FSDPModule)]
     for mp in order:
         for orig in inner_originals:

@@ -49,10 +49,12 @@ class _RootContext:
 class FSDPState:
     """Hooks and flags of one fully_shard'd module."""
 
-    def __init__(self, module: nn.Module, group: ShardGroup | None, reshard_after_forward: bool,
+    def __init__(self, modules: list[nn.Module], group: ShardGroup | None, reshard_after_forward: bool,
                  mp_policy: MixedPrecisionPolicy) -> None:
-        self.module = module
+        self.modules = modules  # one, or FSDP2's list of modules sharing one group
+        self.module = modules[0]
         self.group = group
+        self._not_run: set[int] = set()  # ids of this forward round's modules yet to finish
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.ctx: _RootContext | None = None
@@ -95,7 +97,8 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self.role is not Role.UNSET:
             return
-        states = [state_of(m) for m in self.module.modules() if isinstance(m, FSDPModule)]
+        states = list({id(st): st for st in (state_of(m) for m in self.module.modules()
+                                             if isinstance(m, FSDPModule))}.values())
         for s in states:
             if s is not self and s.is_root:
                 raise ValueError("a fully_shard'd module ran forward as root before its parent; "
@@ -123,6 +126,8 @@ class FSDPState:
         g = self.group
         if g is None:
             return args, kwargs
+        if not self._not_run:  # a new round: every module of the group is to run
+            self._not_run = {id(m) for m in self.modules}
         g.unshard()
         g.wait_unshard()
         for s in self.fwd_prefetch:
@@ -143,7 +148,9 @@ class FSDPState:
             self.ctx.fwd_order.append(self)
         if g is not None:
             g.register(sharded=True)
-            if self.reshard_after_forward and not self.is_root:  # as FSDP2: root keeps its params for backward
+            self._not_run.discard(id(module))
+            # as FSDP2: root keeps its params for backward; a list group reshards once all ran
+            if self.reshard_after_forward and not self.is_root and not self._not_run:
                 g.free()
         if self.mp_policy.output_dtype is not None:
             dt = self.mp_policy.output_dtype
