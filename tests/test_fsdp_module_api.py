@@ -194,3 +194,30 @@ def test_a_list_of_modules_is_one_group(world_size: int) -> None:
         assert res["ours_returns_list"] and res["fsdp2_returns_list"] and res["is_fsdp"], res
         assert res["vs_fsdp2"] < 1e-6, res
         assert res["gathers_per_step"] <= 4, res  # each group once in forward, once in backward
+
+
+def _signature() -> dict[str, object]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.tensor import Shard
+
+    out: dict[str, object] = {}
+    m = Net()
+    keep = m.out.bias
+    vefsdp_optim.fully_shard(m.blocks, shard_placement_fn=lambda p: Shard(0), offload_policy=OffloadPolicy())
+    vefsdp_optim.fully_shard(m, offload_policy=CPUOffloadPolicy(), ignored_params={keep},
+                             reshard_after_forward=None)
+    out["ignored_kept_plain"] = m.out.bias is keep and not isinstance(keep, vefsdp_optim.ShardedParameter)
+    out["sharded"] = isinstance(m.out.weight, vefsdp_optim.ShardedParameter)
+    try:
+        vefsdp_optim.fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1))
+        out["shard1_refused"] = False
+    except NotImplementedError as e:
+        out["shard1_refused"] = "Shard(dim=1)" in str(e)
+    _backward(m)
+    out["trains"] = all(p.grad is not None for p in m.parameters())
+    return out
+
+
+def test_fully_shard_accepts_fsdp2_arguments() -> None:
+    for res in run_distributed(_signature, 2):
+        assert all(res.values()), res

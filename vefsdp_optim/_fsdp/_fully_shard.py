@@ -9,12 +9,14 @@ from FSDPModule (_module.py).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
 
 from ._group import ShardGroup, check_group_consistent
 from ._module import FSDPModule, state_of
@@ -56,8 +58,12 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: object | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s own parameters (not those of fully_shard'd descendants).
 
@@ -65,8 +71,13 @@ def fully_shard(
     that communicates together; it is gathered at the first of them to run forward and
     resharded when all have. ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D
     (replicate, shard) HSDP mesh; default: every rank of the default group on the current
-    device type. Returns ``module``, each of whose classes now also derives from
-    :class:`FSDPModule` (an instance of torch's ``FSDPModule``).
+    device type. ``shard_placement_fn``: FSDP2's per-parameter placement; ``None`` or
+    ``Shard(0)`` is this library's layout (a RaggedShard of the flattened parameter, cut
+    where the optimizers' blocks allow), any other placement raises NotImplementedError.
+    ``offload_policy``: ``OffloadPolicy()`` (none) or, where the mesh is on the CPU
+    already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the group, as FSDP2.
+    Returns ``module``, each of whose classes now also derives from :class:`FSDPModule`
+    (an instance of torch's ``FSDPModule``).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -76,6 +87,11 @@ def fully_shard(
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    if reshard_after_forward is None:  # FSDP2's default: True, except at the root
+        reshard_after_forward = True
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("dp_mesh_dims is not supported by vefsdp_optim's fully_shard; "
+                                  "pass the 1-D (shard) or 2-D (replicate, shard) mesh itself")
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward must be a bool, got {reshard_after_forward!r}; "
@@ -93,7 +109,16 @@ def fully_shard(
     else:
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
     device = _default_device(mesh)
-    params = _collect(modules, device)
+    _check_offload(offload_policy, device)
+    params = _collect(modules, device, set(map(id, ignored_params or ())))
+    if shard_placement_fn is not None:
+        for mp in params:
+            placement = shard_placement_fn(mp.original)  # type: ignore[attr-defined]
+            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0):
+                raise NotImplementedError(
+                    f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}; vefsdp_optim's "
+                    "fully_shard supports None or Shard(0) (its RaggedShard layout of the flattened "
+                    "parameter); use torch's fully_shard for other placements")
     data = {}
     for mp in params:
         data[mp.fqn] = mp.sharded_src  # type: ignore[attr-defined]
@@ -125,6 +150,18 @@ def fully_shard(
     return module
 
 
+def _check_offload(policy: object, device: torch.device) -> None:
+    if policy is None or type(policy) is OffloadPolicy:
+        return
+    if isinstance(policy, CPUOffloadPolicy):
+        if device.type == "cpu":
+            return  # the sharded parameters, gradients and optimizer state are on the CPU
+        raise NotImplementedError(
+            f"CPUOffloadPolicy with a {device.type} mesh is not supported by vefsdp_optim's "
+            "fully_shard yet; use OffloadPolicy() (no offload) or torch's fully_shard")
+    raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
+
+
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """Buffers stay replicated (as in FSDP2); only their device follows the mesh."""
     for sub in module.modules():
@@ -133,7 +170,8 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = b.to(device)
 
 
-def _collect(modules: list[nn.Module], device: torch.device) -> list[ManagedParam]:
+def _collect(modules: list[nn.Module], device: torch.device,
+             ignored: set[int] = frozenset()) -> list[ManagedParam]:  # type: ignore[assignment]
     """The modules' parameters not managed by a fully_shard'd descendant (names prefixed
     by the module's index when there are several)."""
     managed: dict[int, ManagedParam] = {}
@@ -150,7 +188,7 @@ def _collect(modules: list[nn.Module], device: torch.device) -> list[ManagedPara
         if id(sub) in inner_ids:
             continue
         for attr, p in list(sub._parameters.items()):
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             if isinstance(p, ShardedParameter):
                 raise ValueError(
