@@ -249,3 +249,33 @@ def test_killed_saves_recover_the_newest(tmp_path):
     assert len(lines) == len(expect), res.stdout
     for line, (phase, (want, warned)) in zip(lines, expect.items(), strict=True):
         assert line == f"{phase} 17 {want} {warned} 5.0 ['ckpt']", line
+
+
+def _commit_fails(root: str) -> tuple[str, tuple[float, list[str]], list[str]]:
+    path = os.path.join(root, "ckpt")
+    vefsdp_optim.save(_sd(1.0), path)
+    real = _checkpoint._commit.describe_files
+
+    def full(d: str) -> dict:
+        raise OSError(28, "No space left on device")
+
+    if dist.get_rank() == 0:  # only rank 0 commits: the others must hear of its failure
+        _checkpoint._commit.describe_files = full
+    try:
+        vefsdp_optim.save(_sd(2.0), path)
+        err = "no error"
+    except OSError as e:
+        err = str(e)
+    finally:
+        _checkpoint._commit.describe_files = real
+    dist.barrier()
+    got = _value(path)
+    vefsdp_optim.save(_sd(3.0), path)
+    return err, got, sorted(os.listdir(root))
+
+
+def test_commit_failure_on_rank0_reaches_every_rank(tmp_path):
+    for err, got, ls in run_distributed(_commit_fails, 2, str(tmp_path)):
+        assert "No space left" in err and "newest complete copy" in err, err
+        assert got == (1.0, [])
+        assert ls == ["ckpt"], ls

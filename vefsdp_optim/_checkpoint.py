@@ -111,11 +111,18 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
         ("clean", lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
                             if os.path.isdir(d)]),
     )
+    failed = ""
     for phase, step in steps:
         _fault(phase)
-        if rank == 0:
-            step()
-    _barrier(process_group)
+        if rank == 0 and not failed:
+            try:
+                step()
+            except OSError as e:  # a full disk, a permission: every rank must hear of it
+                failed = f"{phase}: {type(e).__name__}: {e}"
+    failed = _broadcast_str(failed, process_group)
+    if failed:
+        raise OSError(f"save to {path!r} failed while committing ({failed}); the newest complete copy "
+                      "is still loadable and the next save removes what this one left")
 
 
 def _begin(path: str, overwrite: bool) -> str:
