@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,8 +19,16 @@ from vefsdp_optim._math import (
     muon_matrix_view,
     zeropower_via_newtonschulz,
 )
+from vefsdp_optim._math._newton_schulz import muon_batch_view, muon_block_unit, muon_blocks
 from vefsdp_optim.comm import ShardedView
-from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, WholeTensor
+from vefsdp_optim.sharding import (
+    Elementwise,
+    FlatBlocks,
+    RaggedShard,
+    Requirement,
+    RowBlocks,
+    WholeTensor,
+)
 
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
@@ -25,6 +37,45 @@ from ._state_format import ELEMENTWISE
 from ._step_loop import StepItem
 
 __all__ = ["Muon"]
+
+
+@dataclass(frozen=True)
+class _MuonPlan:
+    """How one Muon parameter splits into separately orthogonalised blocks
+    ([Note: Muon blocks] in _math/_newton_schulz.py) and what it asks of the planner."""
+
+    requirement: Requirement
+    offsets: tuple[int, ...]  # flat offset of each block
+    blocks: tuple[tuple[int, int], ...]  # (rows, cols) of each block
+    simple: bool  # one block: the whole (dim 0, rest) matrix (today's path)
+    uniform: bool  # every block has the same (rows, cols): one lr adjustment
+
+    def span(self, start: int, length: int) -> range:
+        """Indices of the blocks that intersect flat ``[start, start + length)``."""
+        lo = bisect.bisect_right(self.offsets, start) - 1
+        hi = bisect.bisect_left(self.offsets, start + length)
+        return range(max(lo, 0), hi)
+
+
+@functools.lru_cache(maxsize=1024)
+def _muon_plan(shape: tuple[int, ...], flatten: bool, split_sizes: tuple[int, ...] | None) -> _MuonPlan:
+    blocks = muon_blocks(shape, flatten, split_sizes)
+    unit = muon_block_unit(shape, flatten, split_sizes)
+    numel = math.prod(shape)
+    if unit >= numel:
+        req: Requirement = WholeTensor()
+    elif not flatten and len(shape) == 3 and unit == shape[1] * shape[2]:
+        req = RowBlocks(1)  # whole experts: FSDP2's Shard(0) already satisfies it
+    else:
+        req = FlatBlocks(unit)
+    return _MuonPlan(req, tuple(b[0] for b in blocks), tuple((r, c) for _, r, c in blocks),
+                     simple=len(blocks) == 1, uniform=len({(r, c) for _, r, c in blocks}) == 1)
+
+
+_FLATTEN_HELP = (
+    "set the group key flatten=True to orthogonalise it as one (dim 0, rest) matrix (the "
+    "convolution convention), or flatten=False to orthogonalise each [..., m, n] slice over the "
+    "leading dims alone, as a separate 2-D parameter (MoE expert weights [experts, out, in])")
 
 
 @register_optimizer("muon")
@@ -43,6 +94,18 @@ class Muon(BlockOptimizer):
     ``betas`` (default (0.9, 0.95)) and ``adamw_eps`` (default 1e-8; in a group with
     ``use_muon=False`` an explicit ``eps`` means AdamW's eps), and the group's ``lr``
     and ``weight_decay``.
+
+    Block structure, per param group (Dion's names):
+
+    * ``flatten``: for parameters of 3 or more dims, ``True`` orthogonalises one
+      ``(dim 0, rest)`` matrix; ``False`` treats the tensor as a batch of matrices over
+      its leading dims (MoE experts ``[E, out, in]``): each ``[m, n]`` slice gets its own
+      Newton-Schulz and lr adjustment, exactly as a separate 2-D parameter. A group with
+      such a parameter must set it (ValueError otherwise). Whole experts stay on single
+      ranks (FSDP2's ``Shard(0)`` already does this: no exchange).
+    * ``split_sizes``: row-block sizes of each matrix (e.g. ``[q_rows, kv_rows, kv_rows]``
+      of a fused QKV projection), summing to its rows; each block is updated exactly as
+      a separate parameter of that shape.
     """
 
     def __init__(
@@ -59,6 +122,8 @@ class Muon(BlockOptimizer):
         *,
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        flatten: bool | None = None,
+        split_sizes: Sequence[int] | None = None,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -81,6 +146,7 @@ class Muon(BlockOptimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, use_muon=True, betas=tuple(betas), adamw_eps=adamw_eps,
+            flatten=flatten, split_sizes=split_sizes,
         )
         super().__init__(params, defaults)
 
@@ -90,14 +156,49 @@ class Muon(BlockOptimizer):
         use = param_group.get("use_muon", True)
         if not isinstance(use, bool):
             raise TypeError(f"use_muon must be a bool, got {use!r}")
+        flatten = param_group.get("flatten", self.defaults.get("flatten"))
+        if flatten is not None and not isinstance(flatten, bool):
+            raise TypeError(f"flatten must be True, False or None, got {flatten!r}")
+        split = param_group.get("split_sizes", self.defaults.get("split_sizes"))
+        if split is not None:
+            if isinstance(split, (str, bytes, torch.Tensor)) or not isinstance(split, Sequence):
+                raise TypeError(f"split_sizes must be a sequence of positive ints (row-block sizes), "
+                                f"got {split!r}")
+            param_group["split_sizes"] = tuple(split)
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            for p in group["params"]:
+                if self._is_muon(p.shape, group):
+                    self._plan(p.shape, group)  # raises ValueError on a bad flatten / split_sizes
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     @staticmethod
     def _is_muon(shape: torch.Size, group: dict[str, Any]) -> bool:
         return bool(group["use_muon"]) and len(shape) >= 2
 
+    @staticmethod
+    def _plan(shape: Sequence[int], group: dict[str, Any]) -> _MuonPlan:
+        shape = tuple(int(d) for d in shape)
+        flatten = group.get("flatten")
+        if flatten is None and len(shape) >= 3:
+            raise ValueError(
+                f"Muon got a parameter of shape {shape} in a group without the key 'flatten': "
+                + _FLATTEN_HELP)
+        split = group.get("split_sizes")
+        try:
+            return _muon_plan(shape, flatten is not False, None if split is None else tuple(split))
+        except ValueError as e:
+            if split is None:
+                raise
+            batch, rows, cols = muon_batch_view(shape, flatten is not False)
+            raise ValueError(f"bad split_sizes for a Muon parameter of shape {shape} (matrices of "
+                             f"{rows} x {cols}): {e}") from None
+
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
-        return WholeTensor() if self._is_muon(shape, group) else Elementwise()
+        return self._plan(shape, group).requirement if self._is_muon(shape, group) else Elementwise()
 
     structural_keys = ("use_muon",)
 
@@ -141,10 +242,31 @@ class Muon(BlockOptimizer):
                 out[i] = [x.to(torch.bfloat16)]
                 continue
             group = it.group
-            ortho = zeropower_via_newtonschulz(
-                x.view(muon_matrix_view(it.view.shape)), group["ns_coefficients"],
-                group["ns_steps"], group["eps"])
-            out[i] = [ortho.reshape(-1)]
+            plan = self._plan(it.view.shape, group)
+            if plan.simple:
+                ortho = zeropower_via_newtonschulz(
+                    x.view(muon_matrix_view(it.view.shape)), group["ns_coefficients"],
+                    group["ns_steps"], group["eps"])
+                out[i] = [ortho.reshape(-1)]
+                continue
+            # whole blocks of the compute layout: each orthogonalised alone
+            start, length = it.compute.local(it.view.rank)
+            res = torch.empty(length, dtype=torch.bfloat16, device=x.device)
+            done = 0
+            for b in plan.span(start, length):
+                (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
+                if a < 0 or a + rows * cols > length:
+                    raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a parameter of shape "
+                                       f"{tuple(it.view.shape)} is split by the compute layout {it.compute}")
+                ortho = zeropower_via_newtonschulz(
+                    x[a:a + rows * cols].view(rows, cols), group["ns_coefficients"],
+                    group["ns_steps"], group["eps"])
+                res[a:a + rows * cols].view(rows, cols).copy_(ortho)
+                done += rows * cols
+            if done != length:
+                raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a parameter of shape "
+                                   f"{tuple(it.view.shape)} does not hold whole blocks")
+            out[i] = [res]
         return out
 
     def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
@@ -153,6 +275,30 @@ class Muon(BlockOptimizer):
         (ortho,) = outputs
         p, group = item.view.local, item.group
         lr = group["lr"]
-        adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], muon_matrix_view(item.view.shape))
+        plan = self._plan(item.view.shape, group)
+        if plan.uniform:
+            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-adjusted_lr)
+            return
+        # blocks of several shapes: each block's own lr adjustment, on its part of this slice
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(ortho, alpha=-adjusted_lr)
+        if not p.numel():
+            return
+        start, length = item.view.layout.local(item.view.rank)
+        adjusted = {rc: muon_adjust_lr(lr, group["adjust_lr_fn"], rc) for rc in set(plan.blocks)}
+        seg_lo = seg_hi = None
+        seg_lr = None
+        for b in plan.span(start, length):
+            rows, cols = plan.blocks[b]
+            lo = max(plan.offsets[b], start) - start
+            hi = min(plan.offsets[b] + rows * cols, start + length) - start
+            a_lr = adjusted[plan.blocks[b]]
+            if seg_lr is not None and a_lr == seg_lr and lo == seg_hi:
+                seg_hi = hi
+                continue
+            if seg_lr is not None:
+                p[seg_lo:seg_hi].add_(ortho[seg_lo:seg_hi], alpha=-seg_lr)
+            seg_lo, seg_hi, seg_lr = lo, hi, a_lr
+        if seg_lr is not None:
+            p[seg_lo:seg_hi].add_(ortho[seg_lo:seg_hi], alpha=-seg_lr)

@@ -20,6 +20,10 @@ __all__ = [
     "NS_EPS",
     "NS_STEPS",
     "muon_adjust_lr",
+    "muon_batch_view",
+    "muon_block_unit",
+    "muon_blocks",
+    "muon_blocks_cost",
     "muon_cost",
     "muon_matrix_view",
     "zeropower_via_newtonschulz",
@@ -133,3 +137,80 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
             f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
         )
     return lr * ratio
+
+
+# [Note: Muon blocks]
+# A Muon parameter is orthogonalised as one or more separate matrices ("blocks"), each
+# updated exactly as a separate 2-D parameter of its shape would be (Newton-Schulz and
+# lr adjustment on the block alone). ``flatten=True`` (or a 2-D parameter): one
+# (dim 0, rest) matrix. ``flatten=False``: a batch of matrices over the leading dims,
+# each [..., m, n] slice one matrix (MoE experts). ``split_sizes``: each matrix further
+# cut into row blocks of these sizes (a fused QKV projection). Blocks are consecutive
+# in row-major flat order, so each is a contiguous range of the flat parameter.
+
+
+def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if split_sizes is None:
+        return (rows,)
+    sizes = tuple(split_sizes)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"split_sizes must be a non-empty sequence of positive ints, got {split_sizes!r}")
+    if sum(sizes) != rows:
+        raise ValueError(
+            f"split_sizes {list(sizes)} sum to {sum(sizes)}, but the matrix of a parameter of shape "
+            f"{shape} has {rows} rows; split_sizes must sum to the rows of each matrix")
+    return sizes
+
+
+def muon_batch_view(shape: Sequence[int], flatten: bool = True) -> tuple[int, int, int]:
+    """``(batch, rows, cols)``: the matrices Muon orthogonalises for a parameter of ``shape``.
+
+    ``flatten=True`` (or 2 dims): one ``muon_matrix_view`` matrix. ``flatten=False``:
+    ``prod(shape[:-2])`` matrices of ``shape[-2:]`` (see [Note: Muon blocks]).
+    """
+    dims = tuple(shape)
+    rows, cols = muon_matrix_view(dims)  # validates
+    if flatten or len(dims) == 2:
+        return 1, rows, cols
+    return math.prod(dims[:-2]), dims[-2], dims[-1]
+
+
+def muon_blocks(
+    shape: Sequence[int], flatten: bool = True, split_sizes: Sequence[int] | None = None,
+) -> list[tuple[int, int, int]]:
+    """The blocks ``(flat offset, rows, cols)`` Muon orthogonalises separately, in flat
+    order (see [Note: Muon blocks]). Raises ValueError when ``split_sizes`` do not sum
+    to the rows of each matrix."""
+    dims = tuple(shape)
+    batch, rows, cols = muon_batch_view(dims, flatten)
+    sizes = _check_split_sizes(split_sizes, rows, dims)
+    out, off = [], 0
+    for _ in range(batch):
+        for s in sizes:
+            out.append((off, s, cols))
+            off += s * cols
+    return out
+
+
+def muon_block_unit(
+    shape: Sequence[int], flatten: bool = True, split_sizes: Sequence[int] | None = None,
+) -> int:
+    """The coarsest flat unit whose multiples fall only between blocks: one block when
+    all blocks have the same size, else one matrix (a whole expert, or the whole
+    parameter). Equals ``prod(shape)`` when the parameter must lie whole on one rank."""
+    dims = tuple(shape)
+    batch, rows, cols = muon_batch_view(dims, flatten)
+    sizes = _check_split_sizes(split_sizes, rows, dims)
+    if all(s == sizes[0] for s in sizes):
+        return sizes[0] * cols
+    return rows * cols
+
+
+def muon_blocks_cost(
+    shape: Sequence[int], flatten: bool = True, split_sizes: Sequence[int] | None = None,
+) -> float:
+    """Relative Newton-Schulz cost of all of a parameter's blocks (``muon_cost`` each)."""
+    dims = tuple(shape)
+    batch, rows, cols = muon_batch_view(dims, flatten)
+    sizes = _check_split_sizes(split_sizes, rows, dims)
+    return float(batch) * sum(float(s) * cols * min(s, cols) for s in sizes)

@@ -1,0 +1,307 @@
+"""Muon's block structure (issue 20): ``flatten`` and ``split_sizes``.
+
+``flatten=False``: each [..., m, n] slice of a >= 3-D parameter (MoE experts) is updated
+exactly as a separate 2-D parameter; ``split_sizes``: each row block of a matrix (a fused
+QKV projection) exactly as a separate parameter. The reference is torch.optim.Muon run
+on the separate slices / blocks as their own parameters, bit for bit, on one device and
+sharded (FSDP2 and fully_shard, W = 2 and 3, expert counts that do not divide W), and
+through a checkpoint saved at W = 3 and loaded at W = 2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from torch import nn
+
+import vefsdp_optim
+from vefsdp_optim.sharding import FlatBlocks, RowBlocks, WholeTensor
+
+STEPS = 3
+
+# name -> (shape, group keys); a grouped-query fused QKV (8 q rows, 4 k, 4 v), MoE experts
+# (5 experts: divides neither 2 nor 3), experts with fused gate/up blocks, an equal split
+PARAMS = {
+    "qkv": ((16, 8), dict(split_sizes=[8, 4, 4])),
+    "experts": ((5, 6, 4), dict(flatten=False)),
+    "gate_up": ((3, 12, 5), dict(flatten=False, split_sizes=[6, 3, 3])),
+    "equal": ((12, 7), dict(split_sizes=[4, 4, 4])),
+    "dense": ((9, 6), {}),
+    "bias": ((9,), {}),
+}
+HP = dict(lr=0.02, weight_decay=0.1)
+
+
+def _blocks(shape, keys):
+    """(flat slices of) the separate parameters a reference run optimizes: list of
+    (index tuple into the parameter, shape)."""
+    sizes = keys.get("split_sizes")
+    if keys.get("flatten") is False:
+        lead = shape[:-2]
+        mats = [tuple(ix) for ix in torch.cartesian_prod(*[torch.arange(d) for d in lead]).reshape(-1, len(lead)).tolist()]
+        m, n = shape[-2:]
+    else:
+        mats, (m, n) = [()], shape
+    sizes = sizes or [m]
+    out = []
+    for ix in mats:
+        r = 0
+        for s in sizes:
+            out.append((ix + (slice(r, r + s),), (s, n)))
+            r += s
+    return out
+
+
+def _init(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, (s, _) in PARAMS.items()}
+
+
+def _grad(step, name):
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    return torch.randn(PARAMS[name][0], generator=g)
+
+
+def _groups(params: dict[str, torch.Tensor], hp=HP):
+    groups = [{"params": [params[k]], **keys} for k, (s, keys) in PARAMS.items() if len(s) >= 2]
+    groups.append({"params": [params["bias"]], "use_muon": False})
+    return groups
+
+
+def _torch_reference(init, steps=STEPS, hp=HP, **extra):
+    """torch.optim.Muon on every block as its own parameter; torch AdamW on the bias."""
+    out = {k: v.clone() for k, v in init.items()}
+    pieces = {k: [(ix, nn.Parameter(init[k][ix].clone())) for ix, _ in _blocks(s, keys)]
+              for k, (s, keys) in PARAMS.items() if len(s) >= 2}
+    muon = torch.optim.Muon([p for ps in pieces.values() for _, p in ps], **hp, **extra)
+    bias = nn.Parameter(init["bias"].clone())
+    adam = torch.optim.AdamW([bias], lr=hp["lr"], betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=hp["weight_decay"])
+    for step in range(steps):
+        for k, ps in pieces.items():
+            g = _grad(step, k)
+            for ix, p in ps:
+                p.grad = g[ix].clone()
+        bias.grad = _grad(step, "bias")
+        muon.step()
+        adam.step()
+    for k, ps in pieces.items():
+        for ix, p in ps:
+            out[k][ix] = p.detach()
+    out["bias"] = bias.detach()
+    return out
+
+
+# -- one process ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [{}, dict(nesterov=False, adjust_lr_fn="match_rms_adamw")])
+def test_plain_equals_torch_on_separate_blocks(extra):
+    init = _init()
+    params = {k: nn.Parameter(v.clone()) for k, v in init.items()}
+    opt = vefsdp_optim.Muon(_groups(params), **HP, **extra)
+    for step in range(STEPS):
+        for k, p in params.items():
+            p.grad = _grad(step, k)
+        opt.step()
+    want = _torch_reference(init, **extra)
+    for k in PARAMS:
+        assert torch.equal(params[k].detach(), want[k]), (k, (params[k] - want[k]).abs().max())
+
+
+def test_flatten_false_differs_from_flatten_true():
+    """The (dim 0, rest) matrix mixes experts: the two meanings really differ."""
+    outs = []
+    for flatten in (True, False):
+        p = nn.Parameter(_init()["experts"].clone())
+        opt = vefsdp_optim.Muon([{"params": [p], "flatten": flatten}], lr=0.02)
+        p.grad = _grad(0, "experts")
+        opt.step()
+        outs.append(p.detach())
+    assert not torch.allclose(outs[0], outs[1])
+
+
+def test_requirements_declared_to_the_planner():
+    opt = vefsdp_optim.Muon(_groups({k: nn.Parameter(v) for k, v in _init().items()}))
+    req = {k: opt.requirement(torch.Size(s), opt.param_groups[i]) for i, (k, (s, _)) in
+           enumerate(x for x in PARAMS.items() if len(x[1][0]) >= 2)}
+    assert req == {"qkv": WholeTensor(), "experts": RowBlocks(1), "gate_up": RowBlocks(1),
+                   "equal": FlatBlocks(4 * 7), "dense": WholeTensor()}
+    opt2 = vefsdp_optim.Muon([{"params": [nn.Parameter(torch.zeros(2, 3, 4, 5))], "flatten": False}])
+    assert opt2.requirement(torch.Size((2, 3, 4, 5)), opt2.param_groups[0]) == FlatBlocks(20)
+
+
+def test_bad_keys_raise_at_construction():
+    p3 = nn.Parameter(torch.zeros(4, 3, 2))
+    with pytest.raises(ValueError, match=r"'flatten'.*flatten=True.*\(dim 0, rest\).*flatten=False"):
+        vefsdp_optim.Muon([p3])
+    vefsdp_optim.Muon([{"params": [p3], "use_muon": False}])  # AdamW: no matrix, no question
+    vefsdp_optim.Muon([p3], flatten=True)  # the constructor's default counts
+    with pytest.raises(TypeError, match="flatten must be"):
+        vefsdp_optim.Muon([{"params": [p3], "flatten": "no"}])
+    p2 = nn.Parameter(torch.zeros(16, 8))
+    with pytest.raises(ValueError, match=r"split_sizes \[8, 4, 3\] sum to 15.*16 rows"):
+        vefsdp_optim.Muon([{"params": [p2], "split_sizes": [8, 4, 3]}])
+    with pytest.raises(ValueError, match="positive ints"):
+        vefsdp_optim.Muon([{"params": [p2], "split_sizes": [8, 0, 8]}])
+    with pytest.raises(TypeError, match="split_sizes must be a sequence"):
+        vefsdp_optim.Muon([{"params": [p2], "split_sizes": 8}])
+    with pytest.raises(ValueError, match=r"shape \(4, 3, 2\).*3 x 2"):  # flatten=False: rows of each slice
+        vefsdp_optim.Muon([{"params": [p3], "flatten": False, "split_sizes": [2, 2]}])
+    opt = vefsdp_optim.Muon([p2])
+    with pytest.raises(ValueError, match="split_sizes"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(6, 8))], "split_sizes": [4, 4]})
+    assert len(opt.param_groups) == 1
+
+
+# -- sharded: FSDP2 and fully_shard ----------------------------------------------------
+
+
+class _Bag(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        for k, v in init.items():
+            setattr(self, k, nn.Parameter(v.clone()))
+
+
+def _shard(kind, init):
+    model = _Bag(init)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        vefsdp_optim.fully_shard(model)
+    return model
+
+
+def _set_grads(model, step):
+    """Every rank's .grad: its slice of the same full gradient (the averaged one)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from vefsdp_optim import ShardedParameter
+
+    for k, p in model.named_parameters():
+        g = _grad(step, k)
+        if isinstance(p, ShardedParameter):
+            s, n = p.ragged_layout.local(p._rank)
+            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), p.ragged_layout, p.process_group,
+                                      p.shape, p._rank)
+        elif isinstance(p, DTensor):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        else:
+            p.grad = g
+
+
+def _full(model):
+    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
+
+
+def _sharded_run(kind):
+    model = _shard(kind, _init())
+    opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
+    for step in range(STEPS):
+        _set_grads(model, step)
+        opt.step()
+    layouts = {k: p.ragged_layout.boundaries if hasattr(p, "ragged_layout") else None
+               for k, p in model.named_parameters()}
+    return _full(model), layouts
+
+
+def _sharded_both():
+    return {kind: _sharded_run(kind) for kind in ("fsdp2", "fully_shard")}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_equals_torch_on_separate_blocks(world_size):
+    got = run_distributed(_sharded_both, world_size)[0]
+    want = _torch_reference(_init())
+    for kind, (full, layouts) in got.items():
+        for k in PARAMS:
+            assert torch.equal(full[k], want[k]), (kind, k, (full[k] - want[k]).abs().max())
+        if kind == "fully_shard":  # the planner kept whole experts / whole blocks on single ranks
+            for k, unit in (("experts", 24), ("gate_up", 60), ("equal", 28)):
+                assert all(b % unit == 0 for b in layouts[k]), (k, layouts[k])
+
+
+def _experts_fsdp2_no_exchange():
+    """FSDP2's Shard(0) keeps whole experts on ranks: the experts' step moves nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    import vefsdp_optim._step_loop as step_loop
+
+    model = _Bag({"experts": _init()["experts"]})
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = vefsdp_optim.Muon([{"params": [model.experts], "flatten": False}], lr=0.02)
+    calls = []
+    orig = step_loop.redistribute
+    step_loop.redistribute = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        model.experts.grad = distribute_tensor(_grad(0, "experts"), model.experts.device_mesh,
+                                               model.experts.placements)
+        opt.step()
+    finally:
+        step_loop.redistribute = orig
+    return len(calls)
+
+
+def test_fsdp2_experts_step_without_exchange():
+    assert run_distributed(_experts_fsdp2_no_exchange, 3) == [0, 0, 0]
+
+
+# -- checkpoint: saved at W = 3, loaded at W = 2 ----------------------------------------
+
+SPLIT = 2
+
+
+def _ckpt_save(kind, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model = _shard(kind, _init())
+    opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
+    for step in range(SPLIT):
+        _set_grads(model, step)
+        opt.step()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=os.path.join(root, kind))
+
+
+def _ckpt_load(kind, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _shard(kind, _init(seed=7))  # other values: all must come from the checkpoint
+    opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=os.path.join(root, kind))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    for step in range(SPLIT, STEPS):
+        _set_grads(model, step)
+        opt.step()
+    return _full(model)
+
+
+@pytest.mark.parametrize("kind", ["fully_shard", "fsdp2"])
+def test_checkpoint_resharded_3_to_2(kind, tmp_path):
+    run_distributed(_ckpt_save, 3, kind, str(tmp_path))
+    got = run_distributed(_ckpt_load, 2, kind, str(tmp_path))[0]
+    want = _torch_reference(_init())
+    for k in PARAMS:
+        assert torch.equal(got[k], want[k]), (kind, k, (got[k] - want[k]).abs().max())
