@@ -315,7 +315,8 @@ def validate_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) 
                 f"checkpoint_spec(shape, group), so its checkpoints would depend on the world size; "
                 f"return {{key: kind}} with kinds {_KINDS_DOC}")
         return
-    unknown = sorted(str(k) for k in state if k not in spec)
+    unknown = sorted(str(k) for k in state if k not in spec
+                     and not (isinstance(k, str) and k.startswith(opt.extra_state_prefixes)))
     if unknown:
         raise ValueError(
             f"{cls}.checkpoint_spec does not declare state keys {unknown} of a parameter of shape "
