@@ -305,3 +305,17 @@ def test_checkpoint_resharded_3_to_2(kind, tmp_path):
     want = _torch_reference(_init())
     for k in PARAMS:
         assert torch.equal(got[k], want[k]), (kind, k, (got[k] - want[k]).abs().max())
+
+
+def test_toy_moe_task_declares_both_keys():
+    from vefsdp_optim.toy import RunConfig, train
+    from vefsdp_optim.toy._runner import build_optimizer
+    from vefsdp_optim.toy._tasks import get_task
+
+    model = get_task("moe").build(0).model
+    opt = build_optimizer("muon", model, 0.02)
+    keys = {(g.get("flatten"), g.get("split_sizes")): len(g["params"]) for g in opt.param_groups
+            if g["use_muon"]}
+    assert keys == {(False, None): 4, (True, (64, 32, 32)): 2, (True, None): 4}, keys
+    losses = train(RunConfig("moe", "muon", "none", 3)).losses
+    assert len(losses) == 3 and losses[-1] < losses[0]

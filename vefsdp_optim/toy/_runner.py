@@ -175,16 +175,26 @@ def build_optimizer(name: str, model: nn.Module, lr: float | None) -> torch.opti
     Built-ins use ``weight_decay=0`` (the loss floors assume no regularisation); the
     8-bit optimizers quantize every tensor of at least MIN_8BIT_SIZE elements. Muon
     takes the matrices (2 or more dims) outside embeddings and the output head; the
-    rest go to its ``use_muon=False`` AdamW group with lr 3e-3. Other optimizers get
+    rest go to its ``use_muon=False`` AdamW group with lr 3e-3. Muon's block structure
+    comes from ``model.muon_group_keys(name)`` where the model has it (the moe task: its
+    experts with ``flatten=False``, its fused QKV with ``split_sizes``); other weights of
+    more than 2 dims (convolutions) get ``flatten=True``. Other optimizers get
     ``lr`` when it is not None, and otherwise their own defaults.
     """
     cls = get_optimizer(name)
     key = name.strip().lower()
     named = list(model.named_parameters())
     if key == "muon":
-        mats = [p for n, p in named if p.ndim >= 2 and not _is_embed_or_head(n)]
+        mats = [(n, p) for n, p in named if p.ndim >= 2 and not _is_embed_or_head(n)]
         rest = [p for n, p in named if not (p.ndim >= 2 and not _is_embed_or_head(n))]
-        groups = [{"params": mats}]
+        # Muon's block structure: a model may name it per parameter (MoE experts, fused
+        # QKV: muon_group_keys); otherwise >2-D weights (convolutions) are one matrix
+        keys_of = getattr(model, "muon_group_keys", None)
+        by_keys: dict[str, dict[str, Any]] = {}
+        for n, p in mats:
+            keys = {"flatten": True, **(keys_of(n) if keys_of is not None else {})}
+            by_keys.setdefault(repr(sorted(keys.items())), {"params": [], **keys})["params"].append(p)
+        groups = list(by_keys.values())
         if rest:
             groups.append({"params": rest, "use_muon": False, "lr": _DEFAULT_LR["adamw"]})
         return cls(groups, lr=lr, weight_decay=0.0)

@@ -172,6 +172,76 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class _MoEBlock(nn.Module):
+    """Pre-norm block: grouped-query attention with one fused QKV projection (Q, K and V
+    row blocks of unequal size) and a top-2 mixture of experts whose weights are 3-D
+    ``[experts, out, in]`` tensors (computed densely: every expert on every token)."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, experts: int, d_ff: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, d + 2 * kv_heads * self.hd)  # rows: [q | k | v]
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d_ff, d) / math.sqrt(d))
+        self.w_out = nn.Parameter(torch.randn(experts, d, d_ff) / math.sqrt(d_ff))
+
+    @property
+    def split_sizes(self) -> list[int]:
+        kv = self.kv_heads * self.hd
+        return [self.heads * self.hd, kv, kv]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(self.split_sizes, dim=-1)
+        q = q.view(B, T, self.heads, self.hd).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k = k.view(B, T, self.kv_heads, self.hd).transpose(1, 2).repeat_interleave(rep, dim=1)
+        v = v.view(B, T, self.kv_heads, self.hd).transpose(1, 2).repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        h = self.ln2(x)
+        gates = self.router(h).softmax(-1)  # (B, T, E)
+        top, idx = gates.topk(2, dim=-1)
+        weight = torch.zeros_like(gates).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+        inner = F.gelu(torch.einsum("btd,efd->btef", h, self.w_in))
+        out = torch.einsum("btef,edf->bted", inner, self.w_out)
+        return x + (out * weight.unsqueeze(-1)).sum(2)
+
+
+class TinyMoEGPT(nn.Module):
+    """TinyGPT with grouped-query attention (fused QKV) and MoE feed-forward blocks.
+
+    ``muon_group_keys(name)`` names Muon's block structure for a parameter: experts as
+    a batch of matrices (``flatten=False``), the fused QKV weight as Q, K and V row
+    blocks (``split_sizes``).
+    """
+
+    def __init__(self, vocab: int, seq: int, d: int, n_layers: int, heads: int, kv_heads: int,
+                 experts: int, d_ff: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos_embed = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.layers = nn.ModuleList([_MoEBlock(d, heads, kv_heads, experts, d_ff) for _ in range(n_layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def muon_group_keys(self, name: str) -> dict[str, object]:
+        if name.endswith(("w_in", "w_out")):
+            return {"flatten": False}
+        if name.endswith("qkv.weight"):
+            return {"split_sizes": self.layers[0].split_sizes}
+        return {}
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.pos_embed[: idx.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln_f(x))
+
+
 class _MLP(nn.Module):
     def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
         super().__init__()
@@ -278,6 +348,25 @@ def _build_gpt(seed: int) -> ToyProblem:
     return ToyProblem(model, batch, loss, lang.entropy_rate)
 
 
+MOE_EXPERTS = 5  # divides neither W = 2 nor 3: whole experts on ranks, unevenly
+
+
+def _build_moe(seed: int) -> ToyProblem:
+    lang = MarkovLanguage(vocab=GPT_VOCAB, seed=seed)
+    torch.manual_seed(seed)
+    model = TinyMoEGPT(GPT_VOCAB, GPT_SEQ, d=64, n_layers=2, heads=4, kv_heads=2,
+                       experts=MOE_EXPERTS, d_ff=64)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        toks = lang.sample(GPT_BATCH, GPT_SEQ + 1, _gen(seed, 5, step))
+        return toks[:, :-1], toks[:, 1:]
+
+    def loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+
+    return ToyProblem(model, batch, loss, lang.entropy_rate)
+
+
 def _teacher_student(seed: int, salt: int, teacher: nn.Module, student: nn.Module,
                      make_x: Callable[[torch.Generator], torch.Tensor], sigma: float) -> ToyProblem:
     teacher.requires_grad_(False)
@@ -360,6 +449,9 @@ TASKS: dict[str, Task] = {
         Task("illcond", f"least squares, rotated features of condition number {ILL_COND:g}^2; "
              "floor = least-squares residual", 300, _excess(2e-3, 0.05, muon=0.02, shampoo=5e-4),
              _build_illcond),
+        Task("moe", f"tiny MoE GPT (2 layers, d=64, {MOE_EXPERTS} experts top-2 as [experts, out, in] "
+             "weights, grouped-query attention with a fused QKV) on the gpt task's language; "
+             "floor = entropy rate; not in the default run", 200, _excess(0.15, 1.0), _build_moe),
     ]
 }
 
