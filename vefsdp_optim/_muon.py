@@ -87,7 +87,8 @@ class Muon(BlockOptimizer):
     whole matrix, decoupled weight decay. Newton-Schulz runs exactly once per matrix
     in the world, on an owner rank chosen to balance ``m * n * min(m, n)``, on exactly
     the full matrix a single device would see; only the momentum-combined update goes
-    to the owner and only the orthogonalized update (bfloat16) comes back.
+    to the owner (in bfloat16, Newton-Schulz's first step) and only the orthogonalized
+    update (bfloat16) comes back.
 
     1-D parameters, and every parameter of a group with ``use_muon=False`` (embeddings,
     output heads), are updated by AdamW inside the same optimizer, with the group keys
@@ -224,7 +225,9 @@ class Muon(BlockOptimizer):
         momentum = group["momentum"]
         buf.lerp_(g, 1 - momentum)
         update = g.lerp(buf, momentum) if group["nesterov"] else buf
-        return [update]
+        # Newton-Schulz starts with a bfloat16 cast: cast before the exchange (half the
+        # bytes to the owner, the same bits)
+        return [update.to(torch.bfloat16)]
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]
