@@ -23,7 +23,7 @@ STEPS, SPLIT = 5, 3  # total steps; steps before the checkpoint
 
 OPTIMIZERS = {
     "adamw": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
-    "muon": ("Muon", dict(lr=2e-2, weight_decay=0.1)),
+    "muon": ("Muon", dict(lr=2e-2, weight_decay=0.1, flatten=True)),
     "adamw8bit": ("AdamW8bit", dict(lr=1e-2, weight_decay=0.1, block_size=32, min_8bit_size=64)),
     "adam8bit": ("Adam8bit", dict(lr=1e-2, weight_decay=0.01, block_size=16, min_8bit_size=64)),
     "shampoo": ("Shampoo", dict(lr=1e-2, weight_decay=0.01, max_preconditioner_dim=8,

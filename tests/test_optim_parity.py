@@ -55,7 +55,7 @@ def _reference(kind, init, shapes=SHAPES, **kw):
 
 def _run_plain(kind, shapes=SHAPES, **kw):
     ps = [nn.Parameter(t.clone()) for t in _params(shapes=shapes)]
-    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw)
+    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw, **_OURS_KW[kind])
     for step in range(STEPS):
         for p, gr in zip(ps, _grads(step, shapes), strict=True):
             p.grad = gr
@@ -65,6 +65,7 @@ def _run_plain(kind, shapes=SHAPES, **kw):
 
 ADAMW_CASES = [dict(), dict(amsgrad=True), dict(maximize=True, weight_decay=0.0),
                dict(lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3)]
+_OURS_KW = {"adamw": {}, "muon": {"flatten": True}}  # >2-D as one (dim 0, rest) matrix, as _reference
 MUON_CASES = [dict(), dict(nesterov=False, lr=0.02), dict(adjust_lr_fn="match_rms_adamw", momentum=0.9)]
 
 
@@ -154,7 +155,7 @@ def _fsdp2_case(kind, kw, hsdp):
     model = _Bag(init)
     fully_shard(model, mesh=mesh)
     ps = list(model.ps)
-    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw)
+    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw, **_OURS_KW[kind])
     for step in range(STEPS):
         for p, gr in zip(ps, _grads(step), strict=True):
             p.grad = distribute_tensor(gr, mesh, p.placements)
@@ -194,7 +195,7 @@ def _count_muon_collectives():
     model = _Bag(_params())
     fully_shard(model, mesh=mesh)
     ps = list(model.ps)
-    opt = vefsdp_optim.Muon(ps)
+    opt = vefsdp_optim.Muon(ps, flatten=True)
     calls = {"ns": 0, "a2a": 0}
     orig_ns, orig_a2a = vmath.zeropower_via_newtonschulz, dist.all_to_all_single
     import vefsdp_optim._muon as muon_mod
@@ -246,7 +247,7 @@ def _fully_shard_case(kind, kw):
     vefsdp_optim.fully_shard(model.a)
     vefsdp_optim.fully_shard(model)
     ps = list(model.parameters())
-    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw)
+    opt = getattr(vefsdp_optim, {"adamw": "AdamW", "muon": "Muon"}[kind])(ps, **kw, **_OURS_KW[kind])
     ref_ps = [nn.Parameter(t.clone()) for t in init]
     if kind == "adamw":
         refs = [torch.optim.AdamW(ref_ps, **kw)]
