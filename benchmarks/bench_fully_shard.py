@@ -57,7 +57,7 @@ WORLDS = (2, 4)
 
 def ToyGPT() -> nn.Module:  # noqa: N802
     """The toy runs' GPT (vefsdp_optim.toy) at benchmark size: 3.45 M parameters."""
-    from vefsdp_optim.toy._tasks import TinyGPT
+    from vefsdp_optim.toy._models import TinyGPT
 
     return TinyGPT(VOCAB, SEQ, d=D, n_layers=LAYERS, heads=HEADS)
 
