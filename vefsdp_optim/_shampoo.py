@@ -26,6 +26,11 @@ _GRAFTINGS = ("adam", "sgd", "none")
 _ROOT = 4  # P = L^(-1/4) M R^(-1/4): the 2-D Shampoo exponent
 _TILE_STATS = ("L", "R", "L_inv_root", "R_inv_root")
 
+
+def _tile_key(stat: str, band: int, col: int) -> str:
+    """The state key (live and saved) of one statistic of tile (band, col)."""
+    return f"{stat}.{band}.{col}"
+
 # [Note: Shampoo tiles by global band]
 # A matrix (dim 0, rest) of shape (rows, cols) is cut into tiles of at most
 # max_preconditioner_dim (= d) on each side; tile (b, c) covers rows [b*d, (b+1)*d) and
@@ -34,6 +39,16 @@ _TILE_STATS = ("L", "R", "L_inv_root", "R_inv_root")
 # with its statistics. The state of a slice keys its tiles by GLOBAL (band, column)
 # index, the band counted from the slice's first row ctx.start // cols: the math on a
 # tile is then the same on any rank at any world size as on a single device.
+#
+# [Note: Shampoo's live state keys are its saved keys]
+# A tile's statistics live in the parameter's state as flat entries
+# state["{stat}.{band}.{col}"] (stat one of L, R, L_inv_root, R_inv_root), the very keys
+# state_dict() saves them under (through export_extra_state). Framework flows rebuild a
+# parameter's state from the keys of the LIVE state: torch's
+# set_optimizer_state_dict(flatten_optimizer_state_dict=True) (torchtitan) looks up
+# "state.{fqn}.{key}" for each key of optim.state[param], so a saved key the live state
+# lacks would be dropped. The LOCAL bookkeeping ("start", "root_failures") is never
+# saved; such a flow hands it back as an empty dict, which load ignores.
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -135,43 +150,38 @@ class Shampoo(BlockOptimizer):
     extra_state_prefixes = tuple(f"{stat}." for stat in _TILE_STATS)
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
-        # tiles: saved by the extra-state hooks, keyed by global (band, column)
+        # tiles "{stat}.{band}.{col}": saved by the extra-state hooks, keyed by global index
         spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "start": LOCAL,
-                                      "tiles": LOCAL, "root_failures": LOCAL}
+                                      "root_failures": LOCAL}
         if group["grafting"] == "adam":
             spec["exp_avg_sq"] = ELEMENTWISE
         return spec
 
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard,
                            group: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        for (band, col), tile in state.get("tiles", {}).items():
-            for stat in _TILE_STATS:
-                out[f"{stat}.{band}.{col}"] = tile[stat]
-        return out
+        # the live keys themselves ([Note: Shampoo's live state keys are its saved keys])
+        return {k: v for k, v in state.items() if k.startswith(self.extra_state_prefixes)}
 
     def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
                            layout: RaggedShard, group: dict[str, Any], name: object) -> None:
         if state["start"] != layout.local(view.rank)[0]:
             raise AssertionError(f"Shampoo state starts at {state['start']}, its layout at "
                                  f"{layout.local(view.rank)[0]}")
-        tiles = state.get("tiles", {})
-        missing = [f"{stat}.{b}.{c}" for (b, c) in tiles for stat in _TILE_STATS
-                   if f"{stat}.{b}.{c}" not in saved]
+        keys = [k for k in state if k.startswith(self.extra_state_prefixes)]
+        missing = [k for k in keys if k not in saved]
         if missing:
             raise ValueError(f"Shampoo state of parameter {name!r} (shape {tuple(view.shape)}): the "
                              f"checkpoint lacks tiles {missing[:8]}{'...' if len(missing) > 8 else ''}")
-        for (b, c), tile in tiles.items():
-            for stat in _TILE_STATS:
-                v = saved[f"{stat}.{b}.{c}"]
-                if not isinstance(v, torch.Tensor) or v.shape != tile[stat].shape:
-                    raise ValueError(
-                        f"Shampoo state {name!r}.{stat}.{b}.{c} has shape "
-                        f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}, "
-                        f"expected {tuple(tile[stat].shape)} (max_preconditioner_dim "
-                        f"{group['max_preconditioner_dim']})")
-                if v.data_ptr() != tile[stat].data_ptr():
-                    tile[stat].copy_(v)
+        for k in keys:
+            live, v = state[k], saved[k]
+            if not isinstance(v, torch.Tensor) or v.shape != live.shape:
+                raise ValueError(
+                    f"Shampoo state {name!r}.{k} has shape "
+                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}, "
+                    f"expected {tuple(live.shape)} (max_preconditioner_dim "
+                    f"{group['max_preconditioner_dim']})")
+            if v.data_ptr() != live.data_ptr():
+                live.copy_(v)
 
     # -- state ------------------------------------------------------------------------
 
@@ -186,16 +196,13 @@ class Shampoo(BlockOptimizer):
         cols = _matrix_cols(ctx.shape)
         if cols is not None:
             dtype = torch.promote_types(p.dtype, torch.float32)
-            tiles: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+            # flat keys, as saved: [Note: Shampoo's live state keys are its saved keys]
             for (band, col), (rs, cs) in self._tiles(ctx, group):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
-                tiles[(band, col)] = {
-                    "L": torch.zeros(r, r, dtype=dtype, device=p.device),  # (r, r)
-                    "R": torch.zeros(c, c, dtype=dtype, device=p.device),  # (c, c)
-                    "L_inv_root": torch.eye(r, dtype=dtype, device=p.device),  # (r, r)
-                    "R_inv_root": torch.eye(c, dtype=dtype, device=p.device),  # (c, c)
-                }
-            state["tiles"] = tiles
+                state[_tile_key("L", band, col)] = torch.zeros(r, r, dtype=dtype, device=p.device)
+                state[_tile_key("R", band, col)] = torch.zeros(c, c, dtype=dtype, device=p.device)
+                state[_tile_key("L_inv_root", band, col)] = torch.eye(r, dtype=dtype, device=p.device)
+                state[_tile_key("R_inv_root", band, col)] = torch.eye(c, dtype=dtype, device=p.device)
             state["root_failures"] = 0
         return state
 
@@ -243,10 +250,10 @@ class Shampoo(BlockOptimizer):
         if wd != 0:
             p.mul_(1 - lr * wd)
 
-        tiles = state.get("tiles")
-        if tiles is not None:
+        cols = _matrix_cols(ctx.shape)  # None: no tiles (0-D / 1-D)
+        if cols is not None:
             self._update_statistics(g, state, ctx, group, t, finite=bool(torch.isfinite(g).all()))
-        if tiles is None or t < group["start_preconditioning_step"]:
+        if cols is None or t < group["start_preconditioning_step"]:
             # the grafted method alone (torch AdamW's op order for grafting="adam")
             if denom is not None:
                 p.addcdiv_(m, denom, value=-lr / bc1)
@@ -254,7 +261,6 @@ class Shampoo(BlockOptimizer):
                 p.add_(m, alpha=-lr / bc1)
             return
 
-        cols = _matrix_cols(ctx.shape)
         rows = ctx.length // cols
         m_hat = (m / bc1).view(rows, cols)  # (rows, cols)
         graft = m_hat if denom is None else m_hat / denom.view(rows, cols)  # (rows, cols)
@@ -267,10 +273,10 @@ class Shampoo(BlockOptimizer):
             bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
             m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
         update = torch.empty_like(m_hat)  # (rows, cols)
-        for key, (rs, cs) in self._tiles(ctx, group):
-            tile = tiles[key]
-            dtype = tile["L"].dtype
-            direction = tile["L_inv_root"] @ m_hat[rs, cs].to(dtype) @ tile["R_inv_root"]
+        for (b, c), (rs, cs) in self._tiles(ctx, group):
+            l_root, r_root = state[_tile_key("L_inv_root", b, c)], state[_tile_key("R_inv_root", b, c)]
+            dtype = l_root.dtype
+            direction = l_root @ m_hat[rs, cs].to(dtype) @ r_root
             if grafting != "none":
                 target = torch.linalg.vector_norm(graft[rs, cs].to(dtype))
                 norm = torch.linalg.vector_norm(direction)
@@ -290,21 +296,21 @@ class Shampoo(BlockOptimizer):
         start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
         recompute = t >= start and (t - start) % freq == 0
         failed = skipped = 0
-        for key, (rs, cs) in self._tiles(ctx, group):
-            tile = state["tiles"][key]
-            gt = grad[rs, cs].to(tile["L"].dtype)  # (r, c)
+        for (b, c), (rs, cs) in self._tiles(ctx, group):
+            stat_l, stat_r = state[_tile_key("L", b, c)], state[_tile_key("R", b, c)]
+            gt = grad[rs, cs].to(stat_l.dtype)  # (r, c)
             if finite or bool(torch.isfinite(gt).all()):
-                tile["L"].mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
-                tile["R"].mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
+                stat_l.mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
+                stat_r.mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
             else:  # one NaN would make the whole tile's statistics (and roots) NaN for good
                 skipped += 1
             if not recompute:
                 continue
             bc2 = 1 - beta2**t
             for stat in ("L", "R"):
-                root, ok = matrix_inverse_root(tile[stat] / bc2, _ROOT, group["epsilon"])
+                root, ok = matrix_inverse_root(state[_tile_key(stat, b, c)] / bc2, _ROOT, group["epsilon"])
                 if ok:
-                    tile[f"{stat}_inv_root"] = root
+                    state[_tile_key(f"{stat}_inv_root", b, c)] = root
                 else:
                     failed += 1
         if skipped:

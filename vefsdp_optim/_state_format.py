@@ -90,7 +90,7 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
                 raise ValueError(f"param group {i}: checkpoint has {k}={sg[k]!r}, the optimizer has "
                                  f"{k}={g[k]!r}; the state layout depends on it")
         ids.extend(sg["params"])
-    saved_state = state_dict["state"]
+    saved_state = {sid: _saved_entry(v) for sid, v in state_dict["state"].items()}
     pairs = list(zip(_params_in_order(opt), ids, strict=True))
     checked = [_check_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
                for (p, group), sid in pairs]
@@ -103,6 +103,17 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
         for k, v in sg.items():
             if k not in ("params", CLASS_KEY):
                 g[k] = v
+
+
+def _saved_entry(saved: Any) -> Any:
+    """One parameter's saved entry without the empty dicts that stand for keys it does not
+    have: torch's flattened flow (set_optimizer_state_dict with
+    flatten_optimizer_state_dict=True) rebuilds an entry from the LIVE state's keys and
+    hands back ``{}`` for a live key that was not saved (LOCAL bookkeeping, the step count
+    of a rank whose slice is empty)."""
+    if not isinstance(saved, dict):
+        return saved
+    return {k: v for k, v in saved.items() if not (isinstance(v, dict) and not v)}
 
 
 def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
