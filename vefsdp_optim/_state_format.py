@@ -48,6 +48,10 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 #     rank that holds it, and loaded whole by the owner at the new world size;
 #   - LOCAL entries are not saved; anything else (Shampoo's tiles) by the subclass
 #     hooks, keyed by global index.
+#   - every saved key is a key of the live state: framework flows (torch's
+#     flatten_optimizer_state_dict, torchtitan) rebuild an entry from the live keys and
+#     give back {} for a live key that was not saved, which load ignores
+#     (_saved_entry; [Note: Shampoo's live state keys are its saved keys]).
 # validate_state() checks each parameter's live state against this declaration after
 # the step that creates it, so an undeclared or mismatched entry fails there, not at a
 # load at another world size.
