@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import vefsdp_optim
+
 __all__ = [
     "NOT_RUN_NO_CUDA",
     "cli",
@@ -109,9 +111,10 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, init_file: str, out_di
         out = fn(*args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    vefsdp_optim.exit_rank()  # [Note: gloo teardown]
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = SPAWN_TIMEOUT_S) -> list[Any]:

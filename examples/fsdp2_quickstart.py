@@ -107,10 +107,8 @@ def _spawned(rank: int, world_size: int, init_file: str, args: argparse.Namespac
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
+    train(args)
+    vefsdp_optim.exit_rank()  # barrier, destroy, no interpreter finalization (gloo's race)
 
 
 def main() -> None:
@@ -125,10 +123,8 @@ def main() -> None:
     if "RANK" in os.environ:  # torchrun
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
-        try:
-            train(args)
-        finally:
-            dist.destroy_process_group()
+        train(args)
+        vefsdp_optim.exit_rank()
         return
     import tempfile
 

@@ -15,6 +15,7 @@ from ._muon import Muon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
 from ._shampoo import Shampoo
 from ._state_format import ELEMENTWISE, LOCAL, REPLICATED, WHOLE
+from ._teardown import exit_rank
 
 __all__ = [
     "AdamW",
@@ -39,6 +40,7 @@ __all__ = [
     "load",
     "export_full",
     "import_full",
+    "exit_rank",
 ]
 
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vefsdp_optim._registry import get_optimizer
+from vefsdp_optim._teardown import exit_rank
 
 from ._tasks import ToyProblem, get_task
 
@@ -310,15 +311,10 @@ def _spawned(rank: int, world_size: int, init_file: str, out_file: str,
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump([r.to_json() for r in results], f)
-        dist.barrier()  # every rank's collectives are complete
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # Issue 23: gloo's worker threads outlive destroy_process_group (FSDP2's DeviceMesh
-    # and DTensor's caches hold the group) and may abort the interpreter's finalization
-    # ("terminate called without an active exception"); this rank has nothing to finalize.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    exit_rank()  # barrier, destroy, no interpreter finalization ([Note: gloo teardown])
 
 
 def launch(configs: Sequence[RunConfig], world_size: int,

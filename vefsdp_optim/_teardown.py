@@ -1,0 +1,30 @@
+"""Ending a rank without the gloo teardown race (see benchmarks/STRESS.md).
+
+[Note: gloo teardown] torch's gloo worker threads release finished collectives on
+their own thread and may take the GIL while the interpreter finalizes; CPython then
+ends that thread with pthread_exit and the process aborts ("terminate called without an
+active exception"). destroy_process_group() cannot join them while FSDP2's DeviceMesh or
+DTensor's caches still hold the group. A rank that is done therefore waits for every
+collective, destroys its process group and leaves without interpreter finalization.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+import torch.distributed as dist
+
+__all__ = ["exit_rank"]
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """Barrier, ``destroy_process_group()``, flush stdout/stderr, then ``os._exit(code)``
+    ([Note: gloo teardown]). Call it last in a rank that has finished its work."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
