@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 import vefsdp_optim
 
@@ -310,3 +311,14 @@ def cli(run: Callable[[bool], dict[str, Any]], name: str, argv: list[str] | None
         write_json(a.out, res)
         print(f"wrote {a.out}")
     return res
+
+
+class GradProbe(nn.Module):
+    """sum_i <p_i, g_i>: its backward leaves exactly g_i in every p_i.grad."""
+
+    def __init__(self, init: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
+
+    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.ps, grads, strict=True))

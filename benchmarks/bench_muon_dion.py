@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._common import (
+    GradProbe,
     cli,
     current_device,
     interleave,
@@ -60,17 +61,6 @@ def dion_src() -> str | None:
     return None
 
 
-class _Probe(nn.Module):
-    """sum_i <p_i, g_i>: its backward leaves exactly g_i in every p_i.grad."""
-
-    def __init__(self, init: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.ps = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
-
-    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * g).sum() for p, g in zip(self.ps, grads, strict=True))
-
-
 def _worker(world: int, steps: int, case: str, src: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -99,7 +89,7 @@ def _worker(world: int, steps: int, case: str, src: str) -> dict:
             p.grad = distribute_tensor(gr, mesh, p.placements)
         return ps
 
-    probe = _Probe(init)
+    probe = GradProbe(init)
     vefsdp_optim.fully_shard(probe, mesh=mesh)
     ours_fs = vefsdp_optim.Muon([{"params": list(probe.parameters()), **keys}], **hp)
     probe(grads).backward()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._common import (
+    GradProbe,
     cli,
     current_device,
     device_for_world,
@@ -97,23 +98,12 @@ def _allgather_muon_step(params, bufs, mesh, lr=1e-3, wd=0.1, momentum=0.95):
         local.add_(ortho[start:start + rows].reshape(local.shape), alpha=-muon_adjust_lr(lr, None, p.shape))
 
 
-class _Probe(nn.Module):
-    """sum_i <p_i, g_i>: its backward leaves exactly g_i in every p_i.grad."""
-
-    def __init__(self, init: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.ps = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
-
-    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * g).sum() for p, g in zip(self.ps, grads, strict=True))
-
-
 def _fully_shard_adamw(init: list[torch.Tensor], grads: list[torch.Tensor], mesh) -> tuple:  # noqa: ANN001
     """Our AdamW on our fully_shard parameters, gradients from a real backward (so they
     live in the group's gradient buffer and the fused path applies)."""
     import vefsdp_optim
 
-    m = _Probe(init)
+    m = GradProbe(init)
     vefsdp_optim.fully_shard(m, mesh=mesh)
     opt = vefsdp_optim.AdamW(list(m.parameters()))
     m(grads).backward()
