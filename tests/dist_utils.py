@@ -198,3 +198,18 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+def load_example(filename: str) -> Any:
+    """The module ``examples/<filename>``, imported once by path (examples are scripts,
+    not a package); spawned ranks import it again by the same name."""
+    import importlib.util
+
+    name = "vefsdp_example_" + filename.removesuffix(".py")
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", filename)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from dist_utils import load_example, run_distributed
 from torch import nn
 
 import vefsdp_optim
@@ -17,13 +17,7 @@ SHAPES = [(10, 3), (7, 5), (1, 4), (2, 3, 2), (6,)]
 
 
 def _example():
-    name = "vefsdp_example_custom_tile_sgd"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_example("custom_tile_sgd.py")
 
 
 def _tensors(seed):

@@ -10,14 +10,12 @@ mismatched state fails at the first step, naming checkpoint_spec.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import load_example, run_distributed
 from torch import nn
 
 import vefsdp_optim
@@ -27,13 +25,7 @@ STEPS, SPLIT = 5, 2
 
 
 def _example():
-    name = "vefsdp_example_custom_factored"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_example("custom_factored.py")
 
 
 def _model(seed: int) -> nn.Module:
