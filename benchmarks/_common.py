@@ -322,3 +322,17 @@ class GradProbe(nn.Module):
 
     def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return sum((p * g).sum() for p, g in zip(self.ps, grads, strict=True))
+
+
+def fsdp2_params(init: list[torch.Tensor], grads: list[torch.Tensor], mesh: Any) -> list[nn.Parameter]:
+    """FSDP2-sharded copies of ``init`` (one ParameterList on ``mesh``), each with its
+    shard of the matching full gradient in ``grads`` as ``.grad``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    m = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
+    fully_shard(m, mesh=mesh)
+    ps = list(m)
+    for p, gr in zip(ps, grads, strict=True):
+        p.grad = distribute_tensor(gr, mesh, p.placements)
+    return ps

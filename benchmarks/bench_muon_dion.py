@@ -26,12 +26,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ._common import (
     GradProbe,
     cli,
     current_device,
+    fsdp2_params,
     interleave,
     not_run_row,
     paired_ratio,
@@ -63,8 +63,6 @@ def dion_src() -> str | None:
 
 def _worker(world: int, steps: int, case: str, src: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
     import vefsdp_optim
 
@@ -82,12 +80,7 @@ def _worker(world: int, steps: int, case: str, src: str) -> dict:
     hp = dict(lr=0.02, weight_decay=0.1)
 
     def fsdp2():
-        m = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
-        fully_shard(m, mesh=mesh)
-        ps = list(m)
-        for p, gr in zip(ps, grads, strict=True):
-            p.grad = distribute_tensor(gr, mesh, p.placements)
-        return ps
+        return fsdp2_params(init, grads, mesh)
 
     probe = GradProbe(init)
     vefsdp_optim.fully_shard(probe, mesh=mesh)

@@ -17,13 +17,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ._common import (
     GradProbe,
     cli,
     current_device,
     device_for_world,
+    fsdp2_params,
     interleave,
     not_run_row,
     paired_ratio,
@@ -112,8 +112,6 @@ def _fully_shard_adamw(init: list[torch.Tensor], grads: list[torch.Tensor], mesh
 
 def _worker(world: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
     import vefsdp_optim
 
@@ -124,12 +122,7 @@ def _worker(world: int, steps: int) -> dict:
     grads = [torch.randn(s, generator=g).to(device) for s in SHAPES]
 
     def model():
-        m = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
-        fully_shard(m, mesh=mesh)
-        ps = list(m)
-        for p, gr in zip(ps, grads, strict=True):
-            p.grad = distribute_tensor(gr, mesh, p.placements)
-        return ps
+        return fsdp2_params(init, grads, mesh)
 
     mats = lambda ps: [p for p in ps if p.ndim == 2]  # noqa: E731
     ps_ours, ps_torch, ps_ag, ps_aw, ps_taw = model(), model(), model(), model(), model()
