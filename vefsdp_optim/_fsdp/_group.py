@@ -122,6 +122,9 @@ class ShardGroup:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.grad_state is GradState.IDLE:
+            for b in self.stores:
+                b.release_grads()  # [Note: gradient memory]
         if self.fresh:
             return
         self._gathered_versions = self._versions()

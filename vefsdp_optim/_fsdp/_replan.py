@@ -104,6 +104,8 @@ def _move(store: DtypeStore, units: dict[str, int], plan: GroupPlan) -> None:
     if w > 1:
         old.free_global()
     new = store.master
+    if grads:
+        store.grad_shard()  # its storage ([Note: gradient memory])
     for p in store.params:
         full = grads.get(p.fqn)
         if full is None:

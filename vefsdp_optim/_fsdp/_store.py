@@ -30,6 +30,40 @@ __all__ = ["DtypeStore", "PendingReduce", "ALIGN"]
 
 ALIGN = 16
 
+# [Note: gradient memory]
+# At W > 1 no gradient bytes outlive their use. The m-element shard gradient
+# (``master.local_grad``; the sharded ``.grad`` are views of it) gets its storage when a
+# reduce-scatter writes it and gives it back once no ``.grad`` refers to it any more
+# (``zero_grad(set_to_none=True)``), checked before the next forward: FSDP2 frees its
+# sharded gradients the same way, by dropping them. "No one refers to it" is the
+# storage's use count back at its value after build (the buffer's own views), so a
+# ``.grad`` (or a view of it) the user kept keeps the bytes. The mixed-precision
+# staging shards (``compute`` / ``reduce`` local_grad) hold bytes only around a
+# reduction. Storages are resized in place, as the global buffers ([Note: zero-copy
+# views]), so every cached view stays valid.
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _ensure_storage(t: torch.Tensor) -> None:
+    """Give a released base tensor its bytes back (contents undefined)."""
+    st = t.untyped_storage()
+    if st.nbytes() < _nbytes(t):
+        st.resize_(_nbytes(t))
+
+
+def _release_storage(t: torch.Tensor) -> None:
+    st = t.untyped_storage()
+    if st.nbytes():
+        st.resize_(0)
+
+
+def _uses(t: torch.Tensor) -> int:
+    """Tensors (and the storage object) sharing ``t``'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
 
 class DtypeStore:
     """One dtype's parameters of a shard group: plan, master / compute / reduce buffers.
@@ -99,6 +133,24 @@ class DtypeStore:
                 p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self)
             p.unsharded = None
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
+        self._lazy = w > 1  # [Note: gradient memory]
+        if self._lazy:
+            for b in (self.master, self.compute, self.reduce):
+                _release_storage(b.local_grad)
+            self._grad_uses = _uses(self.master.local_grad)
+
+    def grad_shard(self) -> torch.Tensor:
+        """``master.local_grad`` with its storage (1-D, m elements; contents undefined
+        when it had been released, [Note: gradient memory])."""
+        _ensure_storage(self.master.local_grad)
+        return self.master.local_grad
+
+    def release_grads(self) -> None:
+        """Give back the shard gradient's bytes if no ``.grad`` refers to them."""
+        t = self.master.local_grad
+        if (self._lazy and t.untyped_storage().nbytes() and self._kept is None
+                and all(p.sharded.grad is None for p in self.params) and _uses(t) == self._grad_uses):
+            _release_storage(t)
 
     def _segment_of(self, p: ManagedParam) -> tuple[int, int]:
         view = self.master.local_view(p.fqn)
@@ -241,6 +293,8 @@ class DtypeStore:
                 r.grad_global.copy_(c.grad_global)
             c.free_grad_global()
         op = "avg" if g.native_average else "sum"
+        if self._lazy:
+            _ensure_storage(r.local_grad)  # the collective's output
         work = r.reduce_scatter(op=op, async_op=True) if g.shard_world > 1 else None
         return PendingReduce(work, prev)
 
@@ -268,16 +322,18 @@ class DtypeStore:
             if g.all_reduce_hook is not None:
                 g.all_reduce_hook(r.local_grad)
             if r is not m:
-                m.local_grad.copy_(r.local_grad)
+                self.grad_shard().copy_(r.local_grad)
             if prev is not None:
                 m.local_grad.add_(prev)
         if g.shard_world > 1:
             r.free_grad_global()
             c.free_grad_global()
+            if r is not m:
+                _release_storage(r.local_grad)
         for p in self.params:
             if p.requires_grad:
-                if p.sharded.grad is None:
-                    p.sharded.grad = p.sharded.with_local(m.local_grad_view(p.fqn))
+                if p.sharded.grad is None:  # a fresh alias: the use count sees who holds it
+                    p.sharded.grad = p.sharded.with_local(m.local_grad_view(p.fqn).view(-1))
                 if p.unsharded is not None:
                     p.unsharded.grad = None
 
