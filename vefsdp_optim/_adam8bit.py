@@ -61,9 +61,20 @@ class _Adam8bitBase(BlockOptimizer):
         min_8bit_size: int,
         amsgrad: bool = False,
         maximize: bool = False,
+        fused: bool | None = None,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
         _check_8bit_args(block_size, min_8bit_size)
+        if fused is not None and not isinstance(fused, bool):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        #: the fused CPU kernel: None where it builds, True required, False never
+        #: ([Note: fused 8-bit step]; the same bits every way)
+        self.fused = fused
+        if fused:
+            from vefsdp_optim._math._quant8_fused import fused_kernel, fused_unavailable_reason
+
+            if fused_kernel() is None:
+                raise RuntimeError(f"{type(self).__name__}(fused=True): {fused_unavailable_reason()}")
         if amsgrad:
             raise NotImplementedError(
                 f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state keeps the two "
@@ -156,7 +167,8 @@ class _Adam8bitBase(BlockOptimizer):
             state["exp_avg_sq_absmax"], step=int(state["step"].item()), lr=group["lr"],
             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             decoupled=self.decoupled, block_size=bs, signed_code=signed, unsigned_code=unsigned,
-            quantizers=self._table_quantizers(p.device), maximize=group["maximize"])
+            quantizers=self._table_quantizers(p.device), maximize=group["maximize"],
+            fused=self.fused)
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]
@@ -187,6 +199,12 @@ class AdamW8bit(_Adam8bitBase):
     the result is bit-identical to a single-device run at any world size: only whole
     blocks are ever updated together, and only pieces of blocks cut by a shard
     boundary move.
+
+    ``fused=None`` (default) steps the 8-bit tensors with a fused C kernel on the CPU
+    where the system compiler can build it, and with eager torch ops elsewhere (a
+    logged reason; also with ``fused=False`` or the environment variable
+    ``VEFSDP_ADAM8BIT_FUSED=0``); ``fused=True`` raises where the kernel cannot run.
+    Both give the same bits ([Note: fused 8-bit step]).
     """
 
     decoupled = True
@@ -203,9 +221,11 @@ class AdamW8bit(_Adam8bitBase):
         min_8bit_size: int = 4096,
         amsgrad: bool = False,
         maximize: bool = False,
+        fused: bool | None = None,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, block_size,
-                         min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize)
+                         min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize,
+                         fused=fused)
 
 
 @register_optimizer("adam8bit")
@@ -227,6 +247,8 @@ class Adam8bit(_Adam8bitBase):
         min_8bit_size: int = 4096,
         amsgrad: bool = False,
         maximize: bool = False,
+        fused: bool | None = None,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, block_size,
-                         min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize)
+                         min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize,
+                         fused=fused)

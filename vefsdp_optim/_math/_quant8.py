@@ -29,14 +29,15 @@ decade: 0.9/128 unsigned, 0.9/64 signed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
-
-from ._adam import adamw_step_
 
 __all__ = [
     "TableQuantizer",
     "adam8bit_block_step_",
+    "adam8bit_hparams",
     "dequantize_blockwise",
     "dequantize_table",
     "dynamic_code_map",
@@ -235,6 +236,73 @@ def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     return values
 
 
+# [Note: 8-bit Adam op order]
+# The 8-bit step is its own sequence of float32 operations, each one correctly rounded
+# IEEE op (no fused multiply-add), so that the eager torch ops below and the fused C
+# kernel ([Note: fused 8-bit step]) give the same bits, vectorized or not:
+#     g = -g (maximize);  p = p * (1 - lr * wd) (AdamW)  or  g = g + p * wd (Adam)
+#     m = m + (g - m) * (1 - beta1)
+#     v = v * beta2 + (g * g) * (1 - beta2)
+#     p = p + (m * -step_size) / (sqrt(v) / sqrt(bias_correction2) + eps)
+# with torch.optim's bias corrections computed in float64 and every coefficient rounded
+# once to float32, and sqrt correctly rounded (torch's own float32 sqrt is not, on AVX512). torch's own lerp_ / addcmul_ round once per fused multiply-add on the
+# CPU (a compiler without fma cannot reproduce them), so this step differs from
+# ``adamw_step_`` in the last bit of some elements; it is as close to torch.optim.AdamW
+# (tests/test_adam8bit.py) and the same on every rank at every world size.
+
+
+def adam8bit_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float) -> Tensor:
+    """The 8 float32 coefficients of one step, in the fused kernel's order: 1 - lr * wd,
+    wd, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2), eps, -step_size."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the count after this update), got {step!r}")
+    t = float(step)  # torch reads the step back from a float tensor
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+    return torch.tensor([1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2,
+                         bc2**0.5, eps, -(lr / bc1)], dtype=torch.float64).to(torch.float32)
+
+
+def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, *, maximize: bool,
+                 wd_on: bool, decoupled: bool) -> None:
+    """[Note: 8-bit Adam op order] with torch ops, in place on 1-D float32 ``p``, ``m``, ``v``."""
+    c_wd, wd, w1, beta2, w2, bc2_sqrt, eps, neg_step = hp.tolist()
+    if maximize:
+        g = -g
+    if wd_on:
+        if decoupled:
+            p.mul_(c_wd)
+        else:
+            g = g + p * wd
+    d = g - m
+    m.add_(d.mul_(w1))
+    gg = g * g
+    v.mul_(beta2).add_(gg.mul_(w2))
+    # torch's vectorized float32 sqrt is not correctly rounded on every CPU (measured on
+    # AVX512: ~16% of elements one ulp off); the float64 root rounded to float32 is.
+    denom = v.double().sqrt_().float().div_(bc2_sqrt).add_(eps)
+    p.add_((m * neg_step).div_(denom))
+
+
+def _use_fused(fused: bool | None, tensors: tuple[Tensor, ...], quantizers) -> bool:
+    if fused is False:
+        return False
+    from ._quant8_fused import ENV_VAR, fused_kernel, fused_unavailable_reason
+
+    why = None
+    if fused is None and os.environ.get(ENV_VAR, "1") == "0":
+        return False
+    if any(t.device.type != "cpu" for t in tensors):
+        why = "the fused 8-bit Adam kernel runs on the CPU only"
+    elif any(q.k > 1 for q in quantizers):
+        why = "the fused 8-bit Adam kernel needs code maps with at most one midpoint per bucket"
+    elif fused_kernel() is None:
+        why = fused_unavailable_reason()
+    if why is not None and fused:
+        raise RuntimeError(f"fused=True but {why}")
+    return why is None
+
+
 def adam8bit_block_step_(
     param: Tensor,
     grad: Tensor,
@@ -255,13 +323,14 @@ def adam8bit_block_step_(
     unsigned_code: Tensor,
     quantizers: tuple[TableQuantizer, TableQuantizer] | None = None,
     maximize: bool = False,
+    fused: bool | None = None,
 ) -> None:
     """One 8-bit Adam / AdamW step on a run of whole quantization blocks, in place.
 
     Dequantizes both moments (``exp_avg`` with ``signed_code``, ``exp_avg_sq`` with
-    ``unsigned_code``), applies ``adamw_step_`` in float32 (``decoupled=True``: AdamW;
-    False: Adam with L2), updates ``param`` with the float32 moments, then requantizes
-    both moments into the given code and absmax tensors.
+    ``unsigned_code``), applies the Adam (``decoupled=False``: L2) or AdamW update of
+    [Note: 8-bit Adam op order] in float32, updates ``param``, then requantizes both
+    moments into the given code and absmax tensors.
 
     ``param`` and ``grad`` have ``numel`` elements (any shape; a non-float32 ``param``
     is updated through a float32 copy); the codes are uint8 (numel,), the absmax
@@ -269,10 +338,13 @@ def adam8bit_block_step_(
     callers pass slices that start on a block boundary of the full parameter; then
     each slice's result is bit-identical to that part of the whole-tensor result.
 
-    The optimizers call this very function; ``quantizers`` (``TableQuantizer`` of
-    ``signed_code`` and of ``unsigned_code``) lets them build the tables once. The
-    tables give ``quantize_blockwise``'s codes and ``dequantize_table`` gives
-    ``dequantize_blockwise``'s values, bit for bit (see [Note: table quantizer]).
+    ``fused``: None runs the fused CPU kernel ([Note: fused 8-bit step]) where it can
+    (CPU tensors, the kernel built, ``VEFSDP_ADAM8BIT_FUSED`` not ``0``) and the eager
+    torch ops otherwise; True requires the kernel (RuntimeError naming why not); False
+    runs the eager ops. All three give the same bits. ``quantizers``
+    (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets callers build
+    the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
+    gives ``dequantize_blockwise``'s values, bit for bit (see [Note: table quantizer]).
     """
     if grad.numel() != param.numel():
         raise ValueError(
@@ -283,20 +355,43 @@ def adam8bit_block_step_(
             f"moment codes must have the parameter's {param.numel()} elements, got "
             f"{exp_avg_codes.numel()} and {exp_avg_sq_codes.numel()}"
         )
+    if fused is not None and not isinstance(fused, bool):
+        raise ValueError(f"fused must be None, True or False, got {fused!r}")
     _check_block_size(block_size)
+    nb = num_blocks(param.numel(), block_size)
+    if exp_avg_absmax.numel() != nb or exp_avg_sq_absmax.numel() != nb:
+        raise ValueError(
+            f"absmax must have ceil({param.numel()} / {block_size}) = {nb} elements, got "
+            f"{exp_avg_absmax.numel()} and {exp_avg_sq_absmax.numel()}")
     if quantizers is None:
         quantizers = (TableQuantizer(signed_code), TableQuantizer(unsigned_code))
-    exp_avg = dequantize_table(exp_avg_codes, exp_avg_absmax, signed_code, block_size)
-    exp_avg_sq = dequantize_table(exp_avg_sq_codes, exp_avg_sq_absmax, unsigned_code, block_size)
-    p32 = param.reshape(-1) if param.dtype == torch.float32 else param.reshape(-1).float()
-    adamw_step_(
-        p32, grad.reshape(-1).float(), exp_avg, exp_avg_sq, None, step=step, lr=lr,
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=False,
-        maximize=maximize, decoupled=decoupled,
-    )
+    hp = adam8bit_hparams(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=weight_decay)
+    state = (exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)
+    flat = param.reshape(-1)
+    p32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
+    if _use_fused(fused, (param, grad, *state), quantizers):
+        from ._quant8_fused import run_fused_step_
+
+        g32 = grad.reshape(-1).float().contiguous()
+        work = [t if t.is_contiguous() else t.contiguous() for t in state]
+        flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
+        tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].lo8,
+                  quantizers[0].mid_in, quantizers[1].lo8, quantizers[1].mid_in)
+        run_fused_step_(p32, g32, work[0], work[1], work[2], work[3], hp, flags, block_size,
+                        tables)
+        for t, w in zip(state, work, strict=True):
+            if w.data_ptr() != t.data_ptr():
+                t.copy_(w)
+    else:
+        exp_avg = dequantize_table(exp_avg_codes, exp_avg_absmax, signed_code, block_size)
+        exp_avg_sq = dequantize_table(exp_avg_sq_codes, exp_avg_sq_absmax, unsigned_code,
+                                      block_size)
+        _adam_eager_(p32, grad.reshape(-1).float(), exp_avg, exp_avg_sq, hp, maximize=maximize,
+                     wd_on=weight_decay != 0, decoupled=decoupled)
+        for moment, codes, absmax, quantize in (
+                (exp_avg, exp_avg_codes, exp_avg_absmax, quantizers[0]),
+                (exp_avg_sq, exp_avg_sq_codes, exp_avg_sq_absmax, quantizers[1])):
+            absmax.copy_(quantize(moment, block_size, out=codes)[1])
     if p32.data_ptr() != param.data_ptr():
         param.copy_(p32.view(param.shape))
-    for moment, codes, absmax, quantize in (
-            (exp_avg, exp_avg_codes, exp_avg_absmax, quantizers[0]),
-            (exp_avg_sq, exp_avg_sq_codes, exp_avg_sq_absmax, quantizers[1])):
-        absmax.copy_(quantize(moment, block_size, out=codes)[1])
