@@ -246,3 +246,24 @@ def test_sharded_fused_bit_identical_to_single_device(kind, world_size):
         results = run_distributed(_sharded_vs_single_device, world_size, kind, name)
         assert all(all(moved) for _, moved in results)
         assert sum(calls for calls, _ in results) >= 3 * 4  # the kernel ran on the shards
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_packed_bucket_table_gives_the_reference_codes(signed):
+    """[Note: packed bucket table], evaluated with torch ops, against quantize_blockwise's
+    binary search on values at, just above and just below every midpoint."""
+    from vefsdp_optim._math import TableQuantizer
+
+    code = dynamic_code_map(signed)
+    mid = (code[:-1] + code[1:]) / 2
+    x = torch.cat([code, mid, torch.nextafter(mid, torch.tensor(2.0)),
+                   torch.nextafter(mid, torch.tensor(-2.0)), torch.tensor([0.0, -0.0]),
+                   torch.rand(5000, generator=torch.Generator().manual_seed(3)) * 2 - 1])
+    x = x.clamp(-1, 1) if signed else x.abs().clamp(0, 1)
+    packed = TableQuantizer(code).packed.to(torch.int64) & 0xFFFFFFFF
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    e = packed[u >> 16]
+    xl, t = u & 0xFFFF, e & 0xFFFF
+    up = torch.where(u >> 31 == 1, xl < t, xl > t)
+    want = torch.searchsorted(mid, x)  # the reference rule: midpoints strictly below x
+    assert torch.equal((e >> 16) + up.long(), want)

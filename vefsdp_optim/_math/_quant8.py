@@ -166,6 +166,26 @@ def dequantize_blockwise(
 # |x| temporary of the absmax at ~40% of it; see benchmarks/bench_profile.py).
 
 
+# [Note: packed bucket table]
+# The fused kernel reads one 32-bit word per element instead of a byte and a float:
+# ``packed[b] = lo8[b] << 16 | t``, where ``t`` is the low 16 bits of the bucket's midpoint
+# (its high 16 bits are ``b`` itself). For a value ``x`` with bits ``u`` in bucket ``b``,
+# ``mid_in[b] < x`` is ``(u & 0xFFFF) > t`` for a positive bucket and ``(u & 0xFFFF) < t``
+# for a negative one (larger magnitude bits, smaller value); a bucket without a midpoint
+# has ``t = 0xFFFF`` (positive) or 0 (negative), which no value passes.
+
+
+def _pack_buckets(lo8: Tensor, mid_in: Tensor) -> Tensor:
+    b = torch.arange(1 << 16, dtype=torch.int64)
+    inside = torch.isfinite(mid_in.cpu())
+    mbits = mid_in.cpu().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if not bool(((mbits >> 16) == b)[inside].all()):
+        raise AssertionError("a bucket's midpoint lies outside the bucket")
+    t = torch.where(inside, mbits & 0xFFFF,
+                    torch.where(b >= 0x8000, 0, 0xFFFF))
+    return ((lo8.cpu().to(torch.int64) << 16) | t).to(torch.int32).to(lo8.device)
+
+
 class TableQuantizer:
     """Block-wise quantizer equal to ``quantize_blockwise`` for one code map."""
 
@@ -188,6 +208,7 @@ class TableQuantizer:
             mid_in[inside] = mid[lo[inside]]
             self.mid_in = mid_in.to(code.device)  # (65536,) float32, +inf: none inside
             self.lo8 = lo.to(torch.uint8).to(code.device)  # (65536,), lo <= 255
+            self.packed = _pack_buckets(self.lo8, self.mid_in)  # (65536,) int32
 
     def __call__(self, x: torch.Tensor, block_size: int,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,8 +397,8 @@ def adam8bit_block_step_(
         g32 = grad.reshape(-1).float().contiguous()
         work = [t if t.is_contiguous() else t.contiguous() for t in state]
         flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
-        tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].lo8,
-                  quantizers[0].mid_in, quantizers[1].lo8, quantizers[1].mid_in)
+        tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
+                  quantizers[1].packed)
         run_fused_step_(p32, g32, work[0], work[1], work[2], work[3], hp, flags, block_size,
                         tables)
         for t, w in zip(state, work, strict=True):

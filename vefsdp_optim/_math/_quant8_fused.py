@@ -59,28 +59,24 @@ _SOURCE = r"""
 
 /* hp: c_wd, wd, 1-beta1, beta2, 1-beta2, sqrt(bias_correction2), eps, -step_size
    flags: 1 maximize, 2 weight decay on, 4 decoupled (AdamW)
-   scratch: 2 * bs floats and 2 * bs uint32 */
+   stab, utab: TableQuantizer.packed of the signed and unsigned maps (lo8 << 16 | low 16
+   bits of the bucket's midpoint, see [Note: packed bucket table])
+   scratch: 4 * bs floats (the block's moments, and their |bits| for the absmax) */
 static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
-static void quantize(float* x, uint32_t* bucket, int64_t len, float amax, const uint8_t* lo,
-                     const float* mid, uint8_t* codes) {
-    const float scale = amax > 0.0f ? amax : 1.0f;
-    for (int64_t i = 0; i < len; ++i) {
-        float normed = x[i] / scale;
-        x[i] = normed;
-        bucket[i] = bits_of(normed) >> 16;
-    }
-    for (int64_t i = 0; i < len; ++i)
-        codes[i] = (uint8_t)(lo[bucket[i]] + (mid[bucket[i]] < x[i] ? 1 : 0));
+static inline uint8_t code_of(float normed, const uint32_t* tab) {
+    const uint32_t u = bits_of(normed), e = tab[u >> 16], xl = u & 0xFFFFu, t = e & 0xFFFFu;
+    const uint32_t up = (u >> 31) ? (xl < t) : (xl > t);
+    return (uint8_t)((e >> 16) + up);
 }
 
 int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* restrict mc,
                          float* restrict ma, uint8_t* restrict vc, float* restrict va,
                          int64_t n, int64_t bs, const float* restrict hp, int flags,
                          const float* restrict scode, const float* restrict ucode,
-                         const uint8_t* restrict slo, const float* restrict smid,
-                         const uint8_t* restrict ulo, const float* restrict umid,
+                         const uint32_t* restrict stab,
+                         const uint32_t* restrict utab,
                          float* restrict scratch) {
     const float c_wd = hp[0], wd = hp[1], w1 = hp[2], beta2 = hp[3], w2 = hp[4];
     const float bc2 = hp[5], eps = hp[6], neg_step = hp[7];
@@ -88,7 +84,7 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
     const int wd_mode = (flags & 2) ? ((flags & 4) ? 1 : 2) : 0;
     float* restrict sm = scratch;
     float* restrict sv = scratch + bs;
-    uint32_t* restrict bk = (uint32_t*)(scratch + 2 * bs);
+    uint32_t* restrict bk = (uint32_t*)(scratch + 2 * bs); /* absmax: uint32 order = float order for |x| */
     uint32_t* restrict bk2 = (uint32_t*)(scratch + 3 * bs);
     for (int64_t lo = 0; lo < n; lo += bs) {
         const int64_t len = n - lo < bs ? n - lo : bs;
@@ -123,8 +119,12 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
         for (int64_t i = 0; i < len; ++i) um = bk[i] > um ? bk[i] : um;
         for (int64_t i = 0; i < len; ++i) uv = bk2[i] > uv ? bk2[i] : uv;
         const float amax_m = float_of(um), amax_v = float_of(uv);
-        quantize(sm, bk, len, amax_m, slo, smid, mb);
-        quantize(sv, bk, len, amax_v, ulo, umid, vb);
+        const float scale_m = amax_m > 0.0f ? amax_m : 1.0f;
+        const float scale_v = amax_v > 0.0f ? amax_v : 1.0f;
+        for (int64_t i = 0; i < len; ++i) {
+            mb[i] = code_of(sm[i] / scale_m, stab);
+            vb[i] = code_of(sv[i] / scale_v, utab);
+        }
         ma[blk] = amax_m;
         va[blk] = amax_v;
     }
@@ -177,7 +177,7 @@ def _build() -> ctypes.CDLL:
     fn = lib.vefsdp_adam8bit_step
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_int] + [ctypes.c_void_p] * 7)
+                                             ctypes.c_int] + [ctypes.c_void_p] * 5)
     return lib
 
 
@@ -210,8 +210,8 @@ def run_fused_step_(
 ) -> None:
     """Run the kernel in place on contiguous CPU tensors: ``p``, ``g`` float32 (n,),
     ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),), ``hp``
-    float32 (8,); ``tables``: signed code, unsigned code, signed lo8, signed mid_in,
-    unsigned lo8, unsigned mid_in (see ``TableQuantizer``). The caller checks them, and
+    float32 (8,); ``tables``: the signed code, the unsigned code, and the ``packed``
+    tables of their ``TableQuantizer``. The caller checks them, and
     that ``fused_kernel()`` is not None."""
     lib = fused_kernel()
     if lib is None:
