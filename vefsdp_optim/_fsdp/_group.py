@@ -84,6 +84,9 @@ class ShardGroup:
         self._gathers: list[Any] = []  # GATHERING: (work, output, version) per store
         self._reductions: list[tuple[DtypeStore, PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
+        # called before a store allocates its gradient buffer: finishes completed reductions
+        # of earlier groups (set by the root's FSDPState; [Note: lazy gradient buffer])
+        self.before_grad_alloc: Callable[[], None] = lambda: None
 
     @property
     def replicate_world(self) -> int:
@@ -182,6 +185,8 @@ class ShardGroup:
         callback, or anything here that touches the gradients, whichever comes first).
         """
         if not self.requires_gradient_sync:
+            for b in self.stores:
+                b.complete_grads()
             return
         self.wait_reduce()
         if self.grad_state is GradState.IDLE:
@@ -211,6 +216,13 @@ class ShardGroup:
     def reducing(self) -> bool:
         """A launched reduction has not been waited for yet."""
         return self.grad_state is GradState.REDUCING
+
+    @property
+    def reduce_done(self) -> bool:
+        """Every launched collective of this group has completed (asked without waiting; a
+        handle that cannot tell counts as not completed)."""
+        return all(pr.work is None or getattr(pr.work.work, "is_completed", lambda: False)()
+                   for _, pr in self._reductions)
 
     def wait_reduce(self) -> None:
         """Complete the launched reductions: after this the sharded ``.grad`` are final."""

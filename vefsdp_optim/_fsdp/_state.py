@@ -22,7 +22,7 @@ from ._group import ShardGroup
 from ._lifecycle import Role, TrainingState, advance
 from ._module import FSDPModule, state_of
 
-__all__ = ["FSDPState", "ctx_final_callback", "wait_reductions"]
+__all__ = ["FSDPState", "ctx_final_callback", "finish_completed_reductions", "wait_reductions"]
 
 
 class _RootContext:
@@ -109,6 +109,8 @@ class FSDPState:
             if s is not self and s.role is Role.UNSET:
                 s.role = advance(s.role, Role.NON_ROOT, "FSDPState.role")
             s.ctx = ctx
+            if s.group is not None:
+                s.group.before_grad_alloc = lambda: finish_completed_reductions(ctx)
 
     # -- forward -----------------------------------------------------------------------
 
@@ -254,6 +256,13 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
         ctx.callback_queued = False
 
     return callback
+
+
+def finish_completed_reductions(ctx: _RootContext) -> None:
+    """Finish, in launch order, the launched reductions whose collectives have completed:
+    their gradient buffers are freed now rather than at the next post-backward."""
+    while ctx.reducing and ctx.reducing[0].reduce_done:
+        ctx.reducing.pop(0).wait_reduce()
 
 
 def wait_reductions(ctx: _RootContext) -> None:

@@ -41,6 +41,20 @@ ALIGN = 16
 # staging shards (``compute`` / ``reduce`` local_grad) hold bytes only around a
 # reduction. Storages are resized in place, as the global buffers ([Note: zero-copy
 # views]), so every cached view stays valid.
+#
+# [Note: lazy gradient buffer]
+# At W > 1 the W*m gradient buffer gets its bytes (zero-filled) when the group's first
+# gradient arrives, not at pre-backward: a backward that starts a reduction round
+# leaves each unsharded ``.grad`` None, and a hook on the gradients of the unsharded
+# parameters (run before AccumulateGrad) allocates the buffer and points every
+# ``.grad`` at its view, so autograd adds into it as [Note: grads into the buffer]
+# says. Under activation checkpointing the recomputation runs first, so the buffer and
+# the recomputed activations no longer overlap with an earlier group's reduce-scatter
+# input: just before allocating, completed reduce-scatters of earlier groups are
+# finished, which frees their inputs ([Note: async reduce-scatter]). A round in which
+# no gradient reached the group still reduces zeros. (A copy of the first gradient into
+# the buffer would spare the zero-fill, but it is a copy per parameter, which
+# [Note: grads into the buffer] rules out.)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -133,7 +147,9 @@ class DtypeStore:
                 p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self)
             p.unsharded = None
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
-        self._lazy = w > 1  # [Note: gradient memory]
+        self._lazy = w > 1  # [Note: gradient memory], [Note: lazy gradient buffer]
+        self._gbuf: torch.Tensor | None = None  # compute's W*m gradient buffer, once allocated
+        self._awaiting = False  # a lazy round whose first gradient has not arrived yet
         if self._lazy:
             for b in (self.master, self.compute, self.reduce):
                 _release_storage(b.local_grad)
@@ -213,6 +229,8 @@ class DtypeStore:
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(c.full_view(p.fqn))
+                if self._lazy and p.requires_grad:
+                    p.unsharded.register_hook(self._on_grad)  # [Note: lazy gradient buffer]
         return None if work is None else (work, out, version)
 
     def free(self) -> None:
@@ -240,6 +258,14 @@ class DtypeStore:
         (for ``direct`` buckets: except where a kept sharded .grad is accumulated).
         """
         c = self.compute
+        if self._lazy:
+            if fresh:  # [Note: lazy gradient buffer]
+                self._awaiting = True
+                for p in self.params:
+                    if p.unsharded is not None:
+                        p.unsharded.grad = None
+                return
+            self._alloc_grad_buffer()  # holds the gradients accumulated without a sync
         c.alloc_grad_global()
         if fresh and self.group.shard_world == 1:
             with torch.no_grad():
@@ -254,6 +280,37 @@ class DtypeStore:
         for p in self.params:
             if p.requires_grad and p.unsharded is not None:
                 p.unsharded.grad = c.grad_full_view(p.fqn).view(p.shape)
+
+    def _alloc_grad_buffer(self) -> None:
+        """Give the compute gradient buffer its bytes, zero-filled."""
+        c = self.compute
+        if c.grad_global_allocated:
+            return
+        if self._gbuf is None:  # first time: the buffer sizes itself and makes its views
+            c.alloc_grad_global()
+            self._gbuf = c.grad_global
+            return
+        _ensure_storage(self._gbuf)
+        with torch.no_grad():
+            self._gbuf.zero_()
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        """Hook on an unsharded parameter's gradient, before AccumulateGrad: the group's
+        first gradient allocates the buffer ([Note: lazy gradient buffer])."""
+        if not self._awaiting:
+            return
+        self._awaiting = False
+        self.group.before_grad_alloc()
+        self._alloc_grad_buffer()
+        for p in self.params:
+            if p.requires_grad and p.unsharded is not None:
+                p.unsharded.grad = self.compute.grad_full_view(p.fqn).view(p.shape)
+
+    def complete_grads(self) -> None:
+        """End of a backward: a lazy round that got no gradient still has a (zero) buffer."""
+        if self._awaiting:
+            self._awaiting = False
+            self._alloc_grad_buffer()
 
     def _kept_grads(self) -> torch.Tensor | None:
         """A copy of the kept sharded .grad (1-D, m elements), or None when none is kept."""
@@ -279,7 +336,10 @@ class DtypeStore:
         gradient buffer (the collective's input) stays allocated until then.
         """
         g, c, r, m = self.group, self.compute, self.reduce, self.master
-        if not any(p.requires_grad for p in self.params) or not c.grad_global_allocated:
+        if not any(p.requires_grad for p in self.params):
+            return None
+        self.complete_grads()
+        if not c.grad_global_allocated:
             return None
         if self.direct:
             prev = None
