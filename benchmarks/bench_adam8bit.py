@@ -1,13 +1,17 @@
-"""AdamW8bit against torch.optim.AdamW and torchao's AdamW8bit, CPU.
+"""AdamW8bit and Adam8bit against torch.optim, torchao and bitsandbytes, CPU.
 
     python -m benchmarks.bench_adam8bit [--quick|--full] [--out benchmarks/out/adam8bit.json]
 
 1. One transformer-block-shaped set of parameters (D = 576, uneven rows, ~4.4 M fp32
-   elements), the same random gradients fed to every optimizer. The optimizers step in
-   turn (interleaved, after warm-up steps that include torchao's torch.compile), and the
-   median step time of each is reported with ratios to torch.optim.AdamW. State bytes
-   are counted from the state tensors themselves (torchao's 8-bit states: codes and
-   scales; the shared 256-value code map is left out on both 8-bit sides).
+   elements), the same random gradients fed to every optimizer, one intra-op thread:
+   torch.optim.AdamW / Adam (foreach), ours fused (the default) and eager
+   (``fused=False``), torchao's and bitsandbytes' AdamW8bit / Adam8bit (a row saying
+   why where a peer is not installed). The optimizers step in turn, in alternating
+   order, after warm-up steps that include torchao's torch.compile; medians and
+   quartiles of step times and of the per-step ratios. State bytes are counted from the
+   state tensors (the shared 256-value code maps left out). A bandwidth probe (a large
+   ``copy_``) gives the limit; each row reports the bytes a step must move per second
+   as a fraction of it. Our kernel's build time (cold and warm cache) is reported.
 2. Final loss after N steps of each optimizer on one toy regression (an MLP whose
    weights are above the 8-bit threshold, the same seed and data for all).
 3. FSDP2 ``fully_shard`` at W = 2 (spawned ranks: gloo on the CPU, NCCL with one CUDA
@@ -19,6 +23,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -54,14 +59,24 @@ SHAPES = {
 STATE_8BIT_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
 
 
-def _torchao_adamw8bit():
+def _peer(kind: str, name: str):
+    """``(class, note)`` of a peer's 8-bit optimizer, or ``(None, why)``."""
     try:
-        from torchao.optim import AdamW8bit as AoAdamW8bit
-    except ImportError as e:  # reported in the JSON row
-        return None, f"torchao not importable: {e}"
-    import torchao
+        if kind == "torchao":
+            import torchao
+            import torchao.optim as mod
+            version = torchao.__version__
+        else:
+            import bitsandbytes
+            import bitsandbytes.optim as mod
+            version = bitsandbytes.__version__
+    except Exception as e:  # noqa: BLE001 - reported in the JSON row
+        return None, f"peer not installed: {kind} not importable ({type(e).__name__}: {e})"
+    return getattr(mod, name), f"{kind} {version}"
 
-    return AoAdamW8bit, f"torchao {torchao.__version__}"
+
+def _torchao_adamw8bit():
+    return _peer("torchao", "AdamW8bit")
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -87,14 +102,74 @@ def _params(seed: int = 0, device: str = "cpu") -> list[nn.Parameter]:
     return [nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device)) for s in SHAPES.values()]
 
 
+def _bytes_moved(opt_name: str) -> int:
+    """Minimum bytes one step must move: 8-bit tensors read param, grad and 2 codes and
+    write param and codes (16 B/element); fp32-moment tensors 28 B/element."""
+    n = [torch.Size(s).numel() for s in SHAPES.values()]
+    if "8bit" not in opt_name:
+        return 28 * sum(n)
+    return sum(16 * k if k >= 4096 else 28 * k for k in n)
+
+
+def bandwidth_probe(numel: int = 1 << 26, reps: int = 7) -> dict:
+    """Memory bandwidth of one thread: a large ``copy_`` (read + write), median of reps."""
+    src = torch.rand(numel)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    gbs = [2 * numel * 4 / t / 1e9 for t in times]
+    return dict(bytes_per_copy=2 * numel * 4, gb_per_s=stats(gbs))
+
+
+def kernel_build_time() -> dict:
+    """Seconds to build our fused kernel from a cold cache and to load it from a warm one."""
+    import os
+    import tempfile
+
+    from vefsdp_optim._math import _quant8_fused as qf
+
+    old = os.environ.get("XDG_CACHE_HOME")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["XDG_CACHE_HOME"] = tmp
+        try:
+            t0 = time.perf_counter()
+            qf._build()
+            cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            qf._build()
+            warm = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - reported
+            return dict(error=f"{type(e).__name__}: {e}")
+        finally:
+            if old is None:
+                os.environ.pop("XDG_CACHE_HOME", None)
+            else:
+                os.environ["XDG_CACHE_HOME"] = old
+    return dict(cold_s=cold, warm_s=warm)
+
+
 def bench_step(steps: int, warmup: int) -> dict:
-    ao_cls, ao_note = _torchao_adamw8bit()
+    from vefsdp_optim._adam8bit import Adam8bit
+
+    peers = {(k, n): _peer(k, n) for k in ("torchao", "bitsandbytes") for n in ("AdamW8bit", "Adam8bit")}
     makers = {
-        "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps),
+        "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps, foreach=True),
         "vefsdp_optim.AdamW8bit": lambda ps: AdamW8bit(ps),
+        "vefsdp_optim.AdamW8bit (eager)": lambda ps: AdamW8bit(ps, fused=False),
+        "torch.optim.Adam": lambda ps: torch.optim.Adam(ps, foreach=True),
+        "vefsdp_optim.Adam8bit": lambda ps: Adam8bit(ps),
     }
-    if ao_cls is not None:
-        makers["torchao.AdamW8bit"] = lambda ps: ao_cls(ps)
+    skipped = []
+    for (kind, name), (cls, note) in peers.items():
+        label = f"{kind}.{name}"
+        if cls is None:
+            skipped.append(dict(optimizer=label, skipped=note))
+            continue
+        makers[label] = (lambda c: lambda ps: c(ps))(cls)
     runs = {}
     device = current_device()
     for name, make in makers.items():
@@ -102,11 +177,12 @@ def bench_step(steps: int, warmup: int) -> dict:
         runs[name] = (ps, make(ps))
     numel = sum(p.numel() for p in _params())
     times: dict[str, list[float]] = {name: [] for name in runs}
+    first: dict[str, float] = {}
     g = torch.Generator().manual_seed(1)
     for step in range(warmup + steps):
         grads = [(torch.randn(p.shape, generator=g) * 1e-3).to(device)
                  for p in runs["torch.optim.AdamW"][0]]
-        names = list(runs) if step % 2 == 0 else list(runs)[::-1]  # interleaved
+        names = list(runs) if step % 2 == 0 else list(runs)[::-1]  # alternating order
         for name in names:
             ps, opt = runs[name]
             for p, gr in zip(ps, grads, strict=True):
@@ -116,26 +192,39 @@ def bench_step(steps: int, warmup: int) -> dict:
             opt.step()
             synchronize(device)
             dt = time.perf_counter() - t0
+            if step == 0:
+                first[name] = dt
             if step >= warmup:
                 times[name].append(dt)
+    probe = bandwidth_probe()
+    limit = probe["gb_per_s"]["median"] * 1e9
     base_b = state_bytes(runs["torch.optim.AdamW"][1])
     rows = []
     for name, (_, opt) in runs.items():
         b = state_bytes(opt)
+        base = "torch.optim.Adam" if "Adam8bit" in name or name == "torch.optim.Adam" else "torch.optim.AdamW"
+        med = statistics.median(times[name])
         rows.append(dict(optimizer=name, device=device, step_ms=stats(times[name], 1e3),
-                         ratio_vs_torch_adamw=paired_ratio(times[name], times["torch.optim.AdamW"]),
+                         first_step_ms=first[name] * 1e3,
+                         ratio_vs_torch=paired_ratio(times[name], times[base]), torch_baseline=base,
                          state_bytes=b, state_bytes_per_param=b / numel,
-                         state_bytes_ratio_vs_adamw=b / base_b))
-    if ao_cls is not None:
-        rows.append(dict(optimizer="vefsdp_optim.AdamW8bit / torchao.AdamW8bit", device=device,
-                         ratio_vs_torchao=paired_ratio(times["vefsdp_optim.AdamW8bit"],
-                                                       times["torchao.AdamW8bit"])))
-    if ao_cls is None:
-        rows.append(dict(optimizer="torchao.AdamW8bit", skipped=ao_note))
-    note = ("torchao quantizes only tensors whose local numel is >= 4096 and a multiple of "
-            "block_size; the others keep fp32 moments")
-    return dict(numel=numel, steps=steps, warmup=warmup, torchao=ao_note, torchao_rule=note,
-                rows=rows)
+                         state_bytes_ratio_vs_adamw=b / base_b,
+                         bytes_moved_gb_per_s=_bytes_moved(name) / med / 1e9,
+                         fraction_of_copy_bandwidth=_bytes_moved(name) / med / limit))
+    for ours in ("AdamW8bit", "Adam8bit"):
+        for kind in ("torchao", "bitsandbytes"):
+            peer = f"{kind}.{ours}"
+            if peer in times:
+                rows.append(dict(optimizer=f"vefsdp_optim.{ours} / {peer}", device=device,
+                                 ratio=paired_ratio(times[f"vefsdp_optim.{ours}"], times[peer])))
+    rows.append(dict(optimizer="bandwidth probe: copy_ of 256 MiB, 1 thread", device=device,
+                     gb_per_s=probe["gb_per_s"]))
+    rows.extend(skipped)
+    notes = ("torchao quantizes only tensors whose local numel is >= 4096 and a multiple of "
+             "block_size; the others keep fp32 moments. bitsandbytes and ours: numel >= 4096")
+    return dict(numel=numel, steps=steps, warmup=warmup,
+                peers={f"{k}.{n}": note for (k, n), (_, note) in peers.items()}, torchao_rule=notes,
+                rows=rows, build=kernel_build_time(), probe=probe)
 
 
 def bench_regression(steps: int) -> list[dict]:
@@ -256,10 +345,10 @@ def bench_fsdp2(w: int, steps: int) -> dict:
 
 def run(quick: bool = True) -> dict:
     """Step time and state bytes vs torch AdamW and torchao AdamW8bit (one process),
-    toy-regression loss, and the FSDP2 W = 2 exchange (quick: 5 timed steps, 80
-    regression steps; full: 12 and 300)."""
+    toy-regression loss, and the FSDP2 W = 2 exchange (quick: 7 timed steps, 80
+    regression steps; full: 15 and 300)."""
     t0 = time.perf_counter()
-    steps, warmup, reg_steps = (5, 2, 80) if quick else (12, 3, 300)
+    steps, warmup, reg_steps = (7, 2, 80) if quick else (15, 3, 300)
     torch.set_num_threads(1)
     step = bench_step(steps, warmup)
     regression = bench_regression(reg_steps)
@@ -267,22 +356,33 @@ def run(quick: bool = True) -> dict:
     if (nr := not_run_row(2)) is not None:
         fsdp.append(nr)
     by = {r["optimizer"]: r for r in step["rows"]}
-    headline = [{"comparison": "AdamW8bit step / torch.optim.AdamW step, 1 process",
-                 "ratio": by["vefsdp_optim.AdamW8bit"]["ratio_vs_torch_adamw"]},
-                {"comparison": "AdamW8bit state bytes / torch.optim.AdamW",
-                 "ratio": by["vefsdp_optim.AdamW8bit"]["state_bytes_ratio_vs_adamw"]}]
-    ao = "vefsdp_optim.AdamW8bit / torchao.AdamW8bit"
-    if ao in by:
-        headline.append({"comparison": "AdamW8bit step / torchao AdamW8bit step, 1 process",
-                         "ratio": by[ao]["ratio_vs_torchao"]})
-    if "torchao.AdamW8bit" in by and "state_bytes" in by["torchao.AdamW8bit"]:
-        headline.append({"comparison": "AdamW8bit state bytes / torchao AdamW8bit",
-                         "ratio": by["vefsdp_optim.AdamW8bit"]["state_bytes"]
-                         / by["torchao.AdamW8bit"]["state_bytes"]})
+    headline = []
+    for ours in ("AdamW8bit", "Adam8bit"):
+        row = by[f"vefsdp_optim.{ours}"]
+        headline.append({"comparison": f"{ours} step / {row['torch_baseline']} (foreach) step, 1 thread",
+                         "ratio": row["ratio_vs_torch"]})
+        for kind in ("torchao", "bitsandbytes"):
+            key = f"vefsdp_optim.{ours} / {kind}.{ours}"
+            if key in by:
+                headline.append({"comparison": f"{ours} step / {kind} {ours} step, 1 thread",
+                                 "ratio": by[key]["ratio"]})
+    headline.append({"comparison": "AdamW8bit bytes moved per second / copy_ bandwidth (1 thread)",
+                     "ratio": by["vefsdp_optim.AdamW8bit"]["fraction_of_copy_bandwidth"]})
+    headline.append({"comparison": "AdamW8bit state bytes / torch.optim.AdamW",
+                     "ratio": by["vefsdp_optim.AdamW8bit"]["state_bytes_ratio_vs_adamw"]})
     headline.append({"comparison": "AdamW8bit on FSDP2 W=2: exchange bytes / parameter bytes",
                      "ratio": fsdp[0]["exchange_bytes_over_param_bytes"]})
-    notes = [f"{step['numel'] / 1e6:.2f} M fp32 elements, 1 intra-op thread; {step['torchao']}; "
-             f"{step['torchao_rule']}",
+    build = step["build"]
+    ao_first = by.get("torchao.AdamW8bit", {}).get("first_step_ms")
+    notes = [f"{step['numel'] / 1e6:.2f} M fp32 elements, 1 intra-op thread; peers: "
+             + ", ".join(f"{k}: {v}" for k, v in step["peers"].items()) + f"; {step['torchao_rule']}",
+             "fused kernel build (cc, cold cache): "
+             + (f"{build['cold_s']:.2f} s, load from the on-disk cache {build['warm_s'] * 1e3:.0f} ms"
+                if "cold_s" in build else build.get("error", "?"))
+             + (f"; torchao AdamW8bit first step (torch.compile included): {ao_first / 1e3:.1f} s"
+                if ao_first else ""),
+             "bytes moved: 16 B/element for 8-bit tensors (param r/w, grad, 2 codes r/w), 28 for "
+             "fp32 moments; fraction = those bytes per second / a 256 MiB copy_'s (read + write)",
              f"toy regression: final loss after {reg_steps} steps, ratio to torch AdamW's"]
     return result("adam8bit", step["rows"], notes, headline=headline, regression=regression,
                   fsdp2=fsdp, shapes=SHAPES, wall_s=time.perf_counter() - t0)
