@@ -267,3 +267,17 @@ def test_packed_bucket_table_gives_the_reference_codes(signed):
     up = torch.where(u >> 31 == 1, xl < t, xl > t)
     want = torch.searchsorted(mid, x)  # the reference rule: midpoints strictly below x
     assert torch.equal((e >> 16) + up.long(), want)
+
+
+@needs_cc
+def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
+    """The kernel built without AVX-512 (the portable C loops only) equals the eager ops
+    and so the AVX-512 build: the instruction set changes the speed, never the bits."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(qf, "_NATIVE", "-mno-avx512f")
+    monkeypatch.setattr(qf, "_tried", False)
+    monkeypatch.setattr(qf, "_kernel", None)
+    assert qf.fused_kernel() is not None, qf.fused_unavailable_reason()
+    assert len(list(tmp_path.rglob("adam8bit_*.so"))) == 1  # really a fresh build
+    test_kernel_equals_eager_bitwise(1001, 64, False, 0.1, True)
+    test_kernel_equals_eager_bitwise(70001, 256, True, 1e-2, False)
