@@ -30,6 +30,7 @@ decade: 0.9/128 unsigned, 0.9/64 signed.
 from __future__ import annotations
 
 import os
+import struct
 
 import torch
 from torch import Tensor
@@ -273,21 +274,22 @@ def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 
 
 def adam8bit_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                     weight_decay: float) -> Tensor:
-    """The 8 float32 coefficients of one step, in the fused kernel's order: 1 - lr * wd,
-    wd, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2), eps, -step_size."""
+                     weight_decay: float) -> tuple[float, ...]:
+    """The 8 coefficients of one step, each rounded once to float32, in the fused kernel's
+    order: 1 - lr * wd, wd, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2), eps,
+    -step_size."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an int >= 1 (the count after this update), got {step!r}")
     t = float(step)  # torch reads the step back from a float tensor
     bc1, bc2 = 1 - beta1**t, 1 - beta2**t
-    return torch.tensor([1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2,
-                         bc2**0.5, eps, -(lr / bc1)], dtype=torch.float64).to(torch.float32)
+    return struct.unpack("8f", struct.pack("8f", 1 - lr * weight_decay, weight_decay, 1 - beta1,
+                                           beta2, 1 - beta2, bc2**0.5, eps, -(lr / bc1)))
 
 
-def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, *, maximize: bool,
+def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ...], *, maximize: bool,
                  wd_on: bool, decoupled: bool) -> None:
     """[Note: 8-bit Adam op order] with torch ops, in place on 1-D float32 ``p``, ``m``, ``v``."""
-    c_wd, wd, w1, beta2, w2, bc2_sqrt, eps, neg_step = hp.tolist()
+    c_wd, wd, w1, beta2, w2, bc2_sqrt, eps, neg_step = hp
     if maximize:
         g = -g
     if wd_on:
@@ -313,7 +315,7 @@ def _use_fused(fused: bool | None, tensors: tuple[Tensor, ...], quantizers) -> b
     why = None
     if fused is None and os.environ.get(ENV_VAR, "1") == "0":
         return False
-    if any(t.device.type != "cpu" for t in tensors):
+    if tensors[0].device.type != "cpu" or tensors[-1].device.type != "cpu":
         why = "the fused 8-bit Adam kernel runs on the CPU only"
     elif any(q.k > 1 for q in quantizers):
         why = "the fused 8-bit Adam kernel needs code maps with at most one midpoint per bucket"

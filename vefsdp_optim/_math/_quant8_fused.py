@@ -44,7 +44,6 @@ import sys
 import tempfile
 import threading
 
-import torch
 from torch import Tensor
 
 __all__ = ["ENV_VAR", "fused_kernel", "fused_unavailable_reason", "run_fused_step_"]
@@ -55,6 +54,7 @@ ENV_VAR = "VEFSDP_ADAM8BIT_FUSED"
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <float.h>
 #include <math.h>
@@ -95,7 +95,8 @@ static void dequantize(const uint8_t* restrict c, int64_t len, const float* rest
    flags: 1 maximize, 2 weight decay on, 4 decoupled (AdamW)
    stab, utab: TableQuantizer.packed of the signed and unsigned maps (lo8 << 16 | low 16
    bits of the bucket's midpoint, see [Note: packed bucket table])
-   scratch: 4 * bs floats (the block's moments, and their |bits| for the absmax) */
+   returns 0, or -1 if the scratch (4 * bs floats: the block's moments and their |bits|
+   for the absmax) cannot be allocated */
 static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
@@ -110,12 +111,13 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
                          int64_t n, int64_t bs, const float* restrict hp, int flags,
                          const float* restrict scode, const float* restrict ucode,
                          const uint32_t* restrict stab,
-                         const uint32_t* restrict utab,
-                         float* restrict scratch) {
+                         const uint32_t* restrict utab) {
     const float c_wd = hp[0], wd = hp[1], w1 = hp[2], beta2 = hp[3], w2 = hp[4];
     const float bc2 = hp[5], eps = hp[6], neg_step = hp[7];
     const float gsign = (flags & 1) ? -1.0f : 1.0f;
     const int wd_mode = (flags & 2) ? ((flags & 4) ? 1 : 2) : 0;
+    float* scratch = (float*)malloc((size_t)(4 * bs) * sizeof(float));
+    if (scratch == NULL) return -1;
     float* restrict sm = scratch;
     float* restrict sv = scratch + bs;
     uint32_t* restrict bk = (uint32_t*)(scratch + 2 * bs); /* absmax: uint32 order = float order for |x| */
@@ -160,6 +162,7 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
         ma[blk] = amax_m;
         va[blk] = amax_v;
     }
+    free(scratch);
     return 0;
 }
 """
@@ -227,7 +230,7 @@ def _build() -> ctypes.CDLL:
     fn = lib.vefsdp_adam8bit_step
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_int] + [ctypes.c_void_p] * 5)
+                                             ctypes.c_int] + [ctypes.c_void_p] * 4)
     return lib
 
 
@@ -256,18 +259,18 @@ def fused_unavailable_reason() -> str | None:
 
 def run_fused_step_(
     p: Tensor, g: Tensor, mc: Tensor, ma: Tensor, vc: Tensor, va: Tensor,
-    hp: Tensor, flags: int, block_size: int, tables: tuple[Tensor, ...],
+    hp: tuple[float, ...], flags: int, block_size: int, tables: tuple[Tensor, ...],
 ) -> None:
     """Run the kernel in place on contiguous CPU tensors: ``p``, ``g`` float32 (n,),
-    ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),), ``hp``
-    float32 (8,); ``tables``: the signed code, the unsigned code, and the ``packed``
-    tables of their ``TableQuantizer``. The caller checks them, and
-    that ``fused_kernel()`` is not None."""
+    ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),); ``hp``:
+    ``adam8bit_hparams``; ``tables``: the signed code, the unsigned code, and the
+    ``packed`` tables of their ``TableQuantizer``. The caller checks them, and that
+    ``fused_kernel()`` is not None."""
     lib = fused_kernel()
     if lib is None:
         raise AssertionError(f"run_fused_step_ called without a kernel: {_reason}")
-    n = p.numel()
-    scratch = torch.empty(4 * block_size, dtype=torch.float32)
-    ptrs = [t.data_ptr() for t in (p, g, mc, ma, vc, va)]
-    lib.vefsdp_adam8bit_step(*ptrs, n, block_size, hp.data_ptr(), flags,
-                             *[t.data_ptr() for t in tables], scratch.data_ptr())
+    rc = lib.vefsdp_adam8bit_step(
+        p.data_ptr(), g.data_ptr(), mc.data_ptr(), ma.data_ptr(), vc.data_ptr(), va.data_ptr(),
+        p.numel(), block_size, (ctypes.c_float * 8)(*hp), flags, *[t.data_ptr() for t in tables])
+    if rc != 0:
+        raise MemoryError(f"fused 8-bit Adam: no memory for a scratch of 4 * {block_size} floats")
