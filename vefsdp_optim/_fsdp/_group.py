@@ -125,9 +125,6 @@ class ShardGroup:
             if not async_op:
                 self.wait_unshard()
             return
-        if self.grad_state is GradState.IDLE:
-            for b in self.stores:
-                b.release_grads()  # [Note: gradient memory]
         if self.fresh:
             return
         self._gathered_versions = self._versions()
@@ -170,6 +167,13 @@ class ShardGroup:
         return self.gather_state is GatherState.GATHERED
 
     # -- grad state ---------------------------------------------------------------------
+
+    def release_grads(self) -> None:
+        """Give back the shard gradients' bytes where no ``.grad`` refers to them any more
+        ([Note: gradient memory]); the root calls it before each forward."""
+        if self.grad_state is GradState.IDLE:
+            for b in self.stores:
+                b.release_grads()
 
     def attach_grads(self) -> None:
         self.wait_reduce()  # the gradient buffer is the pending collective's input

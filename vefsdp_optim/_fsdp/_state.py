@@ -120,6 +120,9 @@ class FSDPState:
             self.ctx.callback_queued = False
             if torch.is_grad_enabled():
                 self.ctx.fwd_order.clear()
+            for s in self.ctx.states:  # here, not in each group's hook: blocks get compiled
+                if s.group is not None:
+                    s.group.release_grads()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
