@@ -18,10 +18,12 @@ and then the root are sharded, as FSDP2 scripts do. Per W:
 - *communication*: collective calls and their payload per step, from the c10d ops the
   same dispatch mode sees (all-gather: output bytes, reduce-scatter: input bytes,
   all-reduce: tensor bytes); both systems are counted the same way.
-- *memory* (one fresh spawn per system, so ru_maxrss is not shared): the RSS
-  high-water mark of each rank minus its RSS just before the model is built (torch,
-  the process group and the data already loaded); max over ranks. On CUDA:
-  max_memory_allocated instead.
+- *memory* (one fresh spawn per system, so ru_maxrss is not shared): the peak of live
+  tensor bytes from the build on (``_memtrack.LiveBytes``, [Note: live-bytes tracker];
+  the memory benchmark ``bench_memory`` breaks it down), and the RSS high-water mark of
+  each rank minus its RSS just before the model is built (torch, the process group and
+  the data already loaded), which also counts allocator slack; max over ranks. On
+  CUDA: max_memory_allocated instead of RSS.
 
 The machine is shared with other jobs: read the ratios, not the absolute times.
 """
@@ -48,6 +50,7 @@ from benchmarks._common import (
     stats,
     synchronize,
 )
+from benchmarks._memtrack import LiveBytes
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 509, 256, 4, 4, 128, 4
 WORLDS = (2, 4)
@@ -205,16 +208,17 @@ def _memory_rank(system: str, steps: int) -> dict[str, float]:
         before = torch.cuda.memory_allocated(device)
     else:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    model, opt = _build(system, base, device)
-    del base
-    for k in range(steps):
-        _step(model, opt, data[k])
-    synchronize(device)
+    with LiveBytes() as live:
+        model, opt = _build(system, base, device)
+        del base
+        for k in range(steps):
+            _step(model, opt, data[k])
+        synchronize(device)
     if device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"delta_bytes": float(peak - before), "peak_bytes": float(peak)}
+    return {"delta_bytes": float(peak - before), "peak_bytes": float(peak), "live_peak": float(live.peak)}
 
 
 # -- run ----------------------------------------------------------------------------------
@@ -233,6 +237,7 @@ def run(quick: bool = True) -> dict[str, Any]:
             raise AssertionError(f"W={w}: first losses differ: {r0['first_loss']}")
         mib = 2**20
         mem_delta = {s: max(r["delta_bytes"] for r in v) for s, v in mem.items()}
+        live = {s: max(r["live_peak"] for r in v) for s, v in mem.items()}
         rows.append({
             "W": w,
             "step_ms_ours": stats(t["ours"], 1e3),
@@ -245,9 +250,12 @@ def run(quick: bool = True) -> dict[str, Any]:
             "comm_ratio": r0["comm_bytes"]["ours"] / r0["comm_bytes"]["fsdp2"],
             "colls_ours": sum(r0["comm_calls"]["ours"].values()),
             "colls_fsdp2": sum(r0["comm_calls"]["fsdp2"].values()),
+            "peak_live_MiB_ours": live["ours"] / mib,
+            "peak_live_MiB_fsdp2": live["fsdp2"] / mib,
+            "mem_ratio": live["ours"] / live["fsdp2"],
             "peak_rss_delta_MiB_ours": mem_delta["ours"] / mib,
             "peak_rss_delta_MiB_fsdp2": mem_delta["fsdp2"] / mib,
-            "mem_ratio": mem_delta["ours"] / mem_delta["fsdp2"],
+            "rss_ratio": mem_delta["ours"] / mem_delta["fsdp2"],
         })
         notes.append(f"W={w} collectives per step: ours {r0['comm_calls']['ours']}, "
                      f"fsdp2 {r0['comm_calls']['fsdp2']}")
@@ -259,8 +267,9 @@ def run(quick: bool = True) -> dict[str, Any]:
                     f"seq={SEQ}, batch={BATCH}); {steps} timed steps after {warmup} warm-up, "
                     f"interleaved; step = fwd + bwd + AdamW + zero_grad; device "
                     f"{'cuda' if torch.cuda.is_available() else 'cpu (gloo)'}")
-    notes.insert(1, "memory: RSS high-water mark minus RSS before building the model, in a "
-                    f"fresh process per system ({mem_steps} steps), max over ranks")
+    notes.insert(1, "memory: peak live tensor bytes from the build on (mem_ratio; allocator level, "
+                    "benchmarks/_memtrack.py) and RSS high-water mark minus RSS before building the "
+                    f"model (rss_ratio), in a fresh process per system ({mem_steps} steps), max over ranks")
     notes.insert(2, "the machine is shared: absolute times are noisy, read the ratios")
     headline = [{"metric": f"W={r['W']} step time ours/FSDP2", "value": r["time_ratio"]} for r in rows]
     return result("bench_fully_shard", rows, notes, headline=headline, params=n,
