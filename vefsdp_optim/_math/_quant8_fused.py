@@ -212,7 +212,10 @@ def _build() -> ctypes.CDLL:
                                     sys.platform]).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"adam8bit_{key}.so")
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError:  # an unwritable home: build in this process's temporary directory
+            path = os.path.join(tempfile.mkdtemp(prefix="vefsdp_optim_"), f"adam8bit_{key}.so")
         with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
             src = os.path.join(tmp, "adam8bit.c")
             with open(src, "w") as f:
