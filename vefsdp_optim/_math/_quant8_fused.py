@@ -6,9 +6,10 @@ parameter, the gradient and two one-byte codes and writes the parameter and the 
 (16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
 kernel below does the whole step block by block: dequantize both moments through the
 256-value code maps, the Adam / AdamW update, the block's absmax, and the requantization
-through the bucket tables of ``TableQuantizer`` (see [Note: table quantizer]), with the
-block's new moments held in a cache-resident scratch of 2 * block_size floats. The data
-are read once and written once.
+through the packed bucket table of ``TableQuantizer`` ([Note: packed bucket table]),
+with the block's new moments in a cache-resident scratch of 4 * block_size floats. The
+data are read once and written once. The step is still compute-bound (~1/3 of a large
+``copy_``'s bytes per second on one thread): half of it is the bucket-table gather.
 
 Bits. The kernel computes exactly the sequence of float32 operations that the eager
 path runs as torch ops ([Note: 8-bit Adam op order] in ``_quant8.py``): each is one
@@ -23,12 +24,15 @@ the table lookups element by element through int64 indices with bounds checks an
 writes the float moments back to memory between its loops: ~45 ms for 4 M elements on
 one thread against ~5.5 ms for this kernel, after ~11 s of compilation. Where AVX-512
 is there, the 256-value code maps are read with register permutes (a vector gather cost
-~1 ms more per 4 M elements); the 65536-entry bucket table stays a gather. This kernel builds in about a second with
-``cc`` (found as ``$CC``, ``cc``, ``gcc`` or ``clang``) and is cached on disk by the
-hash of its source and flags, so ranks and test processes load it in milliseconds.
+~1 ms more per 4 M elements); the 65536-entry bucket table stays a gather. This kernel
+builds in under a second with ``cc`` (``$CC``, ``cc``, ``gcc`` or ``clang``) and is
+cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``, ``vefsdp_optim/``) by the hash of
+its source, flags, compiler and CPU, so ranks and test processes load it in
+milliseconds. The kernel runs on one thread (runs of blocks on several threads would
+give the same bits; not done yet).
 
-Where it cannot be built (no compiler, a failed build, a non-CPU tensor), the optimizer
-runs the eager path, which gives the same bits; the reason is logged once.
+Where it cannot be built (no compiler, a failed build) the eager path runs, with the
+same bits, and the reason is logged once; CUDA tensors always take the eager path.
 ``VEFSDP_ADAM8BIT_FUSED=0`` (or ``fused=False`` on the optimizer) turns the kernel off.
 """
 
