@@ -254,6 +254,9 @@ def _row(w: int, ac: bool, per_rank: list[dict[str, Any]]) -> tuple[dict[str, An
         breakdown.append({"W": w, "AC": row["AC"], "system": s, "peak_MiB": b.get("total", 0) / MiB,
                           **{f"{c}_MiB": b.get(c, 0) / MiB for c in CATEGORIES},
                           "persistent_MiB": r0["mem"][s]["built"] / MiB})
+    ours, peer = breakdown
+    breakdown.append({"W": w, "AC": row["AC"], "system": "ours - fsdp2",
+                      **{k: ours[k] - peer[k] for k in ours if k.endswith("_MiB")}})
     return row, breakdown
 
 
