@@ -374,6 +374,11 @@ def run(quick: bool = True) -> dict:
                      "ratio": fsdp[0]["exchange_bytes_over_param_bytes"]})
     build = step["build"]
     ao_first = by.get("torchao.AdamW8bit", {}).get("first_step_ms")
+    if "cold_s" in build:
+        headline.append({"metric": "AdamW8bit fused kernel build, cold cache (s)", "value": build["cold_s"]})
+    if ao_first:
+        headline.append({"metric": "torchao AdamW8bit first step, torch.compile included (s)",
+                         "value": ao_first / 1e3})
     notes = [f"{step['numel'] / 1e6:.2f} M fp32 elements, 1 intra-op thread; peers: "
              + ", ".join(f"{k}: {v}" for k, v in step["peers"].items()) + f"; {step['torchao_rule']}",
              "fused kernel build (cc, cold cache): "
