@@ -7,7 +7,7 @@ parameter, the gradient and two one-byte codes and writes the parameter and the 
 kernel below does the whole step block by block: dequantize both moments through the
 256-value code maps, the Adam / AdamW update, the block's absmax, and the requantization
 through the packed bucket table of ``TableQuantizer`` ([Note: packed bucket table]),
-with the block's new moments in a cache-resident scratch of 4 * block_size floats. The
+with the block's new moments in a cache-resident scratch of 2 * block_size floats. The
 data are read once and written once. The step is still compute-bound (~1/3 of a large
 ``copy_``'s bytes per second on one thread): half of it is the bucket-table gather.
 
@@ -99,8 +99,8 @@ static void dequantize(const uint8_t* restrict c, int64_t len, const float* rest
    flags: 1 maximize, 2 weight decay on, 4 decoupled (AdamW)
    stab, utab: TableQuantizer.packed of the signed and unsigned maps (lo8 << 16 | low 16
    bits of the bucket's midpoint, see [Note: packed bucket table])
-   returns 0, or -1 if the scratch (4 * bs floats: the block's moments and their |bits|
-   for the absmax) cannot be allocated */
+   returns 0, or -1 if the scratch (2 * bs floats: the block's new moments) cannot be
+   allocated */
 static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
@@ -120,12 +120,10 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
     const float bc2 = hp[5], eps = hp[6], neg_step = hp[7];
     const float gsign = (flags & 1) ? -1.0f : 1.0f;
     const int wd_mode = (flags & 2) ? ((flags & 4) ? 1 : 2) : 0;
-    float* scratch = (float*)malloc((size_t)(4 * bs) * sizeof(float));
+    float* scratch = (float*)malloc((size_t)(2 * bs) * sizeof(float));
     if (scratch == NULL) return -1;
     float* restrict sm = scratch;
     float* restrict sv = scratch + bs;
-    uint32_t* restrict bk = (uint32_t*)(scratch + 2 * bs); /* absmax: uint32 order = float order for |x| */
-    uint32_t* restrict bk2 = (uint32_t*)(scratch + 3 * bs);
     for (int64_t lo = 0; lo < n; lo += bs) {
         const int64_t len = n - lo < bs ? n - lo : bs;
         const int64_t blk = lo / bs;
@@ -151,11 +149,10 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
             v = fabsf(v) <= FLT_MAX ? v : 0.0f;
             sm[i] = m;
             sv[i] = v;
-            bk[i] = bits_of(m) & 0x7fffffffu;
-            bk2[i] = bits_of(v) & 0x7fffffffu;
         }
-        for (int64_t i = 0; i < len; ++i) um = bk[i] > um ? bk[i] : um;
-        for (int64_t i = 0; i < len; ++i) uv = bk2[i] > uv ? bk2[i] : uv;
+        /* absmax on the bits: for |x| the uint32 order is the float order (an exact max) */
+        for (int64_t i = 0; i < len; ++i) { uint32_t a = bits_of(sm[i]) & 0x7fffffffu; um = a > um ? a : um; }
+        for (int64_t i = 0; i < len; ++i) { uint32_t a = bits_of(sv[i]) & 0x7fffffffu; uv = a > uv ? a : uv; }
         const float amax_m = float_of(um), amax_v = float_of(uv);
         const float scale_m = amax_m > 0.0f ? amax_m : 1.0f;
         const float scale_v = amax_v > 0.0f ? amax_v : 1.0f;
@@ -280,4 +277,4 @@ def run_fused_step_(
         p.data_ptr(), g.data_ptr(), mc.data_ptr(), ma.data_ptr(), vc.data_ptr(), va.data_ptr(),
         p.numel(), block_size, (ctypes.c_float * 8)(*hp), flags, *[t.data_ptr() for t in tables])
     if rc != 0:
-        raise MemoryError(f"fused 8-bit Adam: no memory for a scratch of 4 * {block_size} floats")
+        raise MemoryError(f"fused 8-bit Adam: no memory for a scratch of 2 * {block_size} floats")
