@@ -16,7 +16,8 @@ Ours is vefsdp_optim's ``fully_shard`` + ``vefsdp_optim.AdamW``; the peer is FSD
   ``torch.cuda.max_memory_allocated`` minus the bytes allocated before the build. Each
   system is measured alone (the other one does not exist yet or any more).
 - *breakdown* at a steady-state step's peak, by what holds each live storage at that
-  moment: ``params`` (sharded parameters), ``grads`` (sharded gradients), ``opt``
+  moment: ``params`` (sharded parameters), ``grads`` (sharded gradients, ours also
+  while a reduce-scatter is writing them), ``opt``
   (optimizer state), ``unsharded`` (all-gathered parameters, unsharded gradients and
   the collectives' buffers: our global buffers; FSDP2's unsharded parameters, their
   grads, all-gather outputs and reduce-scatter inputs), ``act`` (tensors autograd saved
@@ -161,15 +162,25 @@ def _unsharded_fsdp2(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _shard_grads_ours(model: nn.Module) -> list[torch.Tensor]:
+    """Our shard gradients, also while a reduce-scatter writes them (no .grad yet)."""
+    from vefsdp_optim._fsdp._module import FSDPModule, state_of
+
+    return [st.master.local_grad for m in model.modules()
+            if isinstance(m, FSDPModule) and state_of(m).group is not None
+            for st in state_of(m).group.stores]
+
+
 def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: list):  # noqa: ANN202
     unsharded = _unsharded_ours if system == "ours" else _unsharded_fsdp2
+    shard_grads = _shard_grads_ours if system == "ours" else (lambda m: [])
 
     def label() -> dict[str, list[torch.Tensor]]:
         ps = [p for g in opt.param_groups for p in g["params"]]  # sharded, even while registered unsharded
         return {  # first match wins: the root's unsharded params are registered on the model
             "unsharded": unsharded(model),
             "params": ps,
-            "grads": [p.grad for p in ps if p.grad is not None],
+            "grads": [p.grad for p in ps if p.grad is not None] + shard_grads(model),
             "opt": list(_tensors(list(opt.state.values()))),
             "act": [t for t in (r() for r in saved) if t is not None],
         }
