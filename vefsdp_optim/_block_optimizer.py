@@ -69,6 +69,9 @@ class BlockOptimizer(Optimizer):
 
     #: elements per bucket of parameters exchanged together
     bucket_numel: int = 1 << 26
+    #: fewest elements per round of whole tensors sent to owners ([Note: owner rounds]);
+    #: 0 keeps them in the buckets above
+    min_round_numel: int = 1 << 18
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -114,8 +117,9 @@ class BlockOptimizer(Optimizer):
     ) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define update_block(...)")
 
-    def cost(self, shape: torch.Size) -> float:
-        """Relative compute cost of a whole-tensor update, for owner balancing."""
+    def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
+        """Relative compute cost of a whole-tensor update in param group ``group``, for
+        owner balancing ([Note: owner assignment] in comm/_owners.py)."""
         return float(math.prod(shape))
 
     # -- checkpoint API (see [Note: world-size-free optimizer state]) ------------------
@@ -216,16 +220,21 @@ class BlockOptimizer(Optimizer):
         for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
             self.state[it.param]
         check_consistent(entries)
-        buckets = make_buckets(items, self.bucket_numel)
-        # pipeline: bucket k+1's inputs are in flight while bucket k computes
+        buckets = make_buckets(items, self.bucket_numel, self.min_round_numel)
+        # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
+        # are in flight while bucket k computes
         pending = self._launch(buckets[0]) if buckets else None
+        returning: tuple[list[StepItem], PendingExchange] | None = None
         for k, bucket in enumerate(buckets):
             current = pending
             pending = self._launch(buckets[k + 1]) if k + 1 < len(buckets) else None
             outputs = self.compute_bucket(bucket, current.wait())
-            back = exchange(bucket, outputs, forward=False).wait()
-            for it, outs in zip(bucket, back, strict=True):
-                self.apply_results(it, outs)
+            back = exchange(bucket, outputs, forward=False)
+            if returning is not None:
+                self._apply(*returning)
+            returning = (bucket, back)
+        if returning is not None:
+            self._apply(*returning)
         for it in items:  # once per parameter, after the step that made its state
             if id(it.param) not in self._validated and self.state.get(it.param):
                 validate_state(self, it.param, it.group)
@@ -304,15 +313,21 @@ class BlockOptimizer(Optimizer):
             by_group.setdefault(id(it.view.group), []).append(it)
         for its in by_group.values():
             layouts = [it.view.layout for it in its]
-            key = tuple((id(it.param), it.view.layout) for it in its)
+            for it in its:
+                it.cost = self.cost(it.view.shape, it.group)
+            key = tuple((id(it.param), it.view.layout, it.cost) for it in its)
             owners = self._owner_cache.get(key)
             if owners is None:
-                owners = assign_owners(layouts, [self.cost(it.view.shape) for it in its]).owners
+                owners = assign_owners(layouts, [it.cost for it in its]).owners
                 if len(self._owner_cache) > 64:
                     self._owner_cache.clear()
                 self._owner_cache[key] = owners
             for it, owner in zip(its, owners, strict=True):
                 it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
+
+    def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:
+        for it, outs in zip(bucket, back.wait(), strict=True):
+            self.apply_results(it, outs)
 
     def _launch(self, bucket: list[StepItem]) -> PendingExchange:
         return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)

@@ -15,11 +15,15 @@ from vefsdp_optim._math import (
     NS_COEFFICIENTS,
     check_adam_hparams,
     muon_adjust_lr,
-    muon_cost,
     muon_matrix_view,
     zeropower_via_newtonschulz,
 )
-from vefsdp_optim._math._newton_schulz import muon_batch_view, muon_block_unit, muon_blocks
+from vefsdp_optim._math._newton_schulz import (
+    muon_batch_view,
+    muon_block_unit,
+    muon_blocks,
+    muon_blocks_cost,
+)
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import (
     Elementwise,
@@ -209,8 +213,13 @@ class Muon(BlockOptimizer):
     def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard:
         return view.layout  # momentum stays sharded like the parameter
 
-    def cost(self, shape: torch.Size) -> float:
-        return muon_cost(shape)
+    def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
+        """Newton-Schulz cost of all the blocks ([Note: Muon blocks]): each QKV block or
+        expert alone, not the fused matrix."""
+        if not self._is_muon(shape, group):
+            return float(math.prod(shape))
+        split = group.get("split_sizes")
+        return muon_blocks_cost(shape, group.get("flatten") is not False, split)
 
     # hooks: momentum on the local shard, Newton-Schulz on the owner, apply locally
 

@@ -3,7 +3,8 @@
 ``BlockOptimizer.step`` ([Note: one step loop] in _block_optimizer.py) turns each
 parameter with a gradient into a :class:`StepItem`, groups items into exchange buckets
 (:func:`make_buckets`), and moves the inputs of items whose compute layout differs from
-their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dtype.
+their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dtype
+(asynchronous: see [Note: owner rounds]).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class StepItem:
     requirement: Requirement
     compute: RaggedShard  # compute layout
     group: dict[str, Any]  # the param group
+    cost: float = 0.0  # relative compute cost of a whole-tensor update (owner items only)
 
     @property
     def moves(self) -> bool:
@@ -62,14 +64,44 @@ class StepItem:
         return BlockContext(self.view.shape, start, length, self.view.rank, layout.world_size)
 
 
-def make_buckets(items: list[StepItem], bucket_numel: int) -> list[list[StepItem]]:
+# [Note: owner rounds]
+# Items computed whole on an owner rank (Muon's matrices on FSDP2 row shards) are not
+# exchanged in one bucket: the step loop would then wait for every input before the
+# first Newton-Schulz and send every result back after the last. Instead they form
+# rounds: each owner's items in decreasing cost (the order LPT gave them), and round j
+# holds the j-th item of every owner, so every rank has about the same work in every
+# round. Rounds below ``min_round_numel`` elements are merged with the next (a
+# collective costs a fixed latency). The step loop launches round k+1's inputs before
+# it computes round k and waits for round k's results only after computing round k+1,
+# so both exchanges run under Newton-Schulz; only the first send and the last return
+# are exposed. The bucket sequence is a pure function of the items, owners and costs,
+# which every rank shares ([Note: consistent steps]), so the collectives match.
+
+
+def _owner(it: StepItem) -> int | None:
+    """The rank that computes ``it`` whole, or None when it is not an owner item."""
+    if not it.moves or not it.requirement.needs_whole:
+        return None
+    for r, (_, n) in enumerate(it.compute.extents):
+        if n:
+            return r
+    return None
+
+
+def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int = 0) -> list[list[StepItem]]:
     """Exchange buckets: items of one param group, process group, dtype and device, at
-    most ``bucket_numel`` elements each (one oversized item gets a bucket alone)."""
+    most ``bucket_numel`` elements each (one oversized item gets a bucket alone); owner
+    items in balanced rounds after the rest ([Note: owner rounds])."""
     buckets: list[list[StepItem]] = []
     open_: dict[tuple, list[StepItem]] = {}
     sizes: dict[tuple, int] = {}
+    owned: dict[tuple, dict[int, list[StepItem]]] = {}
     for it in items:
         key = (id(it.group), id(it.view.group), it.view.local.dtype, it.view.local.device)
+        owner = _owner(it)
+        if owner is not None and min_round_numel > 0:
+            owned.setdefault(key, {}).setdefault(owner, []).append(it)
+            continue
         b = open_.get(key)
         n = it.view.layout.numel
         if b is None or sizes[key] + n > bucket_numel:
@@ -78,6 +110,17 @@ def make_buckets(items: list[StepItem], bucket_numel: int) -> list[list[StepItem
             sizes[key] = 0
         b.append(it)
         sizes[key] += n
+    for per_owner in owned.values():
+        queues = [sorted(its, key=lambda it: -it.cost) for _, its in sorted(per_owner.items())]
+        rounds = [[q[j] for q in queues if j < len(q)] for j in range(max(map(len, queues)))]
+        merged: list[StepItem] = []
+        for rnd in rounds:
+            merged += rnd
+            if sum(it.view.layout.numel for it in merged) >= min_round_numel:
+                buckets.append(merged)
+                merged = []
+        if merged:
+            buckets.append(merged)
     return buckets
 
 
