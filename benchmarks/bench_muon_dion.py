@@ -4,7 +4,7 @@ Dion is not in the package index: point ``VEFSDP_DION_SRC`` at a checkout of
 github.com/microsoft/dion (the folder holding ``dion/``); without it every row says
 "peer not installed". Dion's code is imported from there at run time, never copied.
 
-Cases, on gloo CPU ranks (W = 2; W = 4 with ``--full``):
+Cases, on gloo CPU ranks, W = 2 and 4:
 
 * dense: the 16 hidden matrices of a 4-layer GPT (d = 256: qkv, proj, fc, out);
 * moe: one MoE layer, experts ``[E, 512, 256]`` and ``[E, 256, 512]`` (E = 8; 6 at W = 4)
@@ -13,7 +13,12 @@ Cases, on gloo CPU ranks (W = 2; W = 4 with ``--full``):
 Runners: ours on vefsdp_optim.fully_shard parameters (one group), ours on FSDP2
 parameters, Dion's Muon on the same FSDP2 parameters (``use_polar_express=False``: the
 quintic Newton-Schulz in bfloat16, 5 steps, as ours). The same gradients every step,
-interleaved, a step's time is the slowest rank's; ratios are medians of paired ratios.
+interleaved (alternating order), a step's time is the slowest rank's; ratios are the
+median and quartiles of the per-step ratios, pooled over fresh runs (``--full``: 3 runs
+of 20 steps per case; quick: one of 8), with each run's median to show the spread. Each
+row also gives the share of the step spent in matmul kernels (torch.profiler), and the
+notes name the CPU's bf16 features (AVX-512 BF16, AMX): bf16 matmul speed dominates
+Newton-Schulz, so it sets what the rest of the step can gain.
 
     VEFSDP_DION_SRC=/path/to/dion python -m benchmarks.bench_muon_dion [--quick|--full]
 """
@@ -61,6 +66,38 @@ def dion_src() -> str | None:
     return None
 
 
+def cpu_flags() -> dict[str, bool]:
+    """The CPU features that set bfloat16 matmul speed, which dominates Newton-Schulz on
+    the CPU: AVX-512 BF16 (``vdpbf16ps``) and AMX tiles; without them bf16 matmuls are
+    emulated through float32 and both optimizers slow down alike."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {k: k in flags for k in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
+
+
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
+
+
+def _matmul_share(step, device: str, n: int = 2) -> float:
+    """Fraction of ``n`` steps' wall time spent in matmul kernels on this rank (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+    wall = time.perf_counter() - t0
+    mm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in _MATMUL_OPS) / 1e6
+    return mm / wall if device == "cpu" else float("nan")
+
+
 def _worker(world: int, steps: int, case: str, src: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -90,39 +127,70 @@ def _worker(world: int, steps: int, case: str, src: str) -> dict:
     peer = dion.Muon(fsdp2(), distributed_mesh=mesh, mu=0.95, nesterov=True, flatten=False,
                      use_polar_express=False, **hp)
     runners = {"ours_fully_shard": ours_fs.step, "ours_fsdp2": ours_fsdp2.step, "dion_fsdp2": peer.step}
-    times = interleave(runners, steps, warmup=1, group=dist.group.WORLD, device=device)
-    return {"times": times, "shapes": shapes}
+    times = interleave(runners, steps, warmup=2, group=dist.group.WORLD, device=device)
+    share = {}
+    for name, step in runners.items():
+        dist.barrier()
+        share[name] = _matmul_share(step, device)
+    return {"times": times, "shapes": shapes, "matmul_share": share}
 
 
-def _row(world: int, steps: int, case: str, src: str) -> dict:
-    res = spawn(_worker, world, world, steps, case, src)[0]
-    t = res["times"]
+def _row(world: int, steps: int, case: str, src: str, repeats: int) -> dict:
+    """``repeats`` fresh runs of ``steps`` alternating steps each; ratios pooled over
+    all per-step pairs, with the spread of the per-run medians."""
+    runs = [spawn(_worker, world, world, steps, case, src) for _ in range(repeats)]
+    t = {k: [x for r in runs for x in r[0]["times"][k]] for k in runs[0][0]["times"]}
+    per_run = {
+        name: [paired_ratio(r[0]["times"][ours], r[0]["times"]["dion_fsdp2"])["median"] for r in runs]
+        for name, ours in (("fully_shard", "ours_fully_shard"), ("fsdp2", "ours_fsdp2"))}
+    # the slowest rank's matmul share (ranks may idle: MoE experts at W = 4)
+    share = {k: round(max(rank["matmul_share"][k] for rank in r), 3)
+             for r in runs[-1:] for k in r[0]["matmul_share"]}
     return {
-        "case": case, "world": world,
+        "case": case, "world": world, "runs": repeats,
         "ours_fully_shard_ms": stats(t["ours_fully_shard"], 1e3),
         "ours_fsdp2_ms": stats(t["ours_fsdp2"], 1e3),
         "dion_fsdp2_ms": stats(t["dion_fsdp2"], 1e3),
         "ratio_fully_shard_vs_dion": paired_ratio(t["ours_fully_shard"], t["dion_fsdp2"]),
         "ratio_fsdp2_vs_dion": paired_ratio(t["ours_fsdp2"], t["dion_fsdp2"]),
+        "run_medians_fully_shard": [round(x, 3) for x in per_run["fully_shard"]],
+        "run_medians_fsdp2": [round(x, 3) for x in per_run["fsdp2"]],
+        "matmul_share": share,
     }
 
 
 def run(quick: bool = True) -> dict:
-    """Dense and MoE Muon steps vs Dion's (quick: W = 2, 5 timed steps; full: W = 2 and 4, 15)."""
+    """Dense and MoE Muon steps vs Dion's at W = 2 and 4 (quick: one run of 8 timed steps
+    per case; full: 3 fresh runs of 20 per case)."""
     t0 = time.perf_counter()
     src = dion_src()
+    flags = cpu_flags()
+    have = [k for k, v in flags.items() if v]
     notes = [f"dense: 16 matrices of a 4-layer GPT, d={D}; moe: experts {_moe_shapes(2)} (W=4: "
              f"{_moe_shapes(4)}), flatten=False; fp32 parameters, bf16 Newton-Schulz (5 quintic "
-             "steps) in both; a step time is the slowest rank's; ratios: medians of paired ratios"]
+             "steps) in both; the three runners step in alternating order; a step time is the "
+             "slowest rank's; ratios: median (p25-p75) of the per-step ratios ours / Dion pooled "
+             "over runs; run_medians: each fresh run's median ratio (the spread between runs)",
+             "CPU flags that set bf16 matmul speed (Newton-Schulz is most of the step: see "
+             f"matmul_share): {', '.join(f'{k}={v}' for k, v in flags.items())}"
+             + ("" if flags.get("avx512_bf16") or flags.get("amx_bf16") else
+                "; no native bf16 matmul here: both optimizers emulate it, and absolute times "
+                "are far from a modern CPU's"),
+             "one intra-op thread per rank; on this machine ranks share "
+             f"{os.cpu_count()} cores, so W=4 and any concurrent load blur the ratios"]
+    if not have:
+        notes[1] = "CPU flags: /proc/cpuinfo not readable; avx512_bf16 / amx presence unknown"
     if src is None:
-        rows = [{"case": c, "world": 2, "status": "peer not installed"} for c in ("dense", "moe")]
-        notes.append(f"peer not installed: set {DION_ENV} to a checkout of github.com/microsoft/dion")
-        return result("muon_dion", rows, notes, wall_s=time.perf_counter() - t0)
-    steps = 5 if quick else 15
+        rows = [{"case": c, "world": w, "status": "peer not installed"}
+                for w in (2, 4) for c in ("dense", "moe")]
+        notes.append(f"peer not installed: set {DION_ENV} to a checkout of github.com/microsoft/dion "
+                     "(the folder holding dion/); nothing was timed")
+        return result("muon_dion", rows, notes, cpu_flags=flags, wall_s=time.perf_counter() - t0)
+    steps, repeats = (8, 1) if quick else (20, 3)
     rows, headline = [], []
-    for w in (2,) if quick else (2, 4):
+    for w in (2, 4):
         for case in ("dense", "moe"):
-            r = _row(w, steps, case, src)
+            r = _row(w, steps, case, src, repeats)
             rows.append(r)
             headline += [
                 {"comparison": f"Muon on fully_shard / dion.Muon on FSDP2, {case}, W={w}",
@@ -132,7 +200,8 @@ def run(quick: bool = True) -> dict:
             ]
         if (nr := not_run_row(w)) is not None:
             rows.append(nr)
-    return result("muon_dion", rows, notes, headline=headline, wall_s=time.perf_counter() - t0)
+    return result("muon_dion", rows, notes, headline=headline, cpu_flags=flags,
+                  wall_s=time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> dict:
