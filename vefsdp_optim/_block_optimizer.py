@@ -71,7 +71,7 @@ class BlockOptimizer(Optimizer):
     bucket_numel: int = 1 << 26
     #: fewest elements per round of whole tensors sent to owners ([Note: owner rounds]);
     #: 0 keeps them in the buckets above
-    min_round_numel: int = 1 << 18
+    min_round_numel: int = 1 << 20
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
