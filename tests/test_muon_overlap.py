@@ -120,3 +120,48 @@ def test_cost_counts_each_block():
         (5, 6, 4), flatten=False)
     assert opt.cost(torch.Size((3, 12, 5)), opt.param_groups[1]) == muon_cost((3, 60))
     assert opt.cost(torch.Size((7,)), opt.param_groups[0]) == 7.0  # AdamW elements
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_experts_batched_or_not_equal_torch(monkeypatch, exact):
+    """Runs of equal experts are orthogonalised in one batch where that keeps every bit
+    ([Note: batched Newton-Schulz]), one by one elsewhere: torch.optim.Muon's bits either way."""
+    import vefsdp_optim._muon as muon_mod
+
+    calls = []
+    real = muon_mod.newtonschulz_batch_exact
+    monkeypatch.setattr(muon_mod, "newtonschulz_batch_exact",
+                        lambda *a: calls.append(a) or (exact and real(*a)))
+    g = torch.Generator().manual_seed(3)
+    init = torch.randn(5, 12, 8, generator=g)
+    p = nn.Parameter(init.clone())
+    opt = vefsdp_optim.Muon([{"params": [p], "flatten": False}], **HP)
+    ref = [nn.Parameter(init[e].clone()) for e in range(5)]
+    ref_opt = torch.optim.Muon(ref, **HP)
+    for _ in range(STEPS):
+        grad = torch.randn(5, 12, 8, generator=g)
+        p.grad = grad.clone()
+        for e, r in enumerate(ref):
+            r.grad = grad[e].clone()
+        opt.step()
+        ref_opt.step()
+    assert calls and calls[0][:3] == (5, 12, 8)
+    for e, r in enumerate(ref):
+        assert torch.equal(p.detach()[e], r.detach()), e
+
+
+def test_batch_check_uses_a_probe_and_matches_loop():
+    from vefsdp_optim._math._newton_schulz import (
+        NS_COEFFICIENTS,
+        newtonschulz_batch_exact,
+        zeropower_via_newtonschulz,
+        zeropower_via_newtonschulz_batched,
+    )
+
+    x = torch.randn(3, 10, 6)
+    batched = zeropower_via_newtonschulz_batched(x)
+    assert batched.shape == (3, 10, 6) and batched.dtype == torch.bfloat16
+    if newtonschulz_batch_exact(3, 10, 6, x.device, NS_COEFFICIENTS, 5, 1e-7, torch.get_num_threads()):
+        assert torch.equal(batched, torch.stack([zeropower_via_newtonschulz(m) for m in x]))
+    with pytest.raises(ValueError, match="3-D batch"):
+        zeropower_via_newtonschulz_batched(x[0])

@@ -37,10 +37,11 @@ __all__ = ["BlockOptimizer", "BlockContext"]
 #     (only pieces at boundaries move) for block and band requirements;
 #   - "whole on an owner" for WholeTensor, owners balanced by cost (LPT).
 # A step walks exchange buckets of parameters (same param group, process group, dtype,
-# device; so every hook sees one param group per bucket): it gathers
-# the inputs of every moving parameter of the bucket in ONE all_to_all (launched
-# before the previous bucket's compute, so they overlap), computes on whole blocks,
-# and sends the results back in one more. Subclasses supply only the requirement and
+# device; so every hook sees one param group per bucket; whole tensors in balanced
+# owner rounds, [Note: owner rounds] in _step_loop.py): it gathers the inputs of every
+# moving parameter of the bucket in ONE all_to_all (launched before the previous
+# bucket's compute, so they overlap), computes on whole blocks, and sends the results
+# back in one more (waited for after the next bucket's compute). Subclasses supply only the requirement and
 # the per-block math through three hooks:
 #   gather_inputs(item)  -> local tensors (storage layout) the compute needs
 #   compute(item, ins)   -> tensors (compute layout) to send back

@@ -23,6 +23,8 @@ from vefsdp_optim._math._newton_schulz import (
     muon_block_unit,
     muon_blocks,
     muon_blocks_cost,
+    newtonschulz_batch_exact,
+    zeropower_via_newtonschulz_batched,
 )
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import (
@@ -261,25 +263,44 @@ class Muon(BlockOptimizer):
                     group["ns_steps"], group["eps"])
                 out[i] = [ortho.reshape(-1)]
                 continue
-            # whole blocks of the compute layout: each orthogonalised alone
-            start, length = it.compute.local(it.view.rank)
-            res = torch.empty(length, dtype=torch.bfloat16, device=x.device)
-            done = 0
-            for b in plan.span(start, length):
-                (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
-                if a < 0 or a + rows * cols > length:
-                    raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a parameter of shape "
-                                       f"{tuple(it.view.shape)} is split by the compute layout {it.compute}")
-                ortho = zeropower_via_newtonschulz(
-                    x[a:a + rows * cols].view(rows, cols), group["ns_coefficients"],
-                    group["ns_steps"], group["eps"])
-                res[a:a + rows * cols].view(rows, cols).copy_(ortho)
-                done += rows * cols
-            if done != length:
-                raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a parameter of shape "
-                                   f"{tuple(it.view.shape)} does not hold whole blocks")
-            out[i] = [res]
+            out[i] = [self._orthogonalise_blocks(it, plan, x)]
         return out
+
+    @staticmethod
+    def _orthogonalise_blocks(it: StepItem, plan: _MuonPlan, x: torch.Tensor) -> torch.Tensor:
+        """Newton-Schulz on each whole block of this rank's compute slice ``x`` (1-D);
+        runs of equal blocks (experts) batched where that keeps every bit
+        ([Note: batched Newton-Schulz] in _math/_newton_schulz.py)."""
+        group = it.group
+        ns = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        start, length = it.compute.local(it.view.rank)
+        res = torch.empty(length, dtype=torch.bfloat16, device=x.device)
+        runs: list[list[int]] = []  # consecutive blocks of one (rows, cols)
+        for b in plan.span(start, length):
+            (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
+            if a < 0 or a + rows * cols > length:
+                raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a parameter of shape "
+                                   f"{tuple(it.view.shape)} is split by the compute layout {it.compute}")
+            if runs and plan.blocks[runs[-1][-1]] == (rows, cols):
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        done = 0
+        for run in runs:
+            (rows, cols), a = plan.blocks[run[0]], plan.offsets[run[0]] - start
+            n, k = rows * cols, len(run)
+            if k > 1 and newtonschulz_batch_exact(k, rows, cols, x.device, *ns, torch.get_num_threads()):
+                ortho = zeropower_via_newtonschulz_batched(x[a:a + k * n].view(k, rows, cols), *ns)
+                res[a:a + k * n].view(k, rows, cols).copy_(ortho)
+            else:
+                for j in range(k):
+                    ortho = zeropower_via_newtonschulz(x[a + j * n:a + (j + 1) * n].view(rows, cols), *ns)
+                    res[a + j * n:a + (j + 1) * n].view(rows, cols).copy_(ortho)
+            done += k * n
+        if done != length:
+            raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a parameter of shape "
+                               f"{tuple(it.view.shape)} does not hold whole blocks")
+        return res
 
     def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
         if not self._is_muon(item.view.shape, item.group):

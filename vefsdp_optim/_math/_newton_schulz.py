@@ -9,6 +9,7 @@ an algebraically equal one, changes the bfloat16 rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -26,7 +27,9 @@ __all__ = [
     "muon_blocks_cost",
     "muon_cost",
     "muon_matrix_view",
+    "newtonschulz_batch_exact",
     "zeropower_via_newtonschulz",
+    "zeropower_via_newtonschulz_batched",
 ]
 
 NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
@@ -90,6 +93,58 @@ def zeropower_via_newtonschulz(
     if tall:
         x = x.T
     return x
+
+
+def zeropower_via_newtonschulz_batched(
+    grads: Tensor,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
+) -> Tensor:
+    """``zeropower_via_newtonschulz`` of each ``grads[i]`` of a 3-D batch, with batched
+    matmuls (``baddbmm``) in the same op order: the norm and its division per matrix,
+    then each step's two products for the whole batch. Whether the bits equal the
+    per-matrix function's depends on the matmul kernels of the device and shape: use it
+    only where :func:`newtonschulz_batch_exact` says so."""
+    if not isinstance(grads, Tensor) or grads.ndim != 3:
+        raise ValueError(f"grads must be a 3-D batch of matrices, got {getattr(grads, 'shape', grads)!r}")
+    a, b, c = ns_coefficients
+    tall = grads.size(1) > grads.size(2)
+    x = grads.bfloat16()  # (batch, rows, cols), bf16
+    if x is grads:
+        x = x.clone()
+    if tall:
+        x = x.mT  # (batch, cols, rows)
+    for m in x:  # per matrix, as the single-matrix function: the same norm bits
+        m.div_(m.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.mT  # (batch, short, short)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    if tall:
+        x = x.mT
+    return x
+
+
+@functools.lru_cache(maxsize=256)
+def newtonschulz_batch_exact(
+    batch: int, rows: int, cols: int, device: torch.device, ns_coefficients: tuple[float, float, float],
+    ns_steps: int, eps: float, threads: int,
+) -> bool:
+    """Whether the batched Newton-Schulz gives, on ``device`` with ``threads`` intra-op
+    threads, the same bits as the per-matrix one for ``batch`` matrices of ``rows x cols``.
+
+    [Note: batched Newton-Schulz] Batched and single matmuls may take different kernels
+    (a naive loop for tiny CPU products, another cuBLAS algorithm), so equal bits are
+    checked, not assumed: once per shape, on a fixed random batch (never on the data,
+    whose zeros would agree under any kernel). Kernels choose by shape, dtype, device
+    and threads, never by value, so one check answers for every input of that shape.
+    """
+    g = torch.Generator().manual_seed(rows * 1_000_003 + cols)
+    probe = torch.randn(batch, rows, cols, generator=g).to(device)
+    want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps) for m in probe])
+    got = zeropower_via_newtonschulz_batched(probe, ns_coefficients, ns_steps, eps)
+    return bool(torch.equal(got, want))
 
 
 def muon_matrix_view(shape: Sequence[int]) -> tuple[int, int]:
