@@ -261,9 +261,9 @@ class Muon(BlockOptimizer):
                 ortho = zeropower_via_newtonschulz(
                     x.view(muon_matrix_view(it.view.shape)), group["ns_coefficients"],
                     group["ns_steps"], group["eps"])
-                # [Note: results in place] a result that does not move is applied as the
-                # (possibly transposed) matrix: no copy into flat order
-                out[i] = [ortho if not it.moves else ortho.reshape(-1)]
+                # flat order: a view for a wide matrix; a tall one's transposed result is
+                # copied once here (adding it strided to the parameter is slower still)
+                out[i] = [ortho.reshape(-1)]
                 continue
             out[i] = [self._orthogonalise_blocks(it, plan, x)]
         return out
@@ -287,11 +287,11 @@ class Muon(BlockOptimizer):
                 runs[-1].append(b)
             else:
                 runs.append([b])
-        if len(runs) == 1 and not it.moves and plan.uniform and len(runs[0]) > 1:
+        if len(runs) == 1 and len(runs[0]) > 1:  # one batch: its flat result, a view when wide
             (rows, cols), k = plan.blocks[runs[0][0]], len(runs[0])
             if k * rows * cols == length and newtonschulz_batch_exact(k, rows, cols, x.device, *ns,
                                                                       torch.get_num_threads()):
-                return zeropower_via_newtonschulz_batched(x.view(k, rows, cols), *ns)  # [Note: results in place]
+                return zeropower_via_newtonschulz_batched(x.view(k, rows, cols), *ns).reshape(-1)
         done = 0
         for run in runs:
             (rows, cols), a = plan.blocks[run[0]], plan.offsets[run[0]] - start
@@ -319,7 +319,7 @@ class Muon(BlockOptimizer):
         if plan.uniform:
             adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0])
             p.mul_(1 - lr * group["weight_decay"])
-            p.view(ortho.shape).add_(ortho, alpha=-adjusted_lr)  # a matrix or a batch of them, or flat
+            p.add_(ortho, alpha=-adjusted_lr)
             return
         # blocks of several shapes: each block's own lr adjustment, on its part of this slice
         p.mul_(1 - lr * group["weight_decay"])
