@@ -15,8 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+from torch.distributed.tensor import DTensor, Shard
 
 from ._group import ShardGroup, check_group_consistent
 from ._module import FSDPModule, state_of
@@ -54,6 +59,38 @@ def _init_mesh() -> DeviceMesh:
     return init_device_mesh(dt, (dist.get_world_size(),))
 
 
+def _dp_submesh(mesh: DeviceMesh, dims: object, modules: list[nn.Module]) -> DeviceMesh:
+    """The 1-D (shard) or 2-D (replicate, shard) data-parallel mesh that ``dims`` names in
+    the full SPMD ``mesh``, as FSDP2 takes it out (several names: flattened into one dim)."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is given")
+    for n in (*dims.shard_names, *dims.replicate_names):
+        if n not in names:
+            raise ValueError(f"dp_mesh_dims names mesh dim {n!r}, not in mesh.mesh_dim_names {names}")
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims} replicates without sharding (DDP); vefsdp_optim's fully_shard "
+            "needs a shard dim (shard=...), with or without replicate=...")
+    for m in modules:
+        for pn, p in m.named_parameters():
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"parameter {pn} is a DTensor on {p.device_mesh}: vefsdp_optim's fully_shard "
+                    "shards plain parameters only (no tensor-parallel composition); use torch's "
+                    "fully_shard for DTensor parameters")
+
+    def sub(group: tuple[str, ...]) -> DeviceMesh:
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    shard = sub(dims.shard_names)
+    if not dims.replicate_names:
+        return shard
+    return DeviceMesh._concatenate([sub(dims.replicate_names), shard])
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -63,7 +100,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: object | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s own parameters (not those of fully_shard'd descendants).
 
@@ -76,6 +113,9 @@ def fully_shard(
     where the optimizers' blocks allow), any other placement raises NotImplementedError.
     ``offload_policy``: ``OffloadPolicy()`` (none) or, where the mesh is on the CPU
     already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the group, as FSDP2.
+    ``dp_mesh_dims``: FSDP2's names of the data-parallel dims of a larger SPMD ``mesh``
+    (``shard=`` and optionally ``replicate=``); the group shards over that submesh.
+    Parameters must be plain tensors (a DTensor parameter raises NotImplementedError).
     Returns ``module``, each of whose classes now also derives from :class:`FSDPModule`
     (an instance of torch's ``FSDPModule``).
     """
@@ -89,9 +129,6 @@ def fully_shard(
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
     if reshard_after_forward is None:  # FSDP2's default: True, except at the root
         reshard_after_forward = True
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("dp_mesh_dims is not supported by vefsdp_optim's fully_shard; "
-                                  "pass the 1-D (shard) or 2-D (replicate, shard) mesh itself")
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward must be a bool, got {reshard_after_forward!r}; "
@@ -102,6 +139,8 @@ def fully_shard(
     mesh = _init_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if dp_mesh_dims is not None:
+        mesh = _dp_submesh(mesh, dp_mesh_dims, modules)
     if mesh.ndim == 1:
         shard_pg, replicate_pg = mesh.get_group(0), None
     elif mesh.ndim == 2:
