@@ -138,8 +138,17 @@ class _Count(TorchDispatchMode):
 
 # -- the two systems --------------------------------------------------------------------
 
-def _build(system: str, base: nn.Module, device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(system: str, base: nn.Module, device: str,
+           ac: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A deep copy of ``base`` sharded block by block, then at the root, by ``system``
+    ("ours" or "fsdp2") with its AdamW; ``ac``: every block wrapped by checkpoint_wrapper
+    first (activation checkpointing, non-reentrant)."""
     model = copy.deepcopy(base).to(device)
+    if ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, b in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(b)
     if system == "ours":
         import vefsdp_optim
         from vefsdp_optim import fully_shard

@@ -30,7 +30,6 @@ Ours is vefsdp_optim's ``fully_shard`` + ``vefsdp_optim.AdamW``; the peer is FSD
 
 from __future__ import annotations
 
-import copy
 import gc
 import weakref
 from collections.abc import Iterable
@@ -54,6 +53,7 @@ from benchmarks._common import (
 )
 from benchmarks._memtrack import LiveBytes
 from benchmarks.bench_fully_shard import BATCH, VOCAB, ToyGPT, _data, _num_params
+from benchmarks.bench_fully_shard import _build as build_sharded
 
 WORLDS = (2, 4)
 CATEGORIES = ("params", "grads", "opt", "unsharded", "act", "other")
@@ -63,27 +63,7 @@ MiB = 2**20
 # -- the framework-style step -------------------------------------------------------------
 
 def _build(system: str, base: nn.Module, device: str, ac: bool) -> tuple[nn.Module, Any, Any]:
-    model = copy.deepcopy(base).to(device)
-    if ac:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, b in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(b)
-    if system == "ours":
-        import vefsdp_optim
-        from vefsdp_optim import fully_shard
-
-        for b in model.layers:
-            fully_shard(b)
-        fully_shard(model)
-        opt = vefsdp_optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for b in model.layers:
-            fully_shard(b)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    model, opt = build_sharded(system, base, device, ac)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     return model, opt, sched
 
