@@ -124,6 +124,16 @@ class ShardedParameter(torch.Tensor):
         parts = [out[r * n: r * n + length] for r, (_, length) in enumerate(self._layout.extents)]
         return torch.cat(parts).view(self.shape)
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The storage of this rank's local data, the group's buffer (no copy).
+
+        A wrapper tensor has no storage of its own; asking for its data pointer raises
+        "invalid python storage". Frameworks that compare storages (torchtitan's
+        checkpoint ``ModelWrapper``) look through FSDP2's DTensor to its local tensor;
+        this answers the same question for ours. ``data_ptr()`` stays 0, as DTensor's.
+        """
+        return self._local.untyped_storage()
+
     def __sharded_view__(self) -> ShardedView:
         return ShardedView(
             local=self._local.detach() if self._local.requires_grad else self._local,
