@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from dist_utils import run_distributed
 from torch import nn
@@ -67,7 +68,7 @@ def test_tracker_counts_each_storage_once_while_it_lives() -> None:
     assert m.live == 0 and b.untyped_storage().nbytes() == 0
 
 
-# -- fully_shard's gradient memory (W = 2) -------------------------------------------------
+# -- fully_shard's gradient memory (W = 2, 3) -------------------------------------------------
 
 
 class _Net(nn.Module):
@@ -75,11 +76,12 @@ class _Net(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
         self.seen: list[bool] = []  # at each block's pre-backward: its gradient buffer has bytes
+        self.track = True  # False: a plain (unsharded) copy, nothing to look at
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
             y = b(x)
-            if y.requires_grad:  # runs right after the block's pre-backward hook
+            if y.requires_grad and self.track:  # runs right after the block's pre-backward hook
                 y.register_hook(lambda g, b=b: self.seen.append(_store(b).compute.grad_global_allocated))
             x = torch.tanh(y)
         return x
@@ -96,11 +98,16 @@ def _grad_bytes(m: nn.Module) -> int:
 
 
 def _gradient_memory() -> list[str]:
+    import copy
+
     import vefsdp_optim
     from vefsdp_optim import fully_shard
 
     torch.manual_seed(0)
     net = _Net()
+    ref = copy.deepcopy(net)  # one device, torch's AdamW: the gradient memory changes no result
+    ref.track = False
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for b in net.blocks:
         fully_shard(b)
     fully_shard(net)
@@ -120,6 +127,9 @@ def _gradient_memory() -> list[str]:
         if blocks[0].weight.grad is None or not _grad_bytes(blocks[0]):
             bad.append(f"step {step}: no shard gradient after backward")
         opt.step()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
         kept = blocks[0].weight.grad.to_local().clone() if step == 1 else None
         held = blocks[0].weight.grad if step == 1 else None
         opt.zero_grad(set_to_none=True)
@@ -133,9 +143,14 @@ def _gradient_memory() -> list[str]:
                 net(x)
         if any(_grad_bytes(b) for b in blocks):
             bad.append(f"step {step}: shard gradients kept their bytes after zero_grad(set_to_none)")
+    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        full = p.full_tensor()
+        if not torch.allclose(full, q.detach(), rtol=1e-6, atol=1e-7):
+            bad.append(f"{name}: differs from one device by {(full - q.detach()).abs().max().item():.3g}")
     return bad
 
 
-def test_gradient_bytes_live_only_while_used() -> None:
-    for bad in run_distributed(_gradient_memory, 2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gradient_bytes_live_only_while_used(world_size: int) -> None:
+    for bad in run_distributed(_gradient_memory, world_size):
         assert bad == []
