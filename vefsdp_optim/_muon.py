@@ -291,14 +291,14 @@ class Muon(BlockOptimizer):
             (rows, cols), k = plan.blocks[runs[0][0]], len(runs[0])
             if k * rows * cols == length and newtonschulz_batch_exact(k, rows, cols, x.device, *ns,
                                                                       torch.get_num_threads()):
-                return zeropower_via_newtonschulz_batched(x.view(k, rows, cols), *ns).reshape(-1)
+                return _flat_copy(zeropower_via_newtonschulz_batched(x.view(k, rows, cols), *ns))
         done = 0
         for run in runs:
             (rows, cols), a = plan.blocks[run[0]], plan.offsets[run[0]] - start
             n, k = rows * cols, len(run)
             if k > 1 and newtonschulz_batch_exact(k, rows, cols, x.device, *ns, torch.get_num_threads()):
                 ortho = zeropower_via_newtonschulz_batched(x[a:a + k * n].view(k, rows, cols), *ns)
-                res[a:a + k * n].view(k, rows, cols).copy_(ortho)
+                _flat_copy(ortho, out=res[a:a + k * n])
             else:
                 for j in range(k):
                     ortho = zeropower_via_newtonschulz(x[a + j * n:a + (j + 1) * n].view(rows, cols), *ns)
@@ -342,3 +342,22 @@ class Muon(BlockOptimizer):
             seg_lo, seg_hi, seg_lr = lo, hi, a_lr
         if seg_lr is not None:
             p[seg_lo:seg_hi].add_(ortho[seg_lo:seg_hi], alpha=-seg_lr)
+
+
+def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``batch`` (k, rows, cols) in flat row-major order, into ``out`` (1-D) when given.
+    A tall batch's Newton-Schulz result is a transposed view: on the CPU, torch copies
+    it ~2.5x faster one matrix at a time than as one strided batch (measured on
+    [8, 512, 256] bf16), so it is copied per matrix there; the bits are the same."""
+    if out is None:
+        if batch.is_contiguous():
+            return batch.reshape(-1)
+        out = torch.empty(batch.numel(), dtype=batch.dtype, device=batch.device)
+    dst = out.view(batch.shape)
+    if batch.device.type == "cpu" and not batch.is_contiguous():
+        for i in range(batch.shape[0]):
+            dst[i].copy_(batch[i])
+    else:
+        dst.copy_(batch)
+    return out
+
