@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ class RaggedShard:
             raise ValueError(f"rank must be in [0, {w}), got {rank}")
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
+        if cls is RaggedShard:  # immutable: every optimizer step asks for the same few
+            return _whole(numel, w, rank)
         return cls.from_boundaries([0] * (rank + 1) + [numel] * (w - rank))
 
     # -- queries ------------------------------------------------------------------
@@ -142,3 +145,9 @@ def _check_world(world_size: object) -> int:
     if w < 1:
         raise ValueError(f"world_size must be >= 1, got {w}")
     return w
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole(numel: int, world_size: int, rank: int) -> RaggedShard:
+    """``RaggedShard.whole`` of checked ints, built once."""
+    return RaggedShard.from_boundaries([0] * (rank + 1) + [numel] * (world_size - rank))
