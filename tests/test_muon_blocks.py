@@ -319,3 +319,22 @@ def test_toy_moe_task_declares_both_keys():
     assert keys == {(False, None): 4, (True, (64, 32, 32)): 2, (True, None): 4}, keys
     losses = train(RunConfig("moe", "muon", "none", 3)).losses
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("tall", [True, False])
+@pytest.mark.parametrize("into", [False, True])
+def test_flat_copy_gives_row_major_order(tall, into):
+    """A batch's flat row-major copy, also from a transposed (tall) Newton-Schulz result
+    copied one matrix at a time, equals torch's own reshape."""
+    from vefsdp_optim._muon import _flat_copy
+
+    wide = torch.randn(4, 5, 7, generator=torch.Generator().manual_seed(3)).bfloat16()
+    batch = wide.mT if tall else wide
+    want = batch.reshape(-1).clone()
+    if into:
+        out = torch.full((batch.numel(),), float("nan"), dtype=batch.dtype)
+        assert _flat_copy(batch, out=out) is out
+    else:
+        out = _flat_copy(batch)
+    assert torch.equal(out, want)
+    assert out.is_contiguous()
