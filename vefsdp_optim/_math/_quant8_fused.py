@@ -6,12 +6,12 @@ parameter, the gradient and two one-byte codes and writes the parameter and the 
 (16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
 kernel below does the whole step block by block: dequantize both moments through the
 256-value code maps, the Adam / AdamW update, the block's absmax, and the requantization
-through the packed bucket table of ``TableQuantizer`` ([Note: packed bucket table]),
+through the packed bucket table of ``TableQuantizer`` ([Note: packed bucket table];
+with AVX-512 a search over the midpoints, the same codes, see below),
 with the block's new moments in a cache-resident scratch of 2 * block_size floats. The
-data are read once and written once. The step is still compute-bound (~1/3 of a large
-``copy_``'s bytes per second on one thread). Measured on 4.4 M elements, one thread
-(AVX-512): 5.1 ms a step, of which ~2.2 ms are the bucket-table gathers of the
-requantization, ~0.45 ms its divisions and ~1.1 ms the dequantization.
+data are read once and written once. The step is still compute-bound (~0.4 of a large
+``copy_``'s bytes per second on one thread). Measured on 4.0 M elements, one thread, AMD
+EPYC with AVX-512: ~4.2 ms a kernel step, of which ~2 ms are the requantization.
 
 Bits. The kernel computes exactly the sequence of float32 operations that the eager
 path runs as torch ops ([Note: 8-bit Adam op order] in ``_quant8.py``): each is one
@@ -27,12 +27,16 @@ writes the float moments back to memory between its loops: ~45 ms for 4 M elemen
 one thread against ~5 ms for this kernel, after ~11 s of compilation. Where AVX-512
 is there, the 256-value code maps are read with register permutes (a vector gather cost
 ~1 ms more per 4 M elements; with AVX-512 VBMI, byte permutes of the map's four byte
-planes, 64 codes at a time: 3% of the step), and the requantization runs 16 lanes at a time with one
-vector gather from the 65536-entry bucket table (gcc left that loop scalar: 6.0 ->
-5.1 ms a step). Tried and dropped: the absmax folded into the update loop (gcc then
+planes, 64 codes at a time: 3% of the step). The requantization's code is the number
+of the map's 255 midpoints below the value (searchsorted's, so ``code_of``'s for every
+finite float: checked on all 2^32 bit patterns); with AVX-512 it is found by a
+branch-free binary search whose 8 levels read the midpoints with register permutes, 8
+vectors interleaved (their chains are ~80 cycles long). A vector gather from the
+65536-entry bucket table costs ~20 cycles for 16 lanes there; the search ~15 (kernel
+step 4.5 -> 4.2 ms). Tried and dropped: the absmax folded into the update loop (gcc then
 vectorizes neither: 15 ms; written with intrinsics: no gain), both moments'
-requantizations in one loop (slower), a table small enough for register permutes
-(the hot part of the bucket table is thousands of entries). This kernel
+requantizations in one loop (slower, also with one moment by gather and one by search),
+software prefetch (slower), the table lookups as scalar loads (1.4x slower). This kernel
 builds in under a second with ``cc`` (``$CC``, ``cc``, ``gcc`` or ``clang``) and is
 cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``, ``vefsdp_optim/``) by the hash of
 its source, flags, compiler and CPU, so ranks and test processes load it in
@@ -153,24 +157,89 @@ static inline uint8_t code_of(float normed, const uint32_t* tab) {
     return (uint8_t)((e >> 16) + up);
 }
 
-/* codes of x[i] / scale, i < len, into out: code_of on 16 lanes (the same division,
-   compare and add as the scalar form, so the same codes) */
-static void quantize(const float* restrict x, int64_t len, float scale, const uint32_t* restrict tab,
-                     uint8_t* restrict out) {
+#if defined(__AVX512F__)
+/* the 8 levels of a branch-free binary search over the 255 midpoints mid[j] =
+   (code[j] + code[j + 1]) / 2 of a code map (as quantize_blockwise rounds them): level
+   L's 2^L midpoints mid[k * 2s + s - 1] (s = 2^(7 - L), k < 2^L) at srch[2^L - 1 + r],
+   r = k's L bits reversed, so that the bits found so far index the level directly */
+static void search_levels(const float* code, float* srch) {
+    float mid[255];
+    for (int j = 0; j < 255; ++j) mid[j] = (code[j] + code[j + 1]) / 2.0f;
+    for (int L = 0; L < 8; ++L)
+        for (int k = 0, s = 128 >> L; k < (1 << L); ++k) {
+            int r = 0;
+            for (int b = 0; b < L; ++b) r |= ((k >> (L - 1 - b)) & 1) << b;
+            srch[(1 << L) - 1 + r] = mid[k * 2 * s + s - 1];
+        }
+    for (int j = 255; j < 272; ++j) srch[j] = 0.0f;
+}
+
+typedef struct { __m512 sc, t0, t1, t2, t3, t4, t5[2], t6[4], t7[8]; } levels_t;
+
+/* codes of 16 * U values x[i] / scale: at level L, bit L of r (the code's bit 7 - L)
+   is mid < x for the level's midpoint picked by r's bits so far; r's byte is reversed
+   at the end. The same division and exact float compares, so searchsorted's codes */
+static inline __attribute__((always_inline)) void search(const levels_t* T, const float* x,
+                                                         uint8_t* out, const int U) {
+#define EACH for (int u = 0; u < U; ++u)
+#define LT(t) _mm512_cmp_ps_mask(t, xn[u], _CMP_LT_OQ)
+#define OR(m, b) r[u] = _mm512_mask_or_epi32(r[u], m, r[u], _mm512_set1_epi32(b))
+#define P2(t, j) _mm512_permutex2var_ps((t)[j], r[u], (t)[(j) + 1])
+    __m512 xn[8]; __m512i r[8]; __mmask16 k5[8], k6[8];
+    EACH xn[u] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * u), T->sc);
+    EACH r[u] = _mm512_maskz_mov_epi32(LT(T->t0), _mm512_set1_epi32(1));
+    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t1)), 2);
+    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t2)), 4);
+    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t3)), 8);
+    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t4)), 16);
+    EACH k5[u] = LT(P2(T->t5, 0));
+    EACH k6[u] = LT(_mm512_mask_blend_ps(k5[u], P2(T->t6, 0), P2(T->t6, 2)));
+    EACH {
+        const __m512 q0 = _mm512_mask_blend_ps(k5[u], P2(T->t7, 0), P2(T->t7, 2));
+        const __m512 q1 = _mm512_mask_blend_ps(k5[u], P2(T->t7, 4), P2(T->t7, 6));
+        const __mmask16 k7 = LT(_mm512_mask_blend_ps(k6[u], q0, q1));
+        OR(k5[u], 32); OR(k6[u], 64); OR(k7, 128);
+    }
+#if defined(__GFNI__)
+    const __m128i rev = _mm_set1_epi64x((long long)0x8040201008040201ULL);  /* byte reversal */
+    EACH _mm_storeu_si128((__m128i*)(out + 16 * u),
+                          _mm_gf2p8affine_epi64_epi8(_mm512_cvtepi32_epi8(r[u]), rev, 0));
+#else  /* the reversal of r's byte: rev4(low nibble) << 4 | rev4(high nibble) */
+    const __m128i rlo = _mm_setr_epi8(0, -128, 64, -64, 32, -96, 96, -32, 16, -112, 80, -48, 48, -80, 112, -16);
+    const __m128i rhi = _mm_setr_epi8(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+    const __m128i nib = _mm_set1_epi8(15);
+    EACH {
+        const __m128i b = _mm512_cvtepi32_epi8(r[u]);
+        _mm_storeu_si128((__m128i*)(out + 16 * u),
+                         _mm_or_si128(_mm_shuffle_epi8(rlo, _mm_and_si128(b, nib)),
+                                      _mm_shuffle_epi8(rhi, _mm_and_si128(_mm_srli_epi16(b, 4), nib))));
+    }
+#endif
+#undef EACH
+#undef LT
+#undef OR
+#undef P2
+}
+#endif
+
+/* codes of x[i] / scale, i < len, into out: code_of, or with AVX-512 the
+   search over srch (register permutes: a gather from the bucket table costs ~20 cycles
+   for 16 lanes, 8 levels of the search ~15; every finite float gets code_of's code) */
+static void quantize(const float* restrict x, int64_t len, float scale, const float* restrict srch,
+                     const uint32_t* restrict tab, uint8_t* restrict out) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 sc = _mm512_set1_ps(scale);
-    const __m512i lo16 = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
-    for (; i + 16 <= len; i += 16) {
-        const __m512i u = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + i), sc));
-        const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), (const void*)tab, 4);
-        const __m512i xl = _mm512_and_si512(u, lo16), t = _mm512_and_si512(e, lo16);
-        const __mmask16 neg = _mm512_cmplt_epi32_mask(u, zero);
-        const __mmask16 up = (__mmask16)((neg & _mm512_cmplt_epu32_mask(xl, t)) |
-                                         (~neg & _mm512_cmpgt_epu32_mask(xl, t)));
-        const __m512i hi = _mm512_srli_epi32(e, 16);
-        _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(hi, up, hi, one)));
-    }
+    levels_t T;
+    T.sc = _mm512_set1_ps(scale);
+    T.t0 = _mm512_set1_ps(srch[0]);
+    T.t1 = _mm512_loadu_ps(srch + 1), T.t2 = _mm512_loadu_ps(srch + 3);
+    T.t3 = _mm512_loadu_ps(srch + 7), T.t4 = _mm512_loadu_ps(srch + 15);
+    for (int j = 0; j < 2; ++j) T.t5[j] = _mm512_loadu_ps(srch + 31 + 16 * j);
+    for (int j = 0; j < 4; ++j) T.t6[j] = _mm512_loadu_ps(srch + 63 + 16 * j);
+    for (int j = 0; j < 8; ++j) T.t7[j] = _mm512_loadu_ps(srch + 127 + 16 * j);
+    /* 8 vectors at a time: each level's permute and compare wait on the one before */
+    for (; i + 128 <= len; i += 128) search(&T, x + i, out + i, 8);
+    for (; i + 16 <= len; i += 16) search(&T, x + i, out + i, 1);
 #endif
     for (; i < len; ++i) out[i] = code_of(x[i] / scale, tab);
 }
@@ -185,6 +254,11 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
     const float bc2 = hp[5], eps = hp[6], neg_step = hp[7];
     const float gsign = (flags & 1) ? -1.0f : 1.0f;
     const int wd_mode = (flags & 2) ? ((flags & 4) ? 1 : 2) : 0;
+    float ssrch[272] = {0}, usrch[272] = {0};
+#if defined(__AVX512F__)
+    search_levels(scode, ssrch);
+    search_levels(ucode, usrch);
+#endif
     float* scratch = (float*)malloc((size_t)(2 * bs) * sizeof(float));
     if (scratch == NULL) return -1;
     float* restrict sm = scratch;
@@ -221,8 +295,8 @@ int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* re
         const float amax_m = float_of(um), amax_v = float_of(uv);
         const float scale_m = amax_m > 0.0f ? amax_m : 1.0f;
         const float scale_v = amax_v > 0.0f ? amax_v : 1.0f;
-        quantize(sm, len, scale_m, stab, mb);
-        quantize(sv, len, scale_v, utab, vb);
+        quantize(sm, len, scale_m, ssrch, stab, mb);
+        quantize(sv, len, scale_v, usrch, utab, vb);
         ma[blk] = amax_m;
         va[blk] = amax_v;
     }
