@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from vefsdp_optim.sharding import RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["OwnerAssignment", "assign_owners"]
 
@@ -33,7 +33,7 @@ class OwnerAssignment(NamedTuple):
 
 
 def assign_owners(
-    layouts: Sequence[RaggedShard],
+    layouts: Sequence[RaggedShard | BoxShard],
     costs: Sequence[float],
     *,
     tolerance: float = 1e-6,
@@ -46,8 +46,8 @@ def assign_owners(
     if not layouts:
         raise ValueError("assign_owners needs at least one tensor")
     for i, lay in enumerate(layouts):
-        if not isinstance(lay, RaggedShard):
-            raise TypeError(f"layouts[{i}] must be a RaggedShard, got {type(lay).__name__}")
+        if not isinstance(lay, (RaggedShard, BoxShard)):
+            raise TypeError(f"layouts[{i}] must be a RaggedShard or a BoxShard, got {type(lay).__name__}")
     w = layouts[0].world_size
     bad = [i for i, lay in enumerate(layouts) if lay.world_size != w]
     if bad:
@@ -67,7 +67,7 @@ def assign_owners(
     owners = [0] * len(layouts)
     for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
         low = min(loads)
-        held = [n for _, n in layouts[i].extents]
+        held = [layouts[i].local_numel(r) for r in range(w)]
         best = min(
             (r for r in range(w) if loads[r] <= low + slack),
             key=lambda r: (-held[r], loads[r], r),
@@ -76,5 +76,5 @@ def assign_owners(
         loads[best] += costs[i]
     mean = total / w
     ratio = max(loads) / mean if mean > 0 else 1.0
-    moved = sum(lay.numel - lay.local(o)[1] for lay, o in zip(layouts, owners, strict=True))
+    moved = sum(lay.numel - lay.local_numel(o) for lay, o in zip(layouts, owners, strict=True))
     return OwnerAssignment(tuple(owners), tuple(loads), ratio, moved)

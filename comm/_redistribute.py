@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.sharding import RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["RedistributeHandle", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
 
@@ -77,8 +77,11 @@ def _check_layouts(src: Sequence[RaggedShard], dst: Sequence[RaggedShard]) -> in
     w = None
     for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         for name, lay in (("src", s), ("dst", d)):
-            if not isinstance(lay, RaggedShard):
-                raise TypeError(f"{name}[{i}] must be a RaggedShard, got {type(lay).__name__}")
+            if not isinstance(lay, (RaggedShard, BoxShard)):
+                raise TypeError(f"{name}[{i}] must be a RaggedShard or a BoxShard, got {type(lay).__name__}")
+        if isinstance(s, BoxShard) and isinstance(d, BoxShard) and s != d:
+            raise NotImplementedError(f"tensor {i}: redistribution between two different BoxShards; "
+                                      "supported: between a BoxShard and a RaggedShard")
         if s.numel != d.numel:
             raise ValueError(f"tensor {i}: src has {s.numel} elements, dst has {d.numel}")
         if s.world_size != d.world_size or (w is not None and s.world_size != w):
@@ -171,6 +174,8 @@ def redistribute(
     if w == 1 or all(s == d for s, d in zip(src, dst, strict=True)):
         out = [t[:] for t in locals]
         return RedistributeHandle(None, (), lambda: out) if async_op else out
+    if any(isinstance(lay, BoxShard) for lay in (*src, *dst)):
+        return _redistribute_boxes(locals, src, dst, group, rank, w, async_op)
 
     send, recv = _routes(src, dst, rank)
     ref = locals[0]
@@ -219,16 +224,114 @@ def redistribute(
     return finish()
 
 
+# [Note: box exchange]
+# Between a BoxShard and a RaggedShard ([Note: boxes in flat order]), the piece of
+# tensor i that rank r sends to rank q is r's part of it under src that q holds under
+# dst, in increasing flat order. Where src is the BoxShard, that piece is one run of
+# r's local data and q scatters it at ``flat_indices - start`` of its slice (or, for a
+# whole box into a whole tensor, copies it as a strided block); where dst is the
+# BoxShard, r gathers it with ``index_select`` and q receives one run of its local
+# data. Pieces are packed peer-major, as in [Note: one exchange per bucket].
+
+
+def _box_pieces(s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int,
+                device: torch.device) -> tuple[tuple[int, int] | None, torch.Tensor | None, int]:
+    """The elements that rank ``a`` holds under ``s`` and rank ``b`` under ``d``:
+    ``(run in a's local data or None, indices into it or None, count)``, and the same
+    seen from b is ``_box_pieces`` of the reversed pair."""
+    if isinstance(s, RaggedShard) and isinstance(d, RaggedShard):
+        (x, n), (y, m) = s.local(a), d.local(b)
+        lo, hi = max(x, y), min(x + n, y + m)
+        return ((lo - x, hi - x) if lo < hi else (0, 0)), None, max(hi - lo, 0)
+    if isinstance(s, BoxShard) and isinstance(d, RaggedShard):
+        y, m = d.local(b)
+        lo, hi = s.count_below(a, y), s.count_below(a, y + m)
+        return (lo, hi), None, hi - lo
+    if isinstance(s, RaggedShard) and isinstance(d, BoxShard):
+        x, n = s.local(a)
+        lo, hi = d.count_below(b, x), d.count_below(b, x + n)
+        return None, d.flat_indices(b, lo, hi, device) - x, hi - lo
+    if s == d:
+        return ((0, s.local_numel(a)) if a == b else (0, 0)), None, s.local_numel(a) if a == b else 0
+    raise AssertionError("redistribution between two different BoxShards")
+
+
+def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
+                        dst: Sequence[RaggedShard | BoxShard], group: dist.ProcessGroup, rank: int,
+                        w: int, async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
+    """:func:`redistribute` where a layout is a BoxShard ([Note: box exchange])."""
+    ref = locals[0]
+    device = ref.device
+
+    def take(i: int, peer_src_rank: int, peer_dst_rank: int) -> torch.Tensor:
+        run, idx, _ = _box_pieces(src[i], dst[i], peer_src_rank, peer_dst_rank, device)
+        t = locals[i]
+        return t[run[0]:run[1]] if idx is None else t.index_select(0, idx)
+
+    send_pieces, send_counts, recv_counts = [], [0] * w, [0] * w
+    for p in range(w):
+        for i in range(len(locals)):
+            if p == rank:
+                continue
+            n = _box_pieces(src[i], dst[i], rank, p, device)[2]
+            if n:
+                send_pieces.append(take(i, rank, p))
+                send_counts[p] += n
+            recv_counts[p] += _box_pieces(src[i], dst[i], p, rank, device)[2]
+    send_buf = torch.cat(send_pieces) if send_pieces else ref.new_empty(0)
+    recv_buf = ref.new_empty(sum(recv_counts))
+    work = dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts, group=group,
+                                  async_op=async_op)
+
+    def finish() -> list[torch.Tensor]:
+        out = [ref.new_empty(d.local_numel(rank)) for d in dst]
+        pos = 0
+        for p in range(w):
+            for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+                if p == rank:
+                    piece = take(i, rank, rank)
+                else:
+                    n = _box_pieces(s, d, p, rank, device)[2]
+                    piece, pos = recv_buf[pos:pos + n], pos + n
+                if piece.numel():
+                    _place(out[i], piece, s, d, p, rank, device)
+        if pos != recv_buf.numel():
+            raise AssertionError(f"unpacked {pos} of {recv_buf.numel()} received elements")
+        return out
+
+    if async_op:
+        return RedistributeHandle(work, (send_buf, recv_buf), finish)
+    return finish()
+
+
+def _place(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
+           p: int, rank: int, device: torch.device) -> None:
+    """Write the piece that rank ``p`` holds under ``s`` into this rank's ``out`` under ``d``."""
+    if isinstance(s, BoxShard) and isinstance(d, RaggedShard):
+        y, m = d.local(rank)
+        if y == 0 and m == s.numel and s.is_whole_box(p) and piece.numel() == s.local_numel(p):
+            out.view(s.shape)[s.slices(p)].copy_(piece.view(s.boxes[p].sizes))
+            return
+        lo, hi = s.count_below(p, y), s.count_below(p, y + m)
+        out.index_copy_(0, s.flat_indices(p, lo, hi, device) - y, piece)
+        return
+    run, idx, _ = _box_pieces(d, s, rank, p, device)  # where the piece lies in this rank's data
+    if idx is not None:
+        out.index_copy_(0, idx, piece)
+    else:
+        out[run[0]:run[1]].copy_(piece)
+
+
 def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: int) -> None:
     for i, (t, s) in enumerate(zip(locals, src, strict=True)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"locals[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 1:
             raise ValueError(f"locals[{i}] must be 1-D, got shape {tuple(t.shape)}")
-        n = s.local(rank)[1]
+        n = s.local_numel(rank)
         if t.numel() != n:
             raise ValueError(
-                f"locals[{i}] has {t.numel()} elements; src[{i}] gives rank {rank} {n}: {s.extents}"
+                f"locals[{i}] has {t.numel()} elements; src[{i}] gives rank {rank} {n}: {s}"
             )
     if locals:
         dtypes = sorted({str(t.dtype) for t in locals})

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from vefsdp_optim.sharding import RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["ShardedView", "sharded_view"]
 
@@ -26,9 +27,9 @@ __all__ = ["ShardedView", "sharded_view"]
 # so ``_local_tensor.view(-1)`` aliases exactly this rank's rows and not the padding.
 
 _SUPPORTED = (
-    "plain tensors and nn.Parameter (single device or DDP), FSDP2 DTensors with placements "
-    "(Shard(dim=0),) on a 1-D mesh or (Replicate(), Shard(dim=0)) on a 2-D HSDP mesh, "
-    "and objects with a __sharded_view__() method"
+    "plain tensors and nn.Parameter (single device or DDP), DTensors on any mesh whose "
+    "placements are Shard, _StridedShard and Replicate (FSDP2, HSDP, tensor and expert "
+    "parallel, with unpadded local tensors), and objects with a __sharded_view__() method"
 )
 
 
@@ -36,24 +37,30 @@ _SUPPORTED = (
 class ShardedView:
     """One tensor reduced to what an optimizer needs.
 
-    ``local`` is a 1-D view (no copy) of this rank's slice ``layout.local(rank)`` of the
-    tensor's row-major flat storage; writing into it writes the tensor. ``group`` is the
-    shard group (``layout.world_size`` ranks) or None when the tensor is not sharded.
+    ``local`` is a 1-D view (no copy) of this rank's part of the tensor under ``layout``:
+    its slice ``layout.local(rank)`` of the row-major flat storage for a RaggedShard, its
+    box (or run of one) in the box's row-major order for a BoxShard ([Note: boxes in flat
+    order]); writing into it writes the tensor. ``group`` is the shard group
+    (``layout.world_size`` ranks: the mesh axes that shard, flattened) or None when the
+    tensor is not sharded. ``dtensor`` is ``(mesh, placements)`` of a DTensor whose
+    layout is a BoxShard (optimizer state of its shape is saved as such a DTensor).
     """
 
-    local: torch.Tensor  # 1-D, layout.local(rank)[1] elems; may be empty
-    layout: RaggedShard  # over the shard group
+    local: torch.Tensor  # 1-D, layout.local_numel(rank) elems; may be empty
+    layout: RaggedShard | BoxShard  # over the shard group
     group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     shape: torch.Size  # the global shape
     rank: int  # this rank's index in `group` (0 when group is None)
+    dtensor: tuple[Any, tuple[Any, ...]] | None = None  # (mesh, placements) of a BoxShard DTensor
 
     def __post_init__(self) -> None:
         if not isinstance(self.local, torch.Tensor):
             raise TypeError(f"ShardedView.local must be a torch.Tensor, got {type(self.local).__name__}")
         if self.local.dim() != 1:
             raise ValueError(f"ShardedView.local must be 1-D, got shape {tuple(self.local.shape)}")
-        if not isinstance(self.layout, RaggedShard):
-            raise TypeError(f"ShardedView.layout must be a RaggedShard, got {type(self.layout).__name__}")
+        if not isinstance(self.layout, (RaggedShard, BoxShard)):
+            raise TypeError("ShardedView.layout must be a RaggedShard or a BoxShard, got "
+                            f"{type(self.layout).__name__}")
         shape = torch.Size(self.shape)
         object.__setattr__(self, "shape", shape)
         if math.prod(shape) != self.layout.numel:
@@ -71,23 +78,23 @@ class ShardedView:
             raise ValueError(
                 f"ShardedView layout has {w} ranks but its group has {self.group.size()}"
             )
-        n = self.layout.local(self.rank)[1]
+        n = self.layout.local_numel(self.rank)
         if self.local.numel() != n:
             raise ValueError(
                 f"ShardedView.local has {self.local.numel()} elements; the layout gives rank "
-                f"{self.rank} {n}: {self.layout.extents}"
+                f"{self.rank} {n}: {self.layout}"
             )
 
 
 def sharded_view(t: object) -> ShardedView:
     """The :class:`ShardedView` of a parameter (or of its ``.grad``).
 
-    Accepts plain tensors / nn.Parameter, FSDP2 DTensors placed ``(Shard(0),)`` on a 1-D
-    mesh or ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh (the shard group is mesh
-    axis 1; the replicate axis does not shard), and any object with a
-    ``__sharded_view__()`` method returning a ShardedView. Other placements, meshes,
-    tensor subclasses and non-contiguous tensors raise NotImplementedError; non-tensors
-    without the protocol raise TypeError.
+    Accepts plain tensors / nn.Parameter, DTensors on any mesh placed with ``Shard``,
+    ``_StridedShard`` and ``Replicate`` ([Note: N-D placements]), and any object with a
+    ``__sharded_view__()`` method returning a ShardedView. Other placements (Partial)
+    raise ValueError naming them; other tensor subclasses, padded DTensor local tensors
+    and non-contiguous tensors raise NotImplementedError; non-tensors without the
+    protocol raise TypeError.
     """
     hook = getattr(type(t), "__sharded_view__", None)
     if hook is not None:
@@ -123,8 +130,6 @@ def sharded_view(t: object) -> ShardedView:
 
 
 def _dtensor_view(dt: torch.Tensor) -> ShardedView:
-    if dt.dim() == 0:
-        raise NotImplementedError("a 0-d DTensor cannot be Shard(0); supported: " + _SUPPORTED)
     # layout, group and rank depend only on (mesh, placements, shape): computed once
     mesh = dt.device_mesh
     key = (tuple(dt.placements), tuple(dt.shape))
@@ -137,53 +142,117 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
             cache.clear()
         meta = cache[key] = _dtensor_meta(mesh, *key)
     layout, group, rank = meta
-    w = layout.world_size
     local = dt._local_tensor
-    n = layout.local(rank)[1]
-    if local.numel() != n:
+    want = layout.local_shape(rank) if isinstance(layout, BoxShard) else None
+    n = layout.local_numel(rank)
+    if local.numel() != n or (want is not None and tuple(local.shape) != want):
         raise NotImplementedError(
-            f"DTensor local tensor on shard rank {rank} has {local.numel()} elements "
-            f"(shape {tuple(local.shape)}); Shard(0) with torch.chunk semantics gives {n} "
-            f"for global shape {tuple(dt.shape)} over {w} ranks; padded local tensors are not supported"
-        )
+            f"DTensor with placements {key[0]} and global shape {key[1]} has a local tensor of "
+            f"shape {tuple(local.shape)} on shard rank {rank}; torch.chunk semantics give "
+            f"{want if want is not None else n} elements; padded local tensors are not supported")
     if not local.is_contiguous():
         raise NotImplementedError(
             f"DTensor local tensor is not contiguous (shape {tuple(local.shape)}, stride "
-            f"{local.stride()}); supported: contiguous row shards as FSDP2 stores them"
-        )
+            f"{local.stride()}); supported: contiguous local tensors, as FSDP2 and tensor "
+            "parallelism store them")
     return ShardedView(
         local=local.detach().view(-1),
         layout=layout,
         group=group,
         shape=dt.shape,
         rank=rank,
+        dtensor=(mesh, key[0]) if isinstance(layout, BoxShard) else None,
     )
 
 
-def _dtensor_meta(mesh: object, placements: tuple, shape: tuple[int, ...]) -> tuple[
-        RaggedShard, dist.ProcessGroup | None, int]:
+# [Note: N-D placements]
+# A DTensor's placements say, per mesh axis, Shard(d) / _StridedShard(d, sf) /
+# Replicate(). The axes that shard form the shard group (flattened in mesh order when
+# there are several, rank = row-major coordinate over them); Replicate axes hold
+# copies that compute alike, as HSDP's replicas do. Each tensor dim is split by its
+# axes in nesting order, outermost first, each with torch.chunk semantics: DTensor's
+# left-to-right order for Shard, except that _StridedShard(d, sf) on an axis is applied
+# after the axes to its right whose sizes multiply to sf (FSDP2 + TP: the tp split
+# first, then dp's chunk of the TP-local rows). Every rank then holds a box
+# ([Note: boxes in flat order]); one contiguous flat range per rank in rank order is a
+# RaggedShard (FSDP2's Shard(0), HSDP), anything else a BoxShard. Partial (a pending
+# reduction) is refused: its values are not the tensor's.
+
+
+def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple[
+        RaggedShard | BoxShard, dist.ProcessGroup | None, int]:
     """(layout, shard group or None, rank in it) of a DTensor's placement on ``mesh``."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    def is_shard0(p: object) -> bool:
-        # exact type: _StridedShard (FSDP2 + TP) is not a plain row shard
-        return type(p) is Shard and p.dim == 0
+    if len(placements) != mesh.ndim:
+        raise AssertionError(f"{len(placements)} placements on a {mesh.ndim}-D mesh")
+    per_dim: list[list[tuple[int, int | None]]] = [[] for _ in shape]
+    for axis, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, (Shard, _StridedShard)) and 0 <= p.dim < len(shape):
+            sf = int(p.split_factor) if isinstance(p, _StridedShard) else None
+            per_dim[p.dim].append((axis, sf))
+            continue
+        raise ValueError(
+            f"DTensor with placements {placements} (global shape {shape}) on a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}: placement {p} on mesh axis {axis} is not supported; "
+            f"supported: Shard, _StridedShard and Replicate placements (reduce Partial ones first)")
+    axes = sorted(a for d in per_dim for a, _ in d)
+    sizes = [mesh.size(a) for a in axes]
+    try:
+        splits = [[axes.index(a) for a in _nesting(d, mesh, placements, shape)] for d in per_dim]
+    except ValueError as e:
+        raise ValueError(f"DTensor with placements {placements} (global shape {shape}) on mesh "
+                         f"{tuple(mesh.shape)}: {e}") from None
+    boxes = BoxShard.nested_chunks(shape, sizes, splits)
+    coord = mesh.get_coordinate()
+    rank = 0
+    for a, s in zip(axes, sizes, strict=True):
+        rank = rank * s + coord[a]
+    layout = boxes.as_ragged() or boxes
+    if layout.world_size == 1:
+        return RaggedShard.whole(math.prod(shape), 1, 0), None, 0
+    group = _shard_group(mesh, tuple(axes), placements)
+    if dist.get_rank(group) != rank:
+        raise AssertionError(f"rank {dist.get_rank(group)} in the shard group of mesh axes {axes}, "
+                             f"expected the row-major coordinate {rank}")
+    return layout, group, rank
 
-    if mesh.ndim == 1 and len(placements) == 1 and is_shard0(placements[0]):
-        axis = 0
-    elif (
-        mesh.ndim == 2
-        and len(placements) == 2
-        and type(placements[0]) is Replicate
-        and is_shard0(placements[1])
-    ):
-        axis = 1
-    else:
-        raise NotImplementedError(
-            f"DTensor with placements {placements} on a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-            f"is not supported; supported: {_SUPPORTED}"
-        )
-    w = mesh.size(axis)
-    rank = mesh.get_local_rank(axis)
-    layout = RaggedShard.shard0(shape, w)
-    return layout, (mesh.get_group(axis) if w > 1 else None), (rank if w > 1 else 0)
+
+def _nesting(entries: list[tuple[int, int | None]], mesh: Any, placements: tuple,
+             shape: tuple[int, ...]) -> list[int]:
+    """The mesh axes that split one dim, outermost first ([Note: N-D placements])."""
+    if not entries:
+        return []
+    (axis, sf), rest = entries[0], entries[1:]
+    if sf is None or sf == 1:
+        return [axis, *_nesting(rest, mesh, placements, shape)]
+    prod, k = 1, 0
+    while k < len(rest) and prod < sf:
+        prod *= mesh.size(rest[k][0])
+        k += 1
+    if prod != sf:
+        raise ValueError(f"_StridedShard(sf={sf}) on mesh axis {axis} is not matched by the sizes of "
+                         "the later axes sharding the same dim; supported: split factors equal to "
+                         "the product of the sizes of the axes that follow it (FSDP2 + TP)")
+    return [*_nesting(rest[:k], mesh, placements, shape), axis, *_nesting(rest[k:], mesh, placements, shape)]
+
+
+def _shard_group(mesh: Any, axes: tuple[int, ...], placements: tuple) -> dist.ProcessGroup:
+    """The process group over ``axes`` of ``mesh`` (flattened, in mesh order)."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    groups = mesh.__dict__.setdefault("_vefsdp_shard_groups", {})
+    group = groups.get(axes)
+    if group is None:
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError(
+                f"DTensor placements {placements} shard over mesh axes {list(axes)} of a mesh without "
+                "mesh_dim_names; name the mesh dims (init_device_mesh(..., mesh_dim_names=...)) so "
+                "the optimizer can flatten them into one shard group")
+        sub = mesh[tuple(names[a] for a in axes)]
+        group = groups[axes] = sub._flatten().get_group(0)
+    return group

@@ -4,6 +4,7 @@ Nothing here talks to other ranks: a plan is a deterministic function of its inp
 so every rank computes the same one on its own.
 """
 
+from ._box import Box, BoxShard
 from ._planner import GroupPlan, TensorSpec, fsdp2_row_padding, padding_lower_bound, plan_group
 from ._ragged import RaggedShard
 from ._requirement import (
@@ -23,6 +24,8 @@ __all__ = [
     "WholeTensor",
     "is_legal_cut",
     "RaggedShard",
+    "BoxShard",
+    "Box",
     "TensorSpec",
     "GroupPlan",
     "plan_group",

@@ -107,6 +107,15 @@ class RaggedShard:
         """``(start, length)`` of ``rank``'s slice."""
         return self.extents[rank]
 
+    def count_below(self, rank: int, x: int) -> int:
+        """How many of ``rank``'s elements have a flat index below ``x`` (as BoxShard's)."""
+        s, n = self.extents[rank]
+        return min(max(x - s, 0), n)
+
+    def local_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s slice (as for every layout kind, BoxShard included)."""
+        return self.extents[rank][1]
+
     def satisfies(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> bool:
         """Whether every interior cut is legal for ``requirement`` (a Requirement or a unit)."""
         unit = self._unit(requirement, shape)

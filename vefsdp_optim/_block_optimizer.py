@@ -10,7 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
-from vefsdp_optim.sharding import RaggedShard, Requirement
+from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._fsdp import replaced_by_fully_shard
@@ -151,7 +151,7 @@ class BlockOptimizer(Optimizer):
             return view.layout
         if req.needs_whole:
             return None
-        return view.layout.snapped(req, view.shape)
+        return snapped_compute(view.layout, req, view.shape)
 
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard,
                            group: dict[str, Any]) -> dict[str, Any]:
@@ -278,8 +278,8 @@ class BlockOptimizer(Optimizer):
             gview = sharded_view(p.grad)
             if gview.layout != view.layout:
                 raise ValueError(
-                    f"gradient layout {gview.layout.extents} differs from parameter layout "
-                    f"{view.layout.extents} for a parameter of shape {tuple(view.shape)}")
+                    f"gradient layout {gview.layout} differs from parameter layout "
+                    f"{view.layout} for a parameter of shape {tuple(view.shape)}")
             req = self.requirement(view.shape, group)
             compute = self._compute_layout(req, view)
             may_move = compute is None or compute != view.layout
@@ -302,7 +302,7 @@ class BlockOptimizer(Optimizer):
         elif req.needs_whole:
             compute = None
         else:
-            compute = view.layout.snapped(req, view.shape)
+            compute = snapped_compute(view.layout, req, view.shape)
         if len(self._compute_cache) > 4096:
             self._compute_cache.clear()
         self._compute_cache[key] = compute
@@ -332,6 +332,14 @@ class BlockOptimizer(Optimizer):
 
     def _launch(self, bucket: list[StepItem]) -> PendingExchange:
         return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)
+
+
+def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:
+    """The compute layout of a block requirement that ``layout`` cuts: its boundaries
+    snapped to legal cuts; for a BoxShard (tensor parallel, [Note: boxes in flat
+    order]), equal element counts per rank, snapped."""
+    base = layout.even_split() if isinstance(layout, BoxShard) else layout
+    return base.snapped(req, shape)
 
 
 def _check_not_replaced(p: torch.Tensor, name: str) -> None:

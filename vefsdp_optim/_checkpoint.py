@@ -24,6 +24,7 @@ from torch import nn
 from vefsdp_optim import _ckpt_commit as _commit
 from vefsdp_optim._safe_load import SafeReader, load_bytes_safely
 from vefsdp_optim.comm import sharded_view
+from vefsdp_optim.sharding import RaggedShard
 
 __all__ = ["save", "load", "export_full", "import_full"]
 
@@ -274,11 +275,19 @@ def _pieces(value: Any, rank: int) -> Any:
     sharded tensor, ("t", tensor) for a plain one (rank 0's copy wins), else the value."""
     if isinstance(value, torch.Tensor) and _is_sharded(value):
         view = sharded_view(value)
-        start, _ = view.layout.local(view.rank)
-        return ("s", tuple(view.shape), view.local.dtype, start, view.local.detach().cpu().clone())
+        return ("s", tuple(view.shape), view.local.dtype, _local_index(view), view.local.detach().cpu().clone())
     if isinstance(value, torch.Tensor):
         return ("t", value.detach().cpu().clone())
     return ("v", value)
+
+
+def _local_index(view: Any) -> slice | torch.Tensor:
+    """Where a view's local data lie in the flat tensor: a slice, or (for a tensor-parallel
+    box, [Note: boxes in flat order]) the flat indices."""
+    if isinstance(view.layout, RaggedShard):
+        start, length = view.layout.local(view.rank)
+        return slice(start, start + length)
+    return view.layout.flat_indices(view.rank, 0, view.local.numel())
 
 
 def _assemble(parts: list[Any]) -> Any:
@@ -290,9 +299,9 @@ def _assemble(parts: list[Any]) -> Any:
             n *= d
         flat = torch.empty(n, dtype=dtype)
         filled = torch.zeros(n, dtype=torch.bool)
-        for _, _, _, start, local in parts:
-            flat[start: start + local.numel()] = local
-            filled[start: start + local.numel()] = True
+        for _, _, _, where, local in parts:
+            flat[where] = local
+            filled[where] = True
         if not bool(filled.all()):
             raise AssertionError(f"the ranks' slices do not cover a tensor of shape {shape}")
         return flat.view(shape)
@@ -403,7 +412,6 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             src = saved[k]
             if isinstance(v, torch.Tensor) and _is_sharded(v):
                 view = sharded_view(v)
-                start, length = view.layout.local(view.rank)
-                view.local.copy_(src.reshape(-1)[start: start + length])
+                view.local.copy_(src.reshape(-1)[_local_index(view)])
             else:
                 v.copy_(src)

@@ -325,14 +325,20 @@ class Muon(BlockOptimizer):
         p.mul_(1 - lr * group["weight_decay"])
         if not p.numel():
             return
-        start, length = item.view.layout.local(item.view.rank)
+        layout, rank = item.view.layout, item.view.rank
+        if isinstance(layout, RaggedShard):
+            span = plan.span(*layout.local(rank))
+        else:  # a tensor-parallel box: each block's elements are one run of it
+            span = range(len(plan.blocks))
         adjusted = {rc: muon_adjust_lr(lr, group["adjust_lr_fn"], rc) for rc in set(plan.blocks)}
         seg_lo = seg_hi = None
         seg_lr = None
-        for b in plan.span(start, length):
+        for b in span:
             rows, cols = plan.blocks[b]
-            lo = max(plan.offsets[b], start) - start
-            hi = min(plan.offsets[b] + rows * cols, start + length) - start
+            lo = layout.count_below(rank, plan.offsets[b])
+            hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
+            if lo == hi:
+                continue
             a_lr = adjusted[plan.blocks[b]]
             if seg_lr is not None and a_lr == seg_lr and lo == seg_hi:
                 seg_hi = hi

@@ -164,7 +164,7 @@ class Shampoo(BlockOptimizer):
 
     def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
                            layout: RaggedShard, group: dict[str, Any], name: object) -> None:
-        if state["start"] != layout.local(view.rank)[0]:
+        if isinstance(layout, RaggedShard) and state["start"] != layout.local(view.rank)[0]:
             raise AssertionError(f"Shampoo state starts at {state['start']}, its layout at "
                                  f"{layout.local(view.rank)[0]}")
         keys = [k for k in state if k.startswith(self.extra_state_prefixes)]

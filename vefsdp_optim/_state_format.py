@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vefsdp_optim.comm import ShardedView, sharded_view
-from vefsdp_optim.sharding import RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 if TYPE_CHECKING:
     from ._block_optimizer import BlockOptimizer
@@ -165,7 +165,7 @@ def _export_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
                 out[key] = v.view(view.shape) if kind == ELEMENTWISE else v
         out.update(opt.export_extra_state(state, view, layout, group))
         return out
-    length = layout.local(view.rank)[1]
+    length = layout.local_numel(view.rank)
     for key, kind in spec.items():
         if key not in state or kind == LOCAL:
             continue
@@ -182,12 +182,16 @@ def _export_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
     return out
 
 
-def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard) -> tuple[torch.Size, RaggedShard]:
+def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard | BoxShard) -> tuple[
+        torch.Size, RaggedShard | BoxShard]:
     if kind == ELEMENTWISE:
         return view.shape, layout
     if isinstance(kind, bool) or not isinstance(kind, int) or kind < 1:
         raise ValueError(f"checkpoint kind {kind!r}: expected one of {KINDS} or a block size (int >= 1); "
                          f"{WHOLE!r} only for the state of a whole-tensor requirement")
+    if isinstance(layout, BoxShard):
+        raise ValueError(f"state kept in blocks of {kind} cannot follow a tensor-parallel box layout (it "
+                         "cuts blocks); state_layout must return the compute layout of the requirement")
     n = layout.numel
     if any(b % kind and b != n for b in layout.boundaries):
         raise AssertionError(f"state layout {layout.extents} cuts blocks of {kind}")
@@ -231,7 +235,7 @@ def _import_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
     view = sharded_view(p)
     layout = opt.state_layout(view, group)
     spec = opt.checkpoint_spec(view.shape, group)
-    held = layout is None or layout.local(view.rank)[1] > 0
+    held = layout is None or layout.local_numel(view.rank) > 0
     missing = [k for k, kind in spec.items()
                if k in state and k not in saved and held and kind != LOCAL]
     if missing:
@@ -270,25 +274,68 @@ def _copy_whole(live: torch.Tensor, v: Any, name: str) -> None:
     live.copy_(v.reshape(live.shape))
 
 
-def _sharded_entry(local: torch.Tensor, layout: RaggedShard, view: ShardedView, shape: torch.Size) -> torch.Tensor:
+def _sharded_entry(local: torch.Tensor, layout: RaggedShard | BoxShard, view: ShardedView,
+                   shape: torch.Size) -> torch.Tensor:
     """A state tensor of global ``shape`` whose local data is ``local`` (no copy)."""
-    n = layout.local(view.rank)[1]
+    n = layout.local_numel(view.rank)
     if local.dim() != 1 or local.numel() != n:
         raise AssertionError(f"state tensor of shape {tuple(local.shape)} is not rank {view.rank}'s "
-                             f"slice of {n} elements of layout {layout.extents}")
+                             f"slice of {n} elements of layout {layout}")
     if layout.world_size == 1:
         return local.view(shape)
+    if isinstance(layout, BoxShard):  # the parameter's own DTensor placement
+        if view.dtensor is None or layout != view.layout:
+            raise AssertionError("state in a BoxShard layout is the state of a DTensor parameter, in its layout")
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements = view.dtensor
+        return DTensor.from_local(local.view(layout.local_shape(view.rank)), mesh, placements,
+                                  run_check=False, shape=shape, stride=_contiguous_stride(shape))
     from vefsdp_optim._fsdp import ShardedParameter
 
     return ShardedParameter(local, layout, view.group, shape, view.rank)
 
 
-def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard, rank: int, name: str) -> None:
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
+
+
+def _copy_box(live: torch.Tensor, v: Any, layout: BoxShard, rank: int, name: str) -> None:
+    """Copy rank's box of the saved global tensor ``v`` into the 1-D ``live`` in place."""
+    from torch.distributed.tensor import DTensor
+
+    from vefsdp_optim._fsdp import ShardedParameter
+
+    if isinstance(v, DTensor):
+        src = v.to_local().reshape(-1)
+        if tuple(v.shape) != layout.shape or src.numel() != live.numel():
+            raise ValueError(f"optimizer state {name} is a DTensor of shape {tuple(v.shape)} holding "
+                             f"{src.numel()} elements here, the live state needs {live.numel()} of "
+                             f"{layout.shape}; load checkpoints of another mesh with DCP")
+    elif isinstance(v, ShardedParameter):
+        raise ValueError(f"optimizer state {name} holds a ragged layout, this rank needs a tensor-parallel "
+                         "box; load checkpoints of another mesh with DCP")
+    elif isinstance(v, torch.Tensor):
+        src = v.reshape(layout.shape)[layout.slices(rank)].reshape(-1)
+    else:
+        raise TypeError(f"optimizer state {name} must be a tensor, got {type(v).__name__}")
+    if src.numel() and src.data_ptr() == live.data_ptr():
+        return  # already loaded in place by DCP
+    live.copy_(src)
+
+
+def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard | BoxShard, rank: int, name: str) -> None:
     """Copy rank's slice of the saved global tensor ``v`` into the 1-D ``live`` in place."""
     from torch.distributed.tensor import DTensor
 
     from vefsdp_optim._fsdp import ShardedParameter
 
+    if isinstance(layout, BoxShard):
+        return _copy_box(live, v, layout, rank, name)
     start, length = layout.local(rank)
     if isinstance(v, ShardedParameter):
         if v.ragged_layout != layout:
@@ -356,7 +403,7 @@ def validate_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) 
             n = view.layout.numel
             want = n if kind == ELEMENTWISE else -(-n // kind)
         else:
-            want = _entry_geometry(kind, view, layout)[1].local(view.rank)[1]
+            want = _entry_geometry(kind, view, layout)[1].local_numel(view.rank)
         if v.numel() != want:
             raise ValueError(
                 f"{cls}: state {key!r} of a parameter of shape {shape} is declared {kind!r} but has "

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vefsdp_optim.comm import ShardedView, all_gather_flat, redistribute
-from vefsdp_optim.sharding import RaggedShard, Requirement
+from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
     "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "exchange",
@@ -29,7 +29,10 @@ class BlockContext:
     """Where a 1-D slice handed to an update lies in its parameter."""
 
     shape: torch.Size  # global shape of the parameter
-    start: int  # flat offset, in the parameter, of the slice's first element
+    # flat offset, in the parameter, of the slice's first element; for an elementwise
+    # requirement on a tensor-parallel box ([Note: boxes in flat order]) the slice is the
+    # rank's box, whose elements are not consecutive, and this is its first one's
+    start: int
     length: int  # elements in the slice (whole units, or the whole tensor)
     rank: int
     world_size: int
@@ -51,7 +54,7 @@ class StepItem:
     view: ShardedView  # storage layout
     grad: torch.Tensor  # 1-D local gradient slice, same length as view.local
     requirement: Requirement
-    compute: RaggedShard  # compute layout
+    compute: RaggedShard | BoxShard  # compute layout (a BoxShard only when it is the storage)
     group: dict[str, Any]  # the param group
     cost: float = 0.0  # relative compute cost of a whole-tensor update (owner items only)
 
@@ -59,9 +62,14 @@ class StepItem:
     def moves(self) -> bool:
         return self.compute != self.view.layout
 
-    def ctx(self, layout: RaggedShard) -> BlockContext:
-        start, length = layout.local(self.view.rank)
-        return BlockContext(self.view.shape, start, length, self.view.rank, layout.world_size)
+    def ctx(self, layout: RaggedShard | BoxShard) -> BlockContext:
+        rank = self.view.rank
+        if isinstance(layout, BoxShard):
+            length = layout.local_numel(rank)
+            start = int(layout.flat_indices(rank, 0, 1)[0]) if length else 0
+        else:
+            start, length = layout.local(rank)
+        return BlockContext(self.view.shape, start, length, rank, layout.world_size)
 
 
 # [Note: owner rounds]
@@ -142,8 +150,8 @@ class StepEntry:
 
     position: tuple[int, int]  # (param group index, index in the group)
     shape: tuple[int, ...]
-    layout: RaggedShard  # storage layout
-    compute: RaggedShard | None  # compute layout; None: no gradient on this rank
+    layout: RaggedShard | BoxShard  # storage layout
+    compute: RaggedShard | BoxShard | None  # compute layout; None: no gradient on this rank
     may_move: bool  # the requirement is not met by the storage layout
     group: Any  # the shard process group (None at W = 1)
 
@@ -163,8 +171,8 @@ def check_consistent(entries: list[StepEntry]) -> None:
         es = by_group[key]
         group = es[0].group
         # ints only: hash(None) and str hashes differ between processes
-        mine = torch.tensor([hash(tuple((e.position, e.shape, e.layout.extents,
-                                         e.compute.extents if e.compute is not None else ())
+        mine = torch.tensor([hash(tuple((e.position, e.shape, _layout_key(e.layout),
+                                         _layout_key(e.compute) if e.compute is not None else ())
                                         for e in es))], dtype=torch.int64)
         every = mine.new_empty(group.size())
         all_gather_flat(every, mine, group)
@@ -188,6 +196,13 @@ def check_consistent(entries: list[StepEntry]) -> None:
             "ranks disagree on what this optimizer step updates, so its exchange would hang: "
             + "; ".join(diffs[:8]) + ". Every rank must step the same parameters: set .grad to None "
             "(or zero it) on every rank alike")
+
+
+def _layout_key(layout: RaggedShard | BoxShard) -> tuple:
+    """Ints only (hashes of None and of strings differ between processes)."""
+    if isinstance(layout, RaggedShard):
+        return layout.extents
+    return layout.shape, tuple((b.offsets, b.sizes, b.start, b.length) for b in layout.boxes)
 
 
 def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool) -> PendingExchange:

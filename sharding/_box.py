@@ -1,0 +1,244 @@
+"""BoxShard: each rank holds a box of the tensor (N-D DTensor placements), or a run of one.
+
+See [Note: boxes in flat order].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._ragged import RaggedShard
+from ._requirement import Requirement, check_shape
+
+__all__ = ["BoxShard", "Box"]
+
+# [Note: boxes in flat order]
+# Tensor parallelism shards a parameter on several tensor dims over several mesh axes
+# (FSDP2 + TP: ``(_StridedShard(0, sf=2), Shard(0))`` for a colwise weight,
+# ``(Shard(0), Shard(1))`` for a rowwise one). Each rank then holds a *box*: per tensor
+# dim one contiguous index range (nested torch.chunk splits of a range are ranges), so
+# its local tensor is ``full[o0:o0+s0, o1:o1+s1, ...]``. The key fact: a box's elements
+# in its own row-major order are in increasing order of their global row-major flat
+# index. So
+#   - the box elements below a flat index x are a prefix of the local data, and its
+#     length is counted in O(ndim) (``count_below``): the elements a box holds of a
+#     flat range [lo, hi) are one contiguous run of the local data;
+#   - a rank that holds a contiguous range (a RaggedShard slice) holds any box's part
+#     of it at the flat indices ``flat_indices`` returns, also in increasing order.
+# Redistributing between a BoxShard (the storage) and a RaggedShard (a compute layout
+# with whole blocks) therefore needs no sort: one side of every piece is a contiguous
+# run, the other an index gather / scatter. fully_shard over a TP-local tensor cuts
+# that box's row-major order into runs, one per data-parallel rank: a ``Box`` carries an
+# optional run ``[start, start + length)`` of its row-major order, which keeps the fact.
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """One rank's part of a tensor: the run ``[start, start + length)`` of the row-major
+    order of the box ``offsets`` / ``sizes`` (the whole box when ``length`` is the box's
+    numel and ``start`` is 0)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+    length: int
+
+    @property
+    def box_numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class BoxShard:
+    """Layout of one tensor of global ``shape`` over W ranks, rank r holding ``boxes[r]``.
+
+    The boxes' runs partition the tensor's elements (every element on exactly one
+    rank), which the constructor checks by count and by bounds; a rank's local data is
+    its run, 1-D, in the box's row-major order ([Note: boxes in flat order]).
+    """
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+
+    def __post_init__(self) -> None:
+        shape = check_shape(self.shape)
+        object.__setattr__(self, "shape", shape)
+        if not self.boxes:
+            raise ValueError("BoxShard needs one box per rank, got none")
+        total = 0
+        for r, b in enumerate(self.boxes):
+            if not isinstance(b, Box):
+                raise TypeError(f"BoxShard.boxes[{r}] must be a Box, got {type(b).__name__}")
+            if len(b.offsets) != len(shape) or len(b.sizes) != len(shape):
+                raise ValueError(f"box of rank {r} has {len(b.offsets)}-D offsets and {len(b.sizes)}-D "
+                                 f"sizes for a tensor of shape {shape}")
+            for d, (o, s, n) in enumerate(zip(b.offsets, b.sizes, shape, strict=True)):
+                if s < 0 or o < 0 or o + s > n:
+                    raise ValueError(f"box of rank {r} spans [{o}, {o + s}) on dim {d} of size {n}")
+            if not 0 <= b.start <= b.start + b.length <= b.box_numel:
+                raise ValueError(f"run [{b.start}, {b.start + b.length}) of rank {r} is not inside its "
+                                 f"box of {b.box_numel} elements")
+            total += b.length
+        if total != math.prod(shape):
+            raise ValueError(f"the boxes hold {total} elements, the tensor of shape {shape} "
+                             f"{math.prod(shape)}: they must partition it")
+
+    # -- constructors -------------------------------------------------------------
+
+    @classmethod
+    def nested_chunks(cls, shape: Sequence[int], mesh_sizes: Sequence[int],
+                      splits: Sequence[Sequence[int]]) -> BoxShard:
+        """The boxes of torch.chunk splits nested over mesh axes.
+
+        ``mesh_sizes`` are the sizes of the sharding mesh axes; ranks are their
+        coordinates in row-major order. ``splits[d]`` lists the axes (indices into
+        ``mesh_sizes``) that split tensor dim d, outermost first: each splits the range
+        the previous ones left with torch.chunk semantics (ceil-sized chunks, trailing
+        ones possibly empty), as DTensor's ``Shard`` and FSDP2 do.
+        """
+        shape = check_shape(shape)
+        sizes = tuple(int(s) for s in mesh_sizes)
+        if len(splits) != len(shape):
+            raise ValueError(f"splits must name the axes of each of the {len(shape)} dims, got {len(splits)}")
+        used = [a for axes in splits for a in axes]
+        if sorted(used) != list(range(len(sizes))):
+            raise ValueError(f"each mesh axis must split exactly one dim once, got splits {splits} for "
+                             f"{len(sizes)} axes")
+        boxes = []
+        for coord in _coords(sizes):
+            offs, lens = [], []
+            for d, axes in enumerate(splits):
+                lo, hi = 0, shape[d]
+                for a in axes:
+                    chunk = -(-(hi - lo) // sizes[a])
+                    lo, hi = min(lo + coord[a] * chunk, hi), min(lo + (coord[a] + 1) * chunk, hi)
+                offs.append(lo)
+                lens.append(hi - lo)
+            n = math.prod(lens)
+            boxes.append(Box(tuple(offs), tuple(lens), 0, n))
+        return cls(shape, tuple(boxes))
+
+    # -- queries ------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.boxes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_numel(self, rank: int) -> int:
+        return self.boxes[rank].length
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape of rank's local tensor (its box; the run must be the whole box)."""
+        b = self.boxes[rank]
+        if b.start or b.length != b.box_numel:
+            raise ValueError(f"rank {rank} holds a run of {b.length} of its box {b.sizes}, not a box")
+        return b.sizes
+
+    def count_below(self, rank: int, x: int) -> int:
+        """How many of rank's local elements have a flat index below ``x``."""
+        b = self.boxes[rank]
+        return min(max(_box_count_below(b.offsets, b.sizes, self.shape, x) - b.start, 0), b.length)
+
+    def flat_indices(self, rank: int, lo: int, hi: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The global flat indices (int64, increasing) of rank's local elements ``lo:hi``."""
+        b = self.boxes[rank]
+        pos = torch.arange(b.start + lo, b.start + hi, dtype=torch.int64, device=device)
+        if hi <= lo:
+            return pos
+        flat = torch.zeros_like(pos)
+        stride = 1
+        for d in range(len(self.shape) - 1, -1, -1):
+            s = b.sizes[d]
+            flat += (pos % s + b.offsets[d]) * stride
+            pos = pos // s
+            stride *= self.shape[d]
+        return flat
+
+    def slices(self, rank: int) -> tuple[slice, ...]:
+        """Index of rank's box in the full tensor (the run must be the whole box)."""
+        b = self.boxes[rank]
+        return tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes, strict=True))
+
+    def is_whole_box(self, rank: int) -> bool:
+        b = self.boxes[rank]
+        return b.start == 0 and b.length == b.box_numel
+
+    def satisfies(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> bool:
+        """Boxes keep only elementwise requirements (unit 1, not whole): a box cuts rows
+        and blocks anywhere. Use ``RaggedShard.as_ragged`` first for contiguous ones."""
+        if isinstance(requirement, Requirement):
+            return not requirement.needs_whole and requirement.unit(self.shape) == 1
+        return int(requirement) == 1
+
+    def as_ragged(self) -> RaggedShard | None:
+        """The same layout as a RaggedShard when every rank holds a contiguous flat range
+        and the ranges are in rank order (e.g. ``(Replicate(), Shard(0))``), else None."""
+        bounds = [0]
+        for b in self.boxes:
+            if b.length == 0:
+                bounds.append(bounds[-1])
+                continue
+            start = _contiguous_start(b, self.shape)
+            if start is None or start != bounds[-1]:
+                return None
+            bounds.append(start + b.length)
+        return RaggedShard.from_boundaries(bounds)
+
+    def even_split(self) -> RaggedShard:
+        """The RaggedShard of equal element counts (the remainder to the first ranks):
+        the compute layout a block requirement snaps, for boxes that cut its blocks."""
+        n, w = self.numel, self.world_size
+        return RaggedShard.from_boundaries([r * n // w for r in range(w + 1)])
+
+
+def _coords(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for s in sizes:
+        out = [c + (i,) for c in out for i in range(s)]
+    return out
+
+
+def _box_count_below(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...], x: int) -> int:
+    """Elements of the box whose global flat index is below ``x`` ([Note: boxes in flat order])."""
+    n = math.prod(shape)
+    if x >= n:
+        return math.prod(sizes)
+    if x <= 0 or not n:
+        return 0
+    idx = []
+    for s in reversed(shape):
+        idx.append(x % s)
+        x //= s
+    idx.reverse()
+    count = 0
+    for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+        count += min(max(idx[d] - o, 0), s) * math.prod(sizes[d + 1:])
+        if not o <= idx[d] < o + s:
+            break
+    return count
+
+
+def _contiguous_start(b: Box, shape: tuple[int, ...]) -> int | None:
+    """The flat start of a nonempty run that is one contiguous flat range, else None."""
+    # the run is contiguous iff the flat indices of its first and last element are
+    # `length - 1` apart (they are increasing)
+    first = _flat_of(b, b.start, shape)
+    last = _flat_of(b, b.start + b.length - 1, shape)
+    return first if last - first == b.length - 1 else None
+
+
+def _flat_of(b: Box, pos: int, shape: tuple[int, ...]) -> int:
+    flat, stride = 0, 1
+    for d in range(len(shape) - 1, -1, -1):
+        flat += (pos % b.sizes[d] + b.offsets[d]) * stride
+        pos //= b.sizes[d]
+        stride *= shape[d]
+    return flat
