@@ -42,8 +42,7 @@ class ShardedView:
     box (or run of one) in the box's row-major order for a BoxShard ([Note: boxes in flat
     order]); writing into it writes the tensor. ``group`` is the shard group
     (``layout.world_size`` ranks: the mesh axes that shard, flattened) or None when the
-    tensor is not sharded. ``dtensor`` is ``(mesh, placements)`` of a DTensor whose
-    layout is a BoxShard (optimizer state of its shape is saved as such a DTensor).
+    tensor is not sharded.
     """
 
     local: torch.Tensor  # 1-D, layout.local_numel(rank) elems; may be empty
@@ -51,7 +50,6 @@ class ShardedView:
     group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     shape: torch.Size  # the global shape
     rank: int  # this rank's index in `group` (0 when group is None)
-    dtensor: tuple[Any, tuple[Any, ...]] | None = None  # (mesh, placements) of a BoxShard DTensor
 
     def __post_init__(self) -> None:
         if not isinstance(self.local, torch.Tensor):
@@ -161,7 +159,6 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
         group=group,
         shape=dt.shape,
         rank=rank,
-        dtensor=(mesh, key[0]) if isinstance(layout, BoxShard) else None,
     )
 
 

@@ -162,6 +162,11 @@ class BoxShard:
             stride *= self.shape[d]
         return flat
 
+    def local_index(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Index of rank's elements in the flat tensor (as RaggedShard's): ``flat[index]``
+        is its local data."""
+        return self.flat_indices(rank, 0, self.local_numel(rank), device)
+
     def slices(self, rank: int) -> tuple[slice, ...]:
         """Index of rank's box in the full tensor (the run must be the whole box)."""
         b = self.boxes[rank]

@@ -107,6 +107,11 @@ class RaggedShard:
         """``(start, length)`` of ``rank``'s slice."""
         return self.extents[rank]
 
+    def local_index(self, rank: int, device: object = "cpu") -> slice:
+        """Index of ``rank``'s elements in the flat tensor (as BoxShard's): a slice."""
+        s, n = self.extents[rank]
+        return slice(s, s + n)
+
     def count_below(self, rank: int, x: int) -> int:
         """How many of ``rank``'s elements have a flat index below ``x`` (as BoxShard's)."""
         s, n = self.extents[rank]

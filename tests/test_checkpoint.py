@@ -65,6 +65,21 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 def _shard(model: nn.Module, kind: str) -> nn.Module:
     if kind == "single":
         return model
+    if kind == "fsdp2_tp":  # FSDP2 x tensor parallel on a (dp, tp = 2) mesh
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel(),
+                                               "l3": ColwiseParallel()})
+        fully_shard(model.l2, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
     if kind == "fully_shard":
         from vefsdp_optim import fully_shard
     else:
@@ -91,10 +106,18 @@ def _set_grads(model: nn.Module, step: int) -> None:
             lay = p.ragged_layout
             s, n = lay.local(p._rank)
             p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), lay, p.process_group, p.shape, p._rank)
-        elif isinstance(p, DTensor):
-            from torch.distributed.tensor import distribute_tensor
+        elif isinstance(p, DTensor):  # this rank's box of g, whatever the placements
+            from vefsdp_optim.comm import sharded_view
+            from vefsdp_optim.sharding import RaggedShard
 
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = torch.zeros_like(p)
+            view = sharded_view(p.grad)
+            lay = view.layout
+            if isinstance(lay, RaggedShard):
+                s, n = lay.local(view.rank)
+                view.local.copy_(g.reshape(-1)[s: s + n])
+            else:
+                view.local.copy_(g.reshape(-1)[lay.flat_indices(view.rank, 0, view.local.numel())])
         else:
             p.grad = g
 

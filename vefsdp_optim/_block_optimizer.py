@@ -80,10 +80,15 @@ class BlockOptimizer(Optimizer):
         self._validated: set[int] = set()  # ids of parameters whose state validate_state passed
         # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
                 _check_not_replaced(p, type(self).__name__)
-                view = sharded_view(p)  # raises NotImplementedError for unsupported kinds
+                try:  # raises for unsupported kinds and placements, before any collective
+                    view = sharded_view(p)
+                except ValueError as e:
+                    names = group.get("param_names")
+                    who = repr(names[pi]) if names else f"{pi} (shape {tuple(p.shape)})"
+                    raise ValueError(f"{type(self).__name__}: param group {gi} parameter {who}: {e}") from None
                 self.requirement(view.shape, group)  # validates the shape too
         #: what the re-plan at construction changed ([Note: requirements flow in])
         self.replan_report: ReplanReport = self.replan()

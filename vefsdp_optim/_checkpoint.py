@@ -24,7 +24,6 @@ from torch import nn
 from vefsdp_optim import _ckpt_commit as _commit
 from vefsdp_optim._safe_load import SafeReader, load_bytes_safely
 from vefsdp_optim.comm import sharded_view
-from vefsdp_optim.sharding import RaggedShard
 
 __all__ = ["save", "load", "export_full", "import_full"]
 
@@ -275,19 +274,10 @@ def _pieces(value: Any, rank: int) -> Any:
     sharded tensor, ("t", tensor) for a plain one (rank 0's copy wins), else the value."""
     if isinstance(value, torch.Tensor) and _is_sharded(value):
         view = sharded_view(value)
-        return ("s", tuple(view.shape), view.local.dtype, _local_index(view), view.local.detach().cpu().clone())
+        return ("s", tuple(view.shape), view.local.dtype, view.layout.local_index(view.rank), view.local.detach().cpu().clone())
     if isinstance(value, torch.Tensor):
         return ("t", value.detach().cpu().clone())
     return ("v", value)
-
-
-def _local_index(view: Any) -> slice | torch.Tensor:
-    """Where a view's local data lie in the flat tensor: a slice, or (for a tensor-parallel
-    box, [Note: boxes in flat order]) the flat indices."""
-    if isinstance(view.layout, RaggedShard):
-        start, length = view.layout.local(view.rank)
-        return slice(start, start + length)
-    return view.layout.flat_indices(view.rank, 0, view.local.numel())
 
 
 def _assemble(parts: list[Any]) -> Any:
@@ -412,6 +402,6 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             src = saved[k]
             if isinstance(v, torch.Tensor) and _is_sharded(v):
                 view = sharded_view(v)
-                view.local.copy_(src.reshape(-1)[_local_index(view)])
+                view.local.copy_(src.reshape(-1)[view.layout.local_index(view.rank)])
             else:
                 v.copy_(src)

@@ -283,49 +283,9 @@ def _sharded_entry(local: torch.Tensor, layout: RaggedShard | BoxShard, view: Sh
                              f"slice of {n} elements of layout {layout}")
     if layout.world_size == 1:
         return local.view(shape)
-    if isinstance(layout, BoxShard):  # the parameter's own DTensor placement
-        if view.dtensor is None or layout != view.layout:
-            raise AssertionError("state in a BoxShard layout is the state of a DTensor parameter, in its layout")
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements = view.dtensor
-        return DTensor.from_local(local.view(layout.local_shape(view.rank)), mesh, placements,
-                                  run_check=False, shape=shape, stride=_contiguous_stride(shape))
     from vefsdp_optim._fsdp import ShardedParameter
 
     return ShardedParameter(local, layout, view.group, shape, view.rank)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= n
-    return tuple(reversed(out))
-
-
-def _copy_box(live: torch.Tensor, v: Any, layout: BoxShard, rank: int, name: str) -> None:
-    """Copy rank's box of the saved global tensor ``v`` into the 1-D ``live`` in place."""
-    from torch.distributed.tensor import DTensor
-
-    from vefsdp_optim._fsdp import ShardedParameter
-
-    if isinstance(v, DTensor):
-        src = v.to_local().reshape(-1)
-        if tuple(v.shape) != layout.shape or src.numel() != live.numel():
-            raise ValueError(f"optimizer state {name} is a DTensor of shape {tuple(v.shape)} holding "
-                             f"{src.numel()} elements here, the live state needs {live.numel()} of "
-                             f"{layout.shape}; load checkpoints of another mesh with DCP")
-    elif isinstance(v, ShardedParameter):
-        raise ValueError(f"optimizer state {name} holds a ragged layout, this rank needs a tensor-parallel "
-                         "box; load checkpoints of another mesh with DCP")
-    elif isinstance(v, torch.Tensor):
-        src = v.reshape(layout.shape)[layout.slices(rank)].reshape(-1)
-    else:
-        raise TypeError(f"optimizer state {name} must be a tensor, got {type(v).__name__}")
-    if src.numel() and src.data_ptr() == live.data_ptr():
-        return  # already loaded in place by DCP
-    live.copy_(src)
 
 
 def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard | BoxShard, rank: int, name: str) -> None:
@@ -334,19 +294,16 @@ def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard | BoxShard, rank
 
     from vefsdp_optim._fsdp import ShardedParameter
 
-    if isinstance(layout, BoxShard):
-        return _copy_box(live, v, layout, rank, name)
-    start, length = layout.local(rank)
     if isinstance(v, ShardedParameter):
         if v.ragged_layout != layout:
-            raise ValueError(f"optimizer state {name} holds layout {v.ragged_layout.extents}, this rank "
-                             f"needs {layout.extents}; load checkpoints of another world size with DCP")
+            raise ValueError(f"optimizer state {name} holds layout {v.ragged_layout}, this rank "
+                             f"needs {layout}; load checkpoints of another world size or mesh with DCP")
         src = v.to_local()
     elif isinstance(v, DTensor):
         raise TypeError(f"optimizer state {name} is a DTensor; expected the optimizer's own state_dict() "
                         "format (loaded with DCP) or plain full tensors")
     elif isinstance(v, torch.Tensor):
-        src = v.reshape(-1)[start: start + length]
+        src = v.reshape(-1)[layout.local_index(rank, v.device)]
     else:
         raise TypeError(f"optimizer state {name} must be a tensor, got {type(v).__name__}")
     if src.numel() != live.numel():

@@ -72,8 +72,7 @@ def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
     dst = args[0]
     full = torch.empty(dst.shape, dtype=dst.dtype, device=dst._local.device)
     func(full, *args[1:], **kwargs)
-    start, length = dst._layout.local(dst._rank)
-    dst._local.copy_(full.view(-1)[start:start + length])
+    dst._local.copy_(full.view(-1)[dst._layout.local_index(dst._rank, full.device)])
     return dst
 
 
@@ -156,7 +155,7 @@ def _ref(cls: type, func: Any, flat: list) -> Any:
             elif a._layout != ref._layout or a._group is not ref._group or a.shape != ref.shape:
                 raise ValueError(
                     f"{func}: sharded operands differ in shape or layout: {tuple(ref.shape)} "
-                    f"{ref._layout.extents} vs {tuple(a.shape)} {a._layout.extents}")
+                    f"{ref._layout} vs {tuple(a.shape)} {a._layout}")
     if ref is None:
         raise AssertionError(f"{func} dispatched to ShardedParameter without a sharded operand")
     return ref
@@ -164,8 +163,7 @@ def _ref(cls: type, func: Any, flat: list) -> Any:
 
 def _slice_of(ref: Any, t: torch.Tensor) -> torch.Tensor:
     """This rank's slice of plain ``t`` broadcast to ``ref``'s global shape."""
-    start, length = ref._layout.local(ref._rank)
-    return t.expand(ref.shape).reshape(-1)[start: start + length]
+    return t.expand(ref.shape).reshape(-1)[ref._layout.local_index(ref._rank, t.device)]
 
 
 def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -366,8 +364,7 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         src = full[id(dst)]
         if src.shape != dst.shape:
             raise NotImplementedError(f"ShardedParameter does not support {func} changing its shape")
-        start, length = dst._layout.local(dst._rank)
-        dst._local.copy_(src.reshape(-1)[start: start + length])
+        dst._local.copy_(src.reshape(-1)[dst._layout.local_index(dst._rank, src.device)])
         back[id(src)] = dst
     return tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vefsdp_optim.comm import ShardedView, all_gather_flat
-from vefsdp_optim.sharding import RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 from ._sharded_dispatch import dispatch
 
@@ -28,14 +28,16 @@ if TYPE_CHECKING:
 __all__ = ["ShardedParameter", "flat_range_boxes"]
 
 class ShardedParameter(torch.Tensor):
-    """A tensor of global ``shape`` stored as this rank's slice ``layout.local(rank)``.
+    """A tensor of global ``shape`` stored as this rank's part under ``layout``: its slice
+    ``layout.local(rank)`` of a RaggedShard, or its box (or run of one) of a BoxShard
+    ([Note: boxes in flat order]; tensor-parallel optimizer state).
 
     ``_local`` is a 1-D view of the flat row-major storage (may be empty);
     ``nn.Parameter(ShardedParameter(...))`` keeps the subclass, as for DTensor.
     """
 
-    _local: torch.Tensor  # 1-D, layout.local(rank)[1] elems
-    _layout: RaggedShard
+    _local: torch.Tensor  # 1-D, layout.local_numel(rank) elems
+    _layout: RaggedShard | BoxShard
     _group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     _rank: int
     _store: FlatStore | None = None  # fully_shard's parameters: the store they live in
@@ -44,17 +46,17 @@ class ShardedParameter(torch.Tensor):
     def __new__(
         cls,
         local: torch.Tensor,
-        layout: RaggedShard,
+        layout: RaggedShard | BoxShard,
         group: dist.ProcessGroup | None,
         shape: Sequence[int],
         rank: int,
         requires_grad: bool = False,
     ) -> ShardedParameter:
         shape = torch.Size(shape)
-        if local.dim() != 1 or local.numel() != layout.local(rank)[1]:
+        if local.dim() != 1 or local.numel() != layout.local_numel(rank):
             raise ValueError(
-                f"local data must be 1-D with {layout.local(rank)[1]} elements for rank {rank} of "
-                f"layout {layout.extents}, got shape {tuple(local.shape)}")
+                f"local data must be 1-D with {layout.local_numel(rank)} elements for rank {rank} of "
+                f"layout {layout}, got shape {tuple(local.shape)}")
         if math.prod(shape) != layout.numel:
             raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has {layout.numel}")
         t = torch.Tensor._make_wrapper_subclass(
@@ -71,8 +73,9 @@ class ShardedParameter(torch.Tensor):
     # -- public accessors -------------------------------------------------------------
 
     @property
-    def ragged_layout(self) -> RaggedShard:
-        """The :class:`RaggedShard` of this tensor over its shard group."""
+    def ragged_layout(self) -> RaggedShard | BoxShard:
+        """The layout of this tensor over its shard group: a :class:`RaggedShard`, or a
+        :class:`BoxShard` for tensor-parallel optimizer state."""
         return self._layout
 
     @property
@@ -96,7 +99,7 @@ class ShardedParameter(torch.Tensor):
     def rebind_(self, local: torch.Tensor, layout: RaggedShard, group: dist.ProcessGroup | None,
                 rank: int) -> None:
         """Point this same object at new local data and layout (a re-plan)."""
-        if local.dim() != 1 or local.numel() != layout.local(rank)[1] or layout.numel != self.numel():
+        if local.dim() != 1 or local.numel() != layout.local_numel(rank) or layout.numel != self.numel():
             raise ValueError(f"local data of shape {tuple(local.shape)} is not rank {rank}'s slice of "
                              f"layout {layout.extents} of a tensor of shape {tuple(self.shape)}")
         self._local, self._layout, self._group, self._rank = local, layout, group, rank
@@ -116,13 +119,19 @@ class ShardedParameter(torch.Tensor):
         local = self._local.detach()
         if w == 1:
             return local.clone().view(self.shape)
-        n = max(length for _, length in self._layout.extents)
+        lay = self._layout
+        n = max(lay.local_numel(r) for r in range(w))
         padded = local.new_zeros(n)
         padded[: local.numel()] = local
         out = local.new_empty(w * n)
         all_gather_flat(out, padded, self._group)
-        parts = [out[r * n: r * n + length] for r, (_, length) in enumerate(self._layout.extents)]
-        return torch.cat(parts).view(self.shape)
+        parts = [out[r * n: r * n + lay.local_numel(r)] for r in range(w)]
+        if isinstance(lay, RaggedShard):
+            return torch.cat(parts).view(self.shape)
+        full = local.new_empty(lay.numel)
+        for r, part in enumerate(parts):
+            full[lay.local_index(r, full.device)] = part
+        return full.view(self.shape)
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """The storage of this rank's local data, the group's buffer (no copy).
@@ -144,7 +153,7 @@ class ShardedParameter(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, rank={self._rank}, "
-                f"extents={self._layout.extents}, local={self._local!r})")
+                f"layout={self._layout}, local={self._local!r})")
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise NotImplementedError("ShardedParameter does not pickle; call full_tensor() first")
@@ -152,8 +161,13 @@ class ShardedParameter(torch.Tensor):
     # -- torch.distributed.checkpoint protocol ([Note: ragged slices as DCP boxes]) -----
 
     def _boxes(self) -> list[tuple[torch.Size, torch.Size, int]]:
-        start, length = self._layout.local(self._rank)
-        return flat_range_boxes(self.shape, start, length)
+        lay = self._layout
+        if isinstance(lay, RaggedShard):
+            start, length = lay.local(self._rank)
+            return flat_range_boxes(self.shape, start, length)
+        b = lay.boxes[self._rank]  # a run of a box: the run's boxes in the box, shifted
+        return [(torch.Size(o + a for o, a in zip(offsets, b.offsets, strict=True)), sizes, f)
+                for offsets, sizes, f in flat_range_boxes(b.sizes, b.start, b.length)]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
         from torch.distributed.checkpoint.metadata import (
