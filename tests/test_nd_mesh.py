@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit", "adam8bit", "shampoo")
@@ -37,7 +39,7 @@ class TPBlock(nn.Module):
 TP_PLAN = {"up": "colwise", "down": "rowwise", "up2": "colwise", "down2": "rowwise"}
 
 
-def make_optimizer(name: str, params: list, *, fused_adamw: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: list, *, experts: bool = False) -> torch.optim.Optimizer:
     import vefsdp_optim as vo
 
     params = list(params)
@@ -47,9 +49,12 @@ def make_optimizer(name: str, params: list, *, fused_adamw: bool = False) -> tor
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     if name == "muon":
         mats = [p for p in params if p.dim() == 2]
-        rest = [p for p in params if p.dim() != 2]
-        return vo.Muon([{"params": mats}, {"params": rest, "use_muon": False}], lr=2e-2,
-                       weight_decay=0.1)
+        rest = [p for p in params if p.dim() < 2]
+        stacks = [p for p in params if p.dim() > 2]  # experts: one matrix each
+        groups = [{"params": mats}, {"params": rest, "use_muon": False}]
+        if stacks:
+            groups.append({"params": stacks, "flatten": False})
+        return vo.Muon(groups, lr=2e-2, weight_decay=0.1)
     if name == "adamw8bit":
         return vo.AdamW8bit(params, lr=1e-2, block_size=16, min_8bit_size=16)
     if name == "adam8bit":
@@ -150,3 +155,163 @@ def test_checkpoint_across_meshes_more(tmp_path, src, dst):
     from test_checkpoint import _resume_case
 
     _resume_case(tmp_path, src[0], src[1], dst[0], dst[1])
+
+
+# -- synthetic gradients: any placements, expert parallel, a 3-D mesh ---------------------------
+
+
+def _full_grad(step: int, name: str, shape: torch.Size) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+def _set_box_grad(p: torch.Tensor, full: torch.Tensor) -> None:
+    """This rank's part of ``full`` as ``p.grad``: cut with the library's layout, then
+    checked against DTensor's own gather, so a wrong layout fails here."""
+    from torch.distributed.tensor import DTensor
+
+    from vefsdp_optim.comm import sharded_view
+
+    if not isinstance(p, DTensor):
+        p.grad = full.clone()
+        return
+    g = torch.zeros_like(p)
+    view = sharded_view(g)
+    view.local.copy_(full.reshape(-1)[view.layout.local_index(view.rank)])
+    assert torch.equal(g.full_tensor(), full), (p.placements, tuple(p.shape))
+    p.grad = g
+
+
+def _synthetic_run(name: str, build: str, steps: int = 3, seed: int = 0, **kw: object) -> float:
+    """Build a model with ``build`` (DTensor parameters on some mesh), step ``name`` on
+    seeded full gradients, replay them on one device; the largest difference."""
+    torch.manual_seed(seed)
+    model, ref = BUILDS[build](**kw)
+    opt = make_optimizer(name, model.parameters(), **({"experts": True} if build == "ep" else {}))
+    ref_opt = make_optimizer("torch_adamw" if name == "adamw" else name, ref.parameters(),
+                             **({"experts": True} if build == "ep" else {}))
+    worst = 0.0
+    named_ref = dict(ref.named_parameters())
+    for step in range(steps):
+        for n, p in model.named_parameters():
+            full = _full_grad(step, n, p.shape)
+            _set_box_grad(p, full)
+            named_ref[n].grad = full.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for n, p in model.named_parameters():
+        worst = max(worst, float((_full(p).detach() - named_ref[n].detach()).abs().max()))
+    return worst
+
+
+class Experts(nn.Module):
+    """An MoE layer's expert weights, stacked: (experts, out, in)."""
+
+    def __init__(self, experts: int = 4, d: int = 10, h: int = 8) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, h, d) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(experts, d, h) * 0.3)
+        self.router = nn.Linear(d, experts)
+
+
+def _build_ep(fsdp_dim: int = 0) -> tuple[nn.Module, nn.Module]:
+    """Experts Shard(0) over ``ep`` (2), FSDP2 over ``dp`` (2) on dim ``fsdp_dim`` (torchtitan
+    shards dim 1 when experts are fewer than the ranks), the router FSDP only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, ref = Experts(), Experts()
+    ref.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    for k in ("w1", "w2"):
+        setattr(model, k, nn.Parameter(distribute_tensor(getattr(model, k).detach(), mesh["ep"], [Shard(0)])))
+    fully_shard(model, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(fsdp_dim if p.dim() == 3 else 0))
+    return model, ref
+
+
+def _build_3d() -> tuple[nn.Module, nn.Module]:
+    """HSDP + TP on replicate 2 x dp 2 x tp 2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, ref = TPBlock(), TPBlock()
+    ref.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+    _parallelize(model, mesh["tp"], TP_PLAN)
+    fully_shard(model, mesh=mesh["rep", "dp"])
+    return model, ref
+
+
+def _build_random(shapes: list, plans: list) -> tuple[nn.Module, nn.Module]:
+    """Parameters of random ``shapes``: plan (tp placement dim or None, FSDP2 dim)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    model, ref = nn.Module(), nn.Module()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dims = {}
+    for i, (shape, (tp_dim, dp_dim)) in enumerate(zip(shapes, plans, strict=True)):
+        w = torch.randn(shape)
+        ref.register_parameter(f"p{i}", nn.Parameter(w.clone()))
+        t = distribute_tensor(w, mesh["tp"], [Replicate() if tp_dim is None else Shard(tp_dim)],
+                              src_data_rank=None)
+        model.register_parameter(f"p{i}", nn.Parameter(t))
+        dims[f"p{i}"] = dp_dim
+    by_id = {id(p): dims[n] for n, p in model.named_parameters()}
+    fully_shard(model, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(by_id[id(p)]))
+    return model, ref
+
+
+BUILDS = {"ep": _build_ep, "3d": _build_3d, "random": _build_random}
+
+
+@pytest.mark.parametrize("fsdp_dim", [0, 1])
+def test_expert_parallel_bitwise(fsdp_dim: int) -> None:
+    def check(name: str) -> None:
+        for worst in run_distributed(_synthetic_run, 4, name, "ep", fsdp_dim=fsdp_dim):
+            assert worst == 0.0, (name, worst)
+
+    for name in ("adamw", "muon", "adamw8bit", "shampoo"):
+        check(name)
+
+
+def _two_optimizers_3d() -> dict[str, float]:
+    return {name: _synthetic_run(name, "3d") for name in ("adamw", "muon")}
+
+
+def test_hsdp_tp_3d_mesh_w8() -> None:
+    for r in run_distributed(_two_optimizers_3d, 8):
+        assert r == {"adamw": 0.0, "muon": 0.0}, r
+
+
+def _random_case(name: str, shapes: list, plans: list) -> float:
+    return _synthetic_run(name, "random", steps=2, shapes=shapes, plans=plans)
+
+
+@st.composite
+def _params(draw: st.DrawFn) -> tuple[list, list]:
+    shapes, plans = [], []
+    for _ in range(draw(st.integers(1, 4))):
+        shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+        tp_dim = draw(st.one_of(st.none(), st.integers(0, len(shape) - 1)))
+        local = list(shape)
+        if tp_dim is not None:
+            local[tp_dim] = -(-local[tp_dim] // 2)
+        # FSDP2 shards dims other than 0 only evenly
+        dp_dims = [0] + [d for d in range(1, len(shape)) if local[d] % 2 == 0 and shape[d] % 2 == 0]
+        shapes.append(shape)
+        plans.append((tp_dim, draw(st.sampled_from(dp_dims))))
+    return shapes, plans
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_params(), name=st.sampled_from(["adamw", "muon", "adamw8bit", "shampoo"]))
+def test_random_shapes_and_placements(case: tuple[list, list], name: str) -> None:
+    shapes, plans = case
+    for worst in run_distributed(_random_case, 4, name, shapes, plans):
+        assert worst == 0.0, (name, shapes, plans, worst)
