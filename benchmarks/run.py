@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "muon_dion": "bench_muon_dion",
     "adam8bit": "bench_adam8bit",
     "shampoo": "bench_shampoo",
+    "nd_mesh": "bench_nd_mesh",
     "profile": "bench_profile",
     "scale_model": "scale_model",
 }

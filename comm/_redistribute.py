@@ -8,6 +8,7 @@ once, before the first exchange.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -228,32 +229,74 @@ def redistribute(
 # Between a BoxShard and a RaggedShard ([Note: boxes in flat order]), the piece of
 # tensor i that rank r sends to rank q is r's part of it under src that q holds under
 # dst, in increasing flat order. Where src is the BoxShard, that piece is one run of
-# r's local data and q scatters it at ``flat_indices - start`` of its slice (or, for a
-# whole box into a whole tensor, copies it as a strided block); where dst is the
-# BoxShard, r gathers it with ``index_select`` and q receives one run of its local
-# data. Pieces are packed peer-major, as in [Note: one exchange per bucket].
+# r's local data; where dst is, r gathers it from its contiguous slice. A box meets a
+# flat range in at most 2 * ndim - 1 strided blocks (``BoxShard.range_parts``), so both
+# the gather and the scatter on the ragged side are a few strided copies, no index
+# tensors (a whole box into or out of a whole tensor: one). Runs of boxes (fully_shard
+# over a tensor-parallel box) fall back to flat indices. Pieces are packed peer-major,
+# as in [Note: one exchange per bucket].
 
 
-def _box_pieces(s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int,
-                device: torch.device) -> tuple[tuple[int, int] | None, torch.Tensor | None, int]:
-    """The elements that rank ``a`` holds under ``s`` and rank ``b`` under ``d``:
-    ``(run in a's local data or None, indices into it or None, count)``, and the same
-    seen from b is ``_box_pieces`` of the reversed pair."""
-    if isinstance(s, RaggedShard) and isinstance(d, RaggedShard):
-        (x, n), (y, m) = s.local(a), d.local(b)
-        lo, hi = max(x, y), min(x + n, y + m)
-        return ((lo - x, hi - x) if lo < hi else (0, 0)), None, max(hi - lo, 0)
-    if isinstance(s, BoxShard) and isinstance(d, RaggedShard):
+def _count(s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> int:
+    """How many elements rank ``a`` holds under ``s`` and rank ``b`` under ``d``."""
+    if isinstance(d, RaggedShard):
         y, m = d.local(b)
-        lo, hi = s.count_below(a, y), s.count_below(a, y + m)
-        return (lo, hi), None, hi - lo
-    if isinstance(s, RaggedShard) and isinstance(d, BoxShard):
+        return s.count_below(a, y + m) - s.count_below(a, y)
+    if isinstance(s, RaggedShard):
         x, n = s.local(a)
+        return d.count_below(b, x + n) - d.count_below(b, x)
+    if s != d:
+        raise AssertionError("redistribution between two different BoxShards")
+    return s.local_numel(a) if a == b else 0
+
+
+def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> torch.Tensor:
+    """Of rank ``a``'s local ``t`` under ``s``, what rank ``b`` holds under ``d`` (1-D)."""
+    if isinstance(d, RaggedShard):
+        y, m = d.local(b)
+        return t[s.count_below(a, y):s.count_below(a, y + m)]
+    if isinstance(s, BoxShard):  # equal boxes ([Note: box exchange])
+        return t if a == b else t[:0]
+    x, n = s.local(a)
+    if not d.is_whole_box(b):
         lo, hi = d.count_below(b, x), d.count_below(b, x + n)
-        return None, d.flat_indices(b, lo, hi, device) - x, hi - lo
-    if s == d:
-        return ((0, s.local_numel(a)) if a == b else (0, 0)), None, s.local_numel(a) if a == b else 0
-    raise AssertionError("redistribution between two different BoxShards")
+        return t.index_select(0, d.flat_indices(b, lo, hi, t.device) - x)
+    if x == 0 and n == d.numel:
+        return t.view(d.shape)[d.slices(b)].reshape(-1)
+    parts = [t[f:f + math.prod(sz)].view(sz)[sl].reshape(-1) for f, sz, sl, _ in d.range_parts(b, x, x + n)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else t[:0]
+
+
+def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
+             p: int, rank: int) -> None:
+    """Write ``piece`` (what rank ``p`` holds under ``s`` and this rank under ``d``) into
+    this rank's ``out`` under ``d``."""
+    if isinstance(d, BoxShard):
+        if isinstance(s, BoxShard):
+            out.copy_(piece)
+            return
+        x, n = s.local(p)
+        out[d.count_below(rank, x):d.count_below(rank, x + n)].copy_(piece)
+        return
+    y, m = d.local(rank)
+    if isinstance(s, RaggedShard):
+        lo = max(s.local(p)[0], y) - y
+        out[lo:lo + piece.numel()].copy_(piece)
+        return
+    if not s.is_whole_box(p):
+        lo, hi = s.count_below(p, y), s.count_below(p, y + m)
+        out.index_copy_(0, s.flat_indices(p, lo, hi, out.device) - y, piece)
+        return
+    if y == 0 and m == s.numel:
+        out.view(s.shape)[s.slices(p)].copy_(piece.view(s.boxes[p].sizes))
+        return
+    k = 0
+    for f, sz, sl, isz in s.range_parts(p, y, y + m):
+        c = math.prod(isz)
+        out[f:f + math.prod(sz)].view(sz)[sl].copy_(piece[k:k + c].view(isz))
+        k += c
 
 
 def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
@@ -261,23 +304,17 @@ def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | 
                         w: int, async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
     """:func:`redistribute` where a layout is a BoxShard ([Note: box exchange])."""
     ref = locals[0]
-    device = ref.device
-
-    def take(i: int, peer_src_rank: int, peer_dst_rank: int) -> torch.Tensor:
-        run, idx, _ = _box_pieces(src[i], dst[i], peer_src_rank, peer_dst_rank, device)
-        t = locals[i]
-        return t[run[0]:run[1]] if idx is None else t.index_select(0, idx)
-
+    pairs = list(zip(src, dst, strict=True))
     send_pieces, send_counts, recv_counts = [], [0] * w, [0] * w
     for p in range(w):
-        for i in range(len(locals)):
-            if p == rank:
-                continue
-            n = _box_pieces(src[i], dst[i], rank, p, device)[2]
+        if p == rank:
+            continue
+        for i, (s, d) in enumerate(pairs):
+            n = _count(s, d, rank, p)
             if n:
-                send_pieces.append(take(i, rank, p))
+                send_pieces.append(_gather(locals[i], s, d, rank, p))
                 send_counts[p] += n
-            recv_counts[p] += _box_pieces(src[i], dst[i], p, rank, device)[2]
+            recv_counts[p] += _count(s, d, p, rank)
     send_buf = torch.cat(send_pieces) if send_pieces else ref.new_empty(0)
     recv_buf = ref.new_empty(sum(recv_counts))
     work = dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts, group=group,
@@ -287,14 +324,14 @@ def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | 
         out = [ref.new_empty(d.local_numel(rank)) for d in dst]
         pos = 0
         for p in range(w):
-            for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+            for i, (s, d) in enumerate(pairs):
                 if p == rank:
-                    piece = take(i, rank, rank)
+                    piece = _gather(locals[i], s, d, rank, rank)
                 else:
-                    n = _box_pieces(s, d, p, rank, device)[2]
+                    n = _count(s, d, p, rank)
                     piece, pos = recv_buf[pos:pos + n], pos + n
                 if piece.numel():
-                    _place(out[i], piece, s, d, p, rank, device)
+                    _scatter(out[i], piece, s, d, p, rank)
         if pos != recv_buf.numel():
             raise AssertionError(f"unpacked {pos} of {recv_buf.numel()} received elements")
         return out
@@ -302,24 +339,6 @@ def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | 
     if async_op:
         return RedistributeHandle(work, (send_buf, recv_buf), finish)
     return finish()
-
-
-def _place(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
-           p: int, rank: int, device: torch.device) -> None:
-    """Write the piece that rank ``p`` holds under ``s`` into this rank's ``out`` under ``d``."""
-    if isinstance(s, BoxShard) and isinstance(d, RaggedShard):
-        y, m = d.local(rank)
-        if y == 0 and m == s.numel and s.is_whole_box(p) and piece.numel() == s.local_numel(p):
-            out.view(s.shape)[s.slices(p)].copy_(piece.view(s.boxes[p].sizes))
-            return
-        lo, hi = s.count_below(p, y), s.count_below(p, y + m)
-        out.index_copy_(0, s.flat_indices(p, lo, hi, device) - y, piece)
-        return
-    run, idx, _ = _box_pieces(d, s, rank, p, device)  # where the piece lies in this rank's data
-    if idx is not None:
-        out.index_copy_(0, idx, piece)
-    else:
-        out[run[0]:run[1]].copy_(piece)
 
 
 def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: int) -> None:

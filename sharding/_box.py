@@ -14,7 +14,7 @@ import torch
 from ._ragged import RaggedShard
 from ._requirement import Requirement, check_shape
 
-__all__ = ["BoxShard", "Box"]
+__all__ = ["BoxShard", "Box", "flat_range_boxes"]
 
 # [Note: boxes in flat order]
 # Tensor parallelism shards a parameter on several tensor dims over several mesh axes
@@ -162,6 +162,27 @@ class BoxShard:
             stride *= self.shape[d]
         return flat
 
+    def range_parts(self, rank: int, lo: int, hi: int) -> list[tuple[int, tuple[int, ...], tuple[slice, ...],
+                                                                     tuple[int, ...]]]:
+        """Rank's whole box intersected with the flat range ``[lo, hi)``, as strided pieces
+        ([Note: box exchange] in comm): per box of the range ([Note: ragged slices as DCP
+        boxes]) that meets it, ``(its flat offset in the range, its sizes, the slices of the
+        intersection inside it, the intersection's sizes)``, in flat order. The
+        intersections' elements, in this order, are the rank's local elements in
+        ``[lo, hi)`` in order."""
+        b = self.boxes[rank]
+        if not self.is_whole_box(rank):
+            raise ValueError(f"rank {rank} holds a run of its box; range_parts needs whole boxes")
+        out = []
+        for offsets, sizes, f in flat_range_boxes(self.shape, lo, hi - lo):
+            ilo = [max(o, bo) for o, bo in zip(offsets, b.offsets, strict=True)]
+            ihi = [min(o + s, bo + bs) for o, s, bo, bs in zip(offsets, sizes, b.offsets, b.sizes, strict=True)]
+            if any(y <= x for x, y in zip(ilo, ihi, strict=True)):
+                continue
+            out.append((f, tuple(sizes), tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, offsets, strict=True)),
+                        tuple(y - x for x, y in zip(ilo, ihi, strict=True))))
+        return out
+
     def local_index(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Index of rank's elements in the flat tensor (as RaggedShard's): ``flat[index]``
         is its local data."""
@@ -247,3 +268,53 @@ def _flat_of(b: Box, pos: int, shape: tuple[int, ...]) -> int:
         pos //= b.sizes[d]
         stride *= shape[d]
     return flat
+
+
+# [Note: ragged slices as DCP boxes]
+# DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
+# (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
+# which is the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row (itself
+# split recursively over the inner dims), a run of whole rows, and a partial trailing
+# row. Each box is contiguous in flat order, so it is a plain view of the local data,
+# and DCP reshards between these boxes and any other layout (FSDP2's Shard(0), a plain
+# tensor, another world size) by itself.
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[torch.Size, torch.Size, int]]:
+    """Boxes ``(offsets, sizes, flat offset in the range)`` covering the flat range
+    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if start < 0 or length < 0 or start + length > numel:
+        raise ValueError(f"flat range [{start}, {start + length}) is not inside a tensor of {numel} elements")
+    if length == 0:
+        return []
+    if not shape:
+        return [(torch.Size(()), torch.Size(()), 0)]
+    out: list[tuple[torch.Size, torch.Size, int]] = []
+
+    def rec(dims: tuple[int, ...], prefix: tuple[int, ...], s: int, e: int, base: int) -> None:
+        # [s, e) is a flat range inside the sub-tensor at index `prefix`, of shape `dims`
+        lead = len(prefix)
+        pad = (1,) * lead
+        if len(dims) == 1:
+            out.append((torch.Size(prefix + (s,)), torch.Size(pad + (e - s,)), base))
+            return
+        inner = math.prod(dims[1:])
+        r0, r1 = s // inner, e // inner
+        if s % inner:
+            stop = min(e, (r0 + 1) * inner)
+            rec(dims[1:], prefix + (r0,), s - r0 * inner, stop - r0 * inner, base)
+            base += stop - s
+            s, r0 = stop, r0 + 1
+        if s >= e:
+            return
+        if r1 > r0:
+            out.append((torch.Size(prefix + (r0,) + (0,) * (len(dims) - 1)),
+                        torch.Size(pad + (r1 - r0,) + tuple(dims[1:])), base))
+            base += (r1 - r0) * inner
+        if e % inner:
+            rec(dims[1:], prefix + (r1,), 0, e - r1 * inner, base)
+
+    rec(shape, (), start, start + length, 0)
+    return out

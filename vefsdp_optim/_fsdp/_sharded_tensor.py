@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from vefsdp_optim.comm import ShardedView, all_gather_flat
 from vefsdp_optim.sharding import BoxShard, RaggedShard
+from vefsdp_optim.sharding._box import flat_range_boxes
 
 from ._sharded_dispatch import dispatch
 
@@ -205,53 +206,3 @@ class ShardedParameter(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         return dispatch(cls, func, args, kwargs or {})  # [Note: sharded dispatch]
-
-
-# [Note: ragged slices as DCP boxes]
-# DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
-# (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
-# which is the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row (itself
-# split recursively over the inner dims), a run of whole rows, and a partial trailing
-# row. Each box is contiguous in flat order, so it is a plain view of the local data,
-# and DCP reshards between these boxes and any other layout (FSDP2's Shard(0), a plain
-# tensor, another world size) by itself.
-
-
-def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[torch.Size, torch.Size, int]]:
-    """Boxes ``(offsets, sizes, flat offset in the range)`` covering the flat range
-    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order."""
-    shape = tuple(shape)
-    numel = math.prod(shape)
-    if start < 0 or length < 0 or start + length > numel:
-        raise ValueError(f"flat range [{start}, {start + length}) is not inside a tensor of {numel} elements")
-    if length == 0:
-        return []
-    if not shape:
-        return [(torch.Size(()), torch.Size(()), 0)]
-    out: list[tuple[torch.Size, torch.Size, int]] = []
-
-    def rec(dims: tuple[int, ...], prefix: tuple[int, ...], s: int, e: int, base: int) -> None:
-        # [s, e) is a flat range inside the sub-tensor at index `prefix`, of shape `dims`
-        lead = len(prefix)
-        pad = (1,) * lead
-        if len(dims) == 1:
-            out.append((torch.Size(prefix + (s,)), torch.Size(pad + (e - s,)), base))
-            return
-        inner = math.prod(dims[1:])
-        r0, r1 = s // inner, e // inner
-        if s % inner:
-            stop = min(e, (r0 + 1) * inner)
-            rec(dims[1:], prefix + (r0,), s - r0 * inner, stop - r0 * inner, base)
-            base += stop - s
-            s, r0 = stop, r0 + 1
-        if s >= e:
-            return
-        if r1 > r0:
-            out.append((torch.Size(prefix + (r0,) + (0,) * (len(dims) - 1)),
-                        torch.Size(pad + (r1 - r0,) + tuple(dims[1:])), base))
-            base += (r1 - r0) * inner
-        if e % inner:
-            rec(dims[1:], prefix + (r1,), 0, e - r1 * inner, base)
-
-    rec(shape, (), start, start + length, 0)
-    return out
