@@ -10,7 +10,7 @@ from ._collectives import (
 )
 from ._owners import OwnerAssignment, assign_owners
 from ._redistribute import RedistributeHandle, check_same_on_all_ranks, redistribute, transfer_sizes
-from ._views import ShardedView, sharded_view
+from ._views import ShardedView, dtensor_boxes, sharded_view
 
 __all__ = [
     "DistributedBuffer",
@@ -23,6 +23,7 @@ __all__ = [
     "assign_owners",
     "check_plan_consistent",
     "check_same_on_all_ranks",
+    "dtensor_boxes",
     "redistribute",
     "reduce_scatter_flat",
     "sharded_view",

@@ -17,7 +17,7 @@ from torch import nn
 
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
-__all__ = ["ShardedView", "sharded_view"]
+__all__ = ["ShardedView", "dtensor_boxes", "sharded_view"]
 
 # [Note: views alias storage]
 # ``ShardedView.local`` is always a view of the parameter's own storage, never a copy:
@@ -196,14 +196,8 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
             f"DTensor with placements {placements} (global shape {shape}) on a {mesh.ndim}-D mesh "
             f"{tuple(mesh.shape)}: placement {p} on mesh axis {axis} is not supported; "
             f"supported: Shard, _StridedShard and Replicate placements (reduce Partial ones first)")
-    axes = sorted(a for d in per_dim for a, _ in d)
+    boxes, axes = dtensor_boxes(mesh, placements, shape, per_dim)
     sizes = [mesh.size(a) for a in axes]
-    try:
-        splits = [[axes.index(a) for a in _nesting(d, mesh, placements, shape)] for d in per_dim]
-    except ValueError as e:
-        raise ValueError(f"DTensor with placements {placements} (global shape {shape}) on mesh "
-                         f"{tuple(mesh.shape)}: {e}") from None
-    boxes = BoxShard.nested_chunks(shape, sizes, splits)
     coord = mesh.get_coordinate()
     rank = 0
     for a, s in zip(axes, sizes, strict=True):
@@ -216,6 +210,29 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
         raise AssertionError(f"rank {dist.get_rank(group)} in the shard group of mesh axes {axes}, "
                              f"expected the row-major coordinate {rank}")
     return layout, group, rank
+
+
+def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
+                  per_dim: list[list[tuple[int, int | None]]] | None = None) -> tuple[BoxShard, list[int]]:
+    """Every shard rank's box of a DTensor placement ([Note: N-D placements]) and the
+    mesh axes that shard (the box ranks are their row-major coordinates)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shape = tuple(shape)
+    if per_dim is None:
+        per_dim = [[] for _ in shape]
+        for axis, p in enumerate(placements):
+            if isinstance(p, (Shard, _StridedShard)):
+                per_dim[p.dim].append((axis, int(p.split_factor) if isinstance(p, _StridedShard) else None))
+    axes = sorted(a for d in per_dim for a, _ in d)
+    sizes = [mesh.size(a) for a in axes]
+    try:
+        splits = [[axes.index(a) for a in _nesting(d, mesh, placements, shape)] for d in per_dim]
+    except ValueError as e:
+        raise ValueError(f"DTensor with placements {placements} (global shape {shape}) on mesh "
+                         f"{tuple(mesh.shape)}: {e}") from None
+    return BoxShard.nested_chunks(shape, sizes, splits), axes
 
 
 def _nesting(entries: list[tuple[int, int | None]], mesh: Any, placements: tuple,

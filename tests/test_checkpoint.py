@@ -103,9 +103,9 @@ def _set_grads(model: nn.Module, step: int) -> None:
     for name, p in model.named_parameters():
         g = _grad(step, name, p.shape)
         if isinstance(p, ShardedParameter):
-            lay = p.ragged_layout
-            s, n = lay.local(p._rank)
-            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), lay, p.process_group, p.shape, p._rank)
+            lay = p.ragged_layout  # a RaggedShard, or a BoxShard under tensor parallel
+            p.grad = ShardedParameter(g.reshape(-1)[lay.local_index(p._rank)].clone(), lay, p.process_group,
+                                      p.shape, p._rank)
         elif isinstance(p, DTensor):  # this rank's box of g, whatever the placements
             from vefsdp_optim.comm import sharded_view
             from vefsdp_optim.sharding import RaggedShard

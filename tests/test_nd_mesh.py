@@ -80,12 +80,18 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def _train_nd(name: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], steps: int = 3,
-              replicate: bool = False) -> dict[str, object]:
-    """FSDP2 (+ HSDP when ``replicate``) + TP on ``mesh_shape``; every step's gathered full
-    gradients replayed on one device; returns the largest difference and what moved."""
+              replicate: bool = False, shard: str = "fsdp2") -> dict[str, object]:
+    """FSDP2 (or our fully_shard; + HSDP when ``replicate``) + TP on ``mesh_shape``; every
+    step's gathered full gradients replayed on one device; returns the largest difference
+    and what moved."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    import vefsdp_optim
+
+    if shard == "ours":
+        fully_shard = vefsdp_optim.fully_shard  # noqa: F811
 
     torch.manual_seed(0)
     model = TPBlock()
@@ -113,7 +119,8 @@ def _train_nd(name: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], st
         ref_opt.zero_grad()
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             worst = max(worst, float((_full(p) - q.detach()).abs().max()))
-    placements = sorted({str(p.placements) for p in model.parameters()})
+    placements = sorted({str(p.placements) if hasattr(p, "placements") else type(p.ragged_layout).__name__
+                         for p in model.parameters()})
     return {"worst": worst, "placements": placements}
 
 
@@ -139,6 +146,8 @@ def test_fsdp2_tp_3x2_bitwise(name: str) -> None:
     (("fsdp2_tp", 4), ("fsdp2", 3)),
     (("fsdp2_tp", 4), ("single", "single")),
     (("fsdp2", 3), ("fsdp2_tp", 4)),
+    (("fully_shard_tp", 4), ("fully_shard", 3)),
+    (("fully_shard", 3), ("fully_shard_tp", 4)),
 ])
 def test_checkpoint_across_meshes(tmp_path, src, dst):
     from test_checkpoint import _resume_case
@@ -146,11 +155,15 @@ def test_checkpoint_across_meshes(tmp_path, src, dst):
     _resume_case(tmp_path, src[0], src[1], dst[0], dst[1])
 
 
-# dp 3 x tp 2 is left out: torch 2.13's DTensor describes the uneven _StridedShard boxes
-# of FSDP2 + TP's *model* parameters (37 rows: tp 19 / 18, then dp 7 / 7 / 5) as
-# overlapping 6-row chunks, and DCP refuses the model state before the optimizer's.
+# FSDP2 at dp 3 x tp 2 is left out: torch 2.13's DTensor describes the uneven
+# _StridedShard boxes of FSDP2 + TP's *model* parameters (37 rows: tp 19 / 18, then dp
+# 7 / 7 / 5) as overlapping 6-row chunks, and DCP refuses the model state before the
+# optimizer's. Our fully_shard describes its boxes itself, so it saves there.
 @pytest.mark.slow
-@pytest.mark.parametrize("src, dst", [(("single", "single"), ("fsdp2_tp", 4))])
+@pytest.mark.parametrize("src, dst", [(("single", "single"), ("fsdp2_tp", 4)),
+                                      (("fully_shard_tp", 4), ("single", "single")),
+                                      (("fsdp2_tp", 4), ("fully_shard_tp", 4)),
+                                      (("fully_shard_tp", 6), ("fully_shard", 2))])
 def test_checkpoint_across_meshes_more(tmp_path, src, dst):
     from test_checkpoint import _resume_case
 
@@ -315,3 +328,123 @@ def test_random_shapes_and_placements(case: tuple[list, list], name: str) -> Non
     shapes, plans = case
     for worst in run_distributed(_random_case, 4, name, shapes, plans):
         assert worst == 0.0, (name, shapes, plans, worst)
+
+
+# -- our fully_shard composed with tensor parallel ----------------------------------------------
+
+
+def _ours_vs_fsdp2_tp(name: str, mesh_shape: tuple[int, int], steps: int = 3, ac: bool = False) -> dict:
+    """The same TP model under our fully_shard and under FSDP2 (both over dp), the same
+    tokens: losses and parameters after ``steps`` steps of ``name`` (FSDP2's side steps
+    torch's AdamW for "adamw", ours on FSDP2 + TP otherwise)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from torch.distributed.tensor import DTensor
+
+    import vefsdp_optim
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+    runs = {}
+    for kind, shard in (("ours", vefsdp_optim.fully_shard), ("fsdp2", fsdp2_shard)):
+        torch.manual_seed(0)
+        model = TPBlock()
+        _parallelize(model, mesh["tp"], TP_PLAN)
+        if ac:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            model.up2 = checkpoint_wrapper(model.up2)
+        shard(model, mesh=mesh["dp"])
+        opt = make_optimizer("torch_adamw" if name == "adamw" and kind == "fsdp2" else name,
+                             model.parameters())
+        losses = []
+        inside = set()
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + dist.get_rank() // mesh_shape[1])
+            x = torch.randn(3, 5, 10, generator=g)
+            hook = model.up.register_forward_pre_hook(
+                lambda m, a, seen=inside: seen.add(type(m.weight).__name__))
+            loss = model(x).pow(2).mean()
+            hook.remove()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach().full_tensor() if isinstance(loss, DTensor) else loss))
+        runs[kind] = (losses, [_full(p).detach() for p in model.parameters()], sorted(inside))
+    (lo, po, io), (lf, pf, _) = runs["ours"], runs["fsdp2"]
+    return {"losses": (lo, lf), "params_equal": all(torch.equal(a, b) for a, b in zip(po, pf, strict=True)),
+            "max_diff": max(float((a - b).abs().max()) for a, b in zip(po, pf, strict=True)),
+            "forward_sees": io}
+
+
+@pytest.mark.parametrize("name, ac", [("adamw", False), ("adamw", True), ("muon", False)])
+def test_fully_shard_tp_2x2_equals_fsdp2_tp(name: str, ac: bool) -> None:
+    for r in run_distributed(_ours_vs_fsdp2_tp, 4, name, (2, 2), 3, ac):
+        assert r["forward_sees"] == ["DTensor"], r
+        assert r["losses"][0] == r["losses"][1], r
+        assert r["params_equal"], r
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fully_shard_tp_3x2_bitwise_vs_one_device(name: str) -> None:
+    for r in run_distributed(_train_nd, 6, name, (3, 2), ("dp", "tp"), 3, False, "ours"):
+        assert r["worst"] == 0.0, r
+        assert r["placements"] == ["BoxShard", "RaggedShard"], r
+
+
+def _meta_and_dims() -> dict[str, object]:
+    """Our fully_shard over TP from the meta device (then a full state dict loaded) and
+    through dp_mesh_dims on the SPMD mesh, against the eager build with mesh['dp']; and
+    FSDPModule's methods (unshard / reshard, reshard_after_forward=False) on the way."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    import vefsdp_optim
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = {k: v.clone() for k, v in TPBlock().state_dict().items()}
+
+    def build(kind: str) -> nn.Module:
+        if kind == "meta":
+            with torch.device("meta"):
+                model = TPBlock()
+        else:
+            torch.manual_seed(0)
+            model = TPBlock()
+        _parallelize(model, mesh["tp"], TP_PLAN)
+        if kind == "dims":
+            vefsdp_optim.fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+                                     reshard_after_forward=False)
+        else:
+            vefsdp_optim.fully_shard(model, mesh=mesh["dp"])
+        if kind == "meta":
+            model.to_empty(device="cpu")
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        return model
+
+    out: dict[str, object] = {}
+    params = {}
+    for kind in ("eager", "meta", "dims"):
+        model = build(kind)
+        model.unshard()
+        model.reshard()
+        opt = make_optimizer("muon", model.parameters())
+        for step in range(2):
+            x = torch.randn(3, 5, 10, generator=torch.Generator().manual_seed(step + dist.get_rank() // 2))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        params[kind] = [_full(p).detach() for p in model.parameters()]
+    out["meta_equal"] = all(torch.equal(a, b) for a, b in zip(params["meta"], params["eager"], strict=True))
+    out["dims_equal"] = all(torch.equal(a, b) for a, b in zip(params["dims"], params["eager"], strict=True))
+    return out
+
+
+def test_fully_shard_tp_meta_init_dp_mesh_dims_module_api() -> None:
+    for r in run_distributed(_meta_and_dims, 4):
+        assert r == {"meta_equal": True, "dims_equal": True}, r

@@ -23,9 +23,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from vefsdp_optim.comm import dtensor_boxes
+
 from ._group import ShardGroup, check_group_consistent
 from ._module import FSDPModule, state_of
-from ._param import ManagedParam
+from ._param import ManagedParam, TensorParallel
 from ._sharded_tensor import ShardedParameter
 from ._state import FSDPState
 
@@ -74,13 +76,6 @@ def _dp_submesh(mesh: DeviceMesh, dims: object, modules: list[nn.Module]) -> Dev
         raise NotImplementedError(
             f"dp_mesh_dims={dims} replicates without sharding (DDP); vefsdp_optim's fully_shard "
             "needs a shard dim (shard=...), with or without replicate=...")
-    for m in modules:
-        for pn, p in m.named_parameters():
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"parameter {pn} is a DTensor on {p.device_mesh}: vefsdp_optim's fully_shard "
-                    "shards plain parameters only (no tensor-parallel composition); use torch's "
-                    "fully_shard for DTensor parameters")
 
     def sub(group: tuple[str, ...]) -> DeviceMesh:
         return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
@@ -115,7 +110,10 @@ def fully_shard(
     already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the group, as FSDP2.
     ``dp_mesh_dims``: FSDP2's names of the data-parallel dims of a larger SPMD ``mesh``
     (``shard=`` and optionally ``replicate=``); the group shards over that submesh.
-    Parameters must be plain tensors (a DTensor parameter raises NotImplementedError).
+    Parameters are plain tensors or DTensors of tensor parallelism on a 1-D tp mesh
+    (``parallelize_module`` first): each is sharded by its TP-local tensor over ``mesh``,
+    model code sees DTensors on the tp mesh, the optimizers see the global tensor
+    ([Note: fully_shard over tensor parallel]).
     Returns ``module``, each of whose classes now also derives from :class:`FSDPModule`
     (an instance of torch's ``FSDPModule``).
     """
@@ -160,7 +158,12 @@ def fully_shard(
                     "parameter); use torch's fully_shard for other placements")
     data = {}
     for mp in params:
-        data[mp.fqn] = mp.sharded_src  # type: ignore[attr-defined]
+        src = mp.sharded_src  # type: ignore[attr-defined]
+        if isinstance(src, DTensor):  # [Note: fully_shard over tensor parallel]
+            mp.tp = _tensor_parallel(mp, src, mesh)
+            mp.shape = src.to_local().shape
+            src = src.to_local()
+        data[mp.fqn] = src
         del mp.sharded_src  # type: ignore[attr-defined]
     group = ShardGroup(params, shard_pg=shard_pg, replicate_pg=replicate_pg, device=device,
                        mp_policy=mp_policy, data=data) if params else None
@@ -187,6 +190,46 @@ def fully_shard(
         m.__class__ = new_cls
         m._vefsdp_state = state
     return module
+
+
+def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorParallel:
+    """The TensorParallel spec of a DTensor parameter that fully_shard shards over the
+    data-parallel ``mesh`` ([Note: fully_shard over tensor parallel])."""
+    tp_mesh = p.device_mesh
+    if tp_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {mp.fqn} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; vefsdp_optim's "
+            "fully_shard composes with tensor parallelism on a 1-D tp mesh (parallelize_module(..., "
+            "mesh['tp'])); shard DTensors of other meshes with torch's fully_shard")
+    shard_mesh = mesh if mesh.ndim == 1 else _shard_dim(mesh, mp.fqn)
+    if tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names and \
+            tp_mesh.mesh_dim_names[0] == shard_mesh.mesh_dim_names[0]:
+        raise ValueError(f"parameter {mp.fqn} is a DTensor on the mesh dim {tp_mesh.mesh_dim_names[0]!r} "
+                         "that fully_shard shards over; pass the data-parallel mesh (mesh['dp'])")
+    boxes, axes = dtensor_boxes(tp_mesh, tuple(p.placements), tuple(p.shape))
+    if not axes:  # replicated over tp: sharded over dp alone, like a plain parameter
+        return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), None, None, 0)
+    tp_rank = tp_mesh.get_local_rank(0)
+    if shard_mesh.size() == 1:
+        flat = tp_mesh.get_group(0)
+    else:
+        if not (tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names):
+            raise ValueError(f"parameter {mp.fqn}: fully_shard over tensor parallel needs named meshes "
+                             "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to form the dp x tp group")
+        flat = DeviceMesh._concatenate([shard_mesh, tp_mesh])._flatten().get_group(0)
+    want = shard_mesh.get_local_rank(0) * tp_mesh.size() + tp_rank
+    if dist.get_rank(flat) != want:
+        raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp group, expected {want}")
+    return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), boxes, flat, tp_rank)
+
+
+def _shard_dim(mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The shard dim of an HSDP (replicate, shard) mesh, as a 1-D mesh."""
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"parameter {fqn}: HSDP over tensor parallel needs a named mesh "
+                         "(init_device_mesh(..., mesh_dim_names=...))")
+    return mesh[names[1]]
 
 
 def _check_offload(policy: object, device: torch.device) -> None:

@@ -10,20 +10,72 @@ accumulates straight into the gradient buffer ([Note: grads into the buffer]).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from vefsdp_optim.sharding import RaggedShard
+from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
 
 from ._sharded_tensor import ShardedParameter
 
 if TYPE_CHECKING:
     from vefsdp_optim._flat_store import FlatStore
 
-__all__ = ["ManagedParam"]
+__all__ = ["ManagedParam", "TensorParallel"]
+
+# [Note: fully_shard over tensor parallel]
+# A parameter that tensor parallelism made a DTensor on a 1-D ``tp`` mesh is managed by
+# its TP-local tensor: the plan, the buffers and the collectives over dp see that local
+# tensor only (its shape is ``ManagedParam.shape``), so the all-gather and the
+# reduce-scatter stay zero-copy and run over dp alone. The two faces change:
+#   - the unsharded parameter (forward, backward) is a DTensor on the tp mesh whose
+#     local tensor is the view of the gathered buffer, and its pre-set ``.grad`` a DTensor
+#     over the gradient buffer's view (AccumulateGrad adds into a DTensor .grad in place);
+#   - the sharded parameter (optimizer, state dict) is a ShardedParameter of the global
+#     shape whose layout is a BoxShard over dp x tp flattened: rank (i, j) holds the run
+#     of TP box j that dp rank i holds in tp coordinate j's plan ([Note: boxes in flat
+#     order]). Every rank plans every tp coordinate's group (pure), so it knows every
+#     run. Parameters replicated over tp are sharded over dp alone, as plain ones.
+# A group with tensor-parallel parameters keeps its first plan (an optimizer's
+# requirements are met by the step loop's exchange instead): a re-plan would depend on
+# local shapes that differ between tp coordinates.
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a managed parameter is tensor-parallel: its DTensor placement on ``mesh``."""
+
+    mesh: Any  # 1-D DeviceMesh (tp)
+    placements: tuple[Any, ...]
+    shape: torch.Size  # global shape
+    stride: tuple[int, ...]  # global (contiguous) stride
+    boxes: BoxShard | None  # the TP boxes over the tp ranks; None: replicated over tp
+    flat_group: ProcessGroup | None  # dp-shard x tp, flattened (rank = dp_rank * tp + tp_rank)
+    tp_rank: int
+
+    def dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """A DTensor of this placement over ``local`` (no copy)."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+    def sharded_layout(self, runs: list[RaggedShard]) -> BoxShard:
+        """The BoxShard over dp x tp: ``runs[j]`` is tp coordinate j's dp layout of its box."""
+        if self.boxes is None:
+            raise AssertionError("a parameter replicated over tp has no boxes")
+        tp = self.boxes.world_size
+        dp = runs[0].world_size
+        boxes = []
+        for i in range(dp):
+            for j in range(tp):
+                b = self.boxes.boxes[j]
+                start, length = runs[j].local(i)
+                boxes.append(Box(b.offsets, b.sizes, start, length))
+        return BoxShard(self.boxes.shape, tuple(boxes))
 
 # [Note: grads into the buffer]
 # AccumulateGrad adds into an existing ``.grad`` in place when grad mode is off (the
@@ -42,6 +94,7 @@ class ManagedParam:
     requires_grad: bool
     sharded: nn.Parameter  # ShardedParameter; local data: master.local_view(fqn)
     unsharded: nn.Parameter | None  # 0-d params are planned as (1,) and viewed back
+    tp: TensorParallel | None  # [Note: fully_shard over tensor parallel]; shape is then TP-local
 
     def __init__(self, fqn: str, slots: list[tuple[nn.Module, str]], shape: torch.Size,
                  requires_grad: bool) -> None:
@@ -50,22 +103,41 @@ class ManagedParam:
         self.shape = shape
         self.requires_grad = requires_grad
         self.unsharded = None
+        self.tp = None
+
+    def _sharded_args(self, layout: RaggedShard, group: ProcessGroup | None, rank: int,
+                      runs: list[RaggedShard] | None) -> tuple:
+        """(layout, group, rank, global shape) of the sharded face."""
+        tp = self.tp
+        if tp is None or tp.boxes is None:
+            return layout, group, rank, (tp.shape if tp is not None else self.shape)
+        if runs is None:
+            raise AssertionError(f"{self.fqn}: a tensor-parallel parameter needs every tp coordinate's layout")
+        return (tp.sharded_layout(runs), tp.flat_group, rank * tp.boxes.world_size + tp.tp_rank, tp.shape)
 
     def make_sharded(self, local: torch.Tensor, layout: RaggedShard, group: ProcessGroup | None,
-                     rank: int, store: FlatStore) -> None:
-        t = ShardedParameter(local, layout, group, self.shape, rank)
+                     rank: int, store: FlatStore, runs: list[RaggedShard] | None = None) -> None:
+        layout, group, rank, shape = self._sharded_args(layout, group, rank, runs)
+        t = ShardedParameter(local, layout, group, shape, rank)
         self.sharded = nn.Parameter(t, requires_grad=self.requires_grad)
         self.sharded.bind_store(store)
 
     def repoint(self, local: torch.Tensor, layout: RaggedShard, group: ProcessGroup | None,
-                rank: int) -> None:
+                rank: int, runs: list[RaggedShard] | None = None) -> None:
         """Point the same sharded Parameter object at new local data and layout."""
+        layout, group, rank, _ = self._sharded_args(layout, group, rank, runs)
         self.sharded.rebind_(local, layout, group, rank)
         self.sharded.grad = None
 
+    def unsharded_face(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (a view of a global buffer) as the unsharded parameter or gradient sees
+        it: the local shape, a DTensor on the tp mesh for tensor-parallel parameters."""
+        t = full.view(self.shape)
+        return t if self.tp is None else self.tp.dtensor(t)
+
     def make_unsharded(self, full: torch.Tensor) -> None:
         """Create the unsharded leaf aliasing ``full`` (a view of the global buffer)."""
-        self.unsharded = nn.Parameter(full.view(self.shape), requires_grad=self.requires_grad)
+        self.unsharded = nn.Parameter(self.unsharded_face(full), requires_grad=self.requires_grad)
 
     def register(self, sharded: bool) -> None:
         p = self.sharded if sharded else self.unsharded

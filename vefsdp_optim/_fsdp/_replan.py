@@ -67,6 +67,8 @@ def replan_store(store: DtypeStore, units: Mapping[torch.Tensor, int],
     if not wanted:
         return None
     old = store.plan
+    if store.tensor_parallel:  # [Note: fully_shard over tensor parallel]: the exchange keeps them
+        return StoreReplan((), tuple(sorted(wanted.items())), old.padding, old.padding, replanned=False)
     plan, new_units, refused = _plan_for(store, wanted)
     if plan.fingerprint() == old.fingerprint():
         return StoreReplan((), tuple(refused), old.padding, old.padding, replanned=False) if refused else None

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from vefsdp_optim._flat_store import StoreReplan, dense_offset
 from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
-from vefsdp_optim.sharding import GroupPlan, TensorSpec, plan_group
+from vefsdp_optim.sharding import GroupPlan, RaggedShard, TensorSpec, plan_group
 
 from ._param import ManagedParam
 from ._replan import replan_store
@@ -133,6 +133,7 @@ class DtypeStore:
             self.reduce = self.compute
         else:
             self.reduce = DistributedBuffer(self.plan, pg, dtype=rdt, device=g.device, validate=False)
+        tp_runs = self._tp_runs(units)
         for p in self.params:
             a, n = self.master.local_extent(p.fqn)
             local = self.master.local_view(p.fqn)
@@ -141,10 +142,12 @@ class DtypeStore:
                 with torch.no_grad():
                     local.copy_(src.reshape(-1)[a:a + n])
             layout = self.plan.layout(p.fqn)
+            runs = tp_runs.get(p.fqn)
             if hasattr(p, "sharded"):
-                p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0)
+                p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0, runs)
             else:
-                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self)
+                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self,
+                               runs=runs)
             p.unsharded = None
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
         self._lazy = w > 1  # [Note: gradient memory], [Note: lazy gradient buffer]
@@ -154,6 +157,34 @@ class DtypeStore:
             for b in (self.master, self.compute, self.reduce):
                 _release_storage(b.local_grad)
             self._grad_uses = _uses(self.master.local_grad)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Some member is sharded by tensor parallelism ([Note: fully_shard over tensor parallel])."""
+        return any(p.tp is not None and p.tp.boxes is not None for p in self.params)
+
+    def _tp_runs(self, units: dict[str, int]) -> dict[str, list[RaggedShard]]:
+        """Per tensor-parallel member: every tp coordinate's dp layout of its box, from the
+        plan that coordinate makes ([Note: fully_shard over tensor parallel])."""
+        tps = [p for p in self.params if p.tp is not None and p.tp.boxes is not None]
+        if not tps:
+            return {}
+        meshes = {id(p.tp.mesh) for p in tps}
+        tp_world = tps[0].tp.boxes.world_size
+        if len(meshes) > 1 or any(p.tp.boxes.world_size != tp_world for p in tps):
+            raise NotImplementedError("fully_shard: the tensor-parallel parameters of one group must share "
+                                      "one tp mesh")
+        runs: dict[str, list[RaggedShard]] = {p.fqn: [] for p in tps}
+        for j in range(tp_world):
+            specs = [TensorSpec(p.fqn, (p.tp.boxes.boxes[j].sizes if p.tp is not None and p.tp.boxes is not None
+                                        else tuple(p.shape)) or (1,), units.get(p.fqn, 1))
+                     for p in self.params]
+            plan = plan_group(specs, self.group.shard_world, align=ALIGN)
+            if j == tps[0].tp.tp_rank and plan.fingerprint() != self.plan.fingerprint():
+                raise AssertionError("the plan of this tp coordinate differs from the store's plan")
+            for p in tps:
+                runs[p.fqn].append(plan.layout(p.fqn))
+        return runs
 
     def grad_shard(self) -> torch.Tensor:
         """``master.local_grad`` with its storage (1-D, m elements; contents undefined
@@ -279,7 +310,7 @@ class DtypeStore:
                     c.grad_global.zero_()
         for p in self.params:
             if p.requires_grad and p.unsharded is not None:
-                p.unsharded.grad = c.grad_full_view(p.fqn).view(p.shape)
+                p.unsharded.grad = p.unsharded_face(c.grad_full_view(p.fqn))
 
     def _alloc_grad_buffer(self) -> None:
         """Give the compute gradient buffer its bytes, zero-filled."""
@@ -304,7 +335,7 @@ class DtypeStore:
         self._alloc_grad_buffer()
         for p in self.params:
             if p.requires_grad and p.unsharded is not None:
-                p.unsharded.grad = self.compute.grad_full_view(p.fqn).view(p.shape)
+                p.unsharded.grad = p.unsharded_face(self.compute.grad_full_view(p.fqn))
 
     def complete_grads(self) -> None:
         """End of a backward: a lazy round that got no gradient still has a (zero) buffer."""
