@@ -6,7 +6,9 @@ fc colwise, out rowwise) and its norms (replicated over tp), parallelized with t
 TP's placements (``(_StridedShard(0), Shard(0))``, ``(Shard(0), Shard(1))``,
 ``(Shard(0), Replicate())``). The same full gradients every step.
 
-* each of our optimizers against torch.optim.AdamW (foreach) on the same parameters;
+* each of our optimizers against torch.optim.AdamW (foreach) on the same parameters,
+  and AdamW, AdamW8bit and Muon on our fully_shard + TP (gradients set directly, so
+  AdamW's fused whole-buffer path does not apply);
 * our Muon (whole matrices on owners over all 4 ranks, bitwise equal to one device)
   against our Muon on one device with one thread (the same matrices, whole), and
   against torch.optim.Muon on the DTensors (Newton-Schulz on the shards: not equal to
@@ -38,8 +40,11 @@ class _Layer(nn.Module):
         self.out = nn.Linear(4 * D, D, bias=False)
 
 
-def _model(mesh) -> nn.Module:  # noqa: ANN001
+def _model(mesh, ours: bool = False) -> nn.Module:  # noqa: ANN001
     from torch.distributed.fsdp import fully_shard
+
+    if ours:
+        from vefsdp_optim import fully_shard  # noqa: F811
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -57,10 +62,15 @@ def _model(mesh) -> nn.Module:  # noqa: ANN001
 
 
 def _set_grads(params: list[nn.Parameter]) -> None:
+    from vefsdp_optim import ShardedParameter
     from vefsdp_optim.comm import sharded_view
 
     for i, p in enumerate(params):
         full = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+        if isinstance(p, ShardedParameter):
+            lay = p.ragged_layout
+            p.grad = p.with_local(full.reshape(-1)[lay.local_index(p.shard_rank)].clone())
+            continue
         p.grad = torch.zeros_like(p)
         view = sharded_view(p.grad)
         view.local.copy_(full.reshape(-1)[view.layout.local_index(view.rank)])
@@ -83,6 +93,8 @@ def _optimizers(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 NAMES = ("torch_adamw", "adamw", "adamw8bit", "adam8bit", "shampoo", "muon", "muon_ns0", "torch_muon")
+#: the same optimizers on our fully_shard + TP (the same placements inside, BoxShard runs outside)
+OURS = ("adamw", "adamw8bit", "muon")
 
 
 def _worker(steps: int) -> dict:
@@ -94,6 +106,10 @@ def _worker(steps: int) -> dict:
         params = list(_model(mesh).parameters())
         _set_grads(params)
         runners[name] = _optimizers(name, params).step
+    for name in OURS:
+        params = list(_model(mesh, ours=True).parameters())
+        _set_grads(params)
+        runners[f"{name}_fully_shard"] = _optimizers(name, params).step
     times = interleave(runners, steps, warmup=1, group=dist.group.WORLD, device=current_device())
     placements = sorted({str(p.placements) for p in _model(mesh).parameters()})
     return {"times": times, "placements": placements}
@@ -127,6 +143,9 @@ def run(quick: bool = True) -> dict:
         peer = "torch_adamw"
         rows.append({"optimizer": name, "ms": stats(t[name], 1e3),
                      "ratio_vs_torch_adamw": paired_ratio(t[name], t[peer])})
+    for name in OURS:
+        rows.append({"optimizer": f"{name} (our fully_shard + TP)", "ms": stats(t[f"{name}_fully_shard"], 1e3),
+                     "ratio_vs_torch_adamw": paired_ratio(t[f"{name}_fully_shard"], t["torch_adamw"])})
     muon_vs_one = stats(t["muon"], 1e3)["median"] / stats(one["muon_one_device"], 1e3)["median"]
     rows.append({"optimizer": "muon (one device, 1 thread)", "ms": stats(one["muon_one_device"], 1e3),
                  "ratio_vs_one_device": muon_vs_one})

@@ -232,9 +232,9 @@ def redistribute(
 # r's local data; where dst is, r gathers it from its contiguous slice. A box meets a
 # flat range in at most 2 * ndim - 1 strided blocks (``BoxShard.range_parts``), so both
 # the gather and the scatter on the ragged side are a few strided copies, no index
-# tensors (a whole box into or out of a whole tensor: one). Runs of boxes (fully_shard
-# over a tensor-parallel box) fall back to flat indices. Pieces are packed peer-major,
-# as in [Note: one exchange per bucket].
+# tensors (a whole box into or out of a whole tensor: one). A run of a box (fully_shard
+# over a tensor-parallel box) is itself at most 2 * ndim - 1 boxes (``sub_boxes``).
+# Pieces are packed peer-major, as in [Note: one exchange per bucket].
 
 
 def _count(s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> int:
@@ -258,12 +258,11 @@ def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShar
     if isinstance(s, BoxShard):  # equal boxes ([Note: box exchange])
         return t if a == b else t[:0]
     x, n = s.local(a)
-    if not d.is_whole_box(b):
-        lo, hi = d.count_below(b, x), d.count_below(b, x + n)
-        return t.index_select(0, d.flat_indices(b, lo, hi, t.device) - x)
     if x == 0 and n == d.numel:
-        return t.view(d.shape)[d.slices(b)].reshape(-1)
-    parts = [t[f:f + math.prod(sz)].view(sz)[sl].reshape(-1) for f, sz, sl, _ in d.range_parts(b, x, x + n)]
+        parts = [t.view(d.shape)[tuple(slice(o, o + z) for o, z in zip(off, size, strict=True))].reshape(-1)
+                 for off, size in d.sub_boxes(b)]
+    else:
+        parts = [t[f:f + math.prod(sz)].view(sz)[sl].reshape(-1) for f, sz, sl, _ in d.range_parts(b, x, x + n)]
     if len(parts) == 1:
         return parts[0]
     return torch.cat(parts) if parts else t[:0]
@@ -285,14 +284,14 @@ def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, 
         lo = max(s.local(p)[0], y) - y
         out[lo:lo + piece.numel()].copy_(piece)
         return
-    if not s.is_whole_box(p):
-        lo, hi = s.count_below(p, y), s.count_below(p, y + m)
-        out.index_copy_(0, s.flat_indices(p, lo, hi, out.device) - y, piece)
-        return
-    if y == 0 and m == s.numel:
-        out.view(s.shape)[s.slices(p)].copy_(piece.view(s.boxes[p].sizes))
-        return
     k = 0
+    if y == 0 and m == s.numel:
+        for off, size in s.sub_boxes(p):
+            c = math.prod(size)
+            out.view(s.shape)[tuple(slice(o, o + z) for o, z in zip(off, size, strict=True))].copy_(
+                piece[k:k + c].view(size))
+            k += c
+        return
     for f, sz, sl, isz in s.range_parts(p, y, y + m):
         c = math.prod(isz)
         out[f:f + math.prod(sz)].view(sz)[sl].copy_(piece[k:k + c].view(isz))

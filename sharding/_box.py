@@ -57,7 +57,7 @@ class BoxShard:
     """Layout of one tensor of global ``shape`` over W ranks, rank r holding ``boxes[r]``.
 
     The boxes' runs partition the tensor's elements (every element on exactly one
-    rank), which the constructor checks by count and by bounds; a rank's local data is
+    rank), which the constructor checks (count, bounds, no overlap); a rank's local data is
     its run, 1-D, in the box's row-major order ([Note: boxes in flat order]).
     """
 
@@ -86,6 +86,7 @@ class BoxShard:
         if total != math.prod(shape):
             raise ValueError(f"the boxes hold {total} elements, the tensor of shape {shape} "
                              f"{math.prod(shape)}: they must partition it")
+        _check_disjoint(self)
 
     # -- constructors -------------------------------------------------------------
 
@@ -162,25 +163,34 @@ class BoxShard:
             stride *= self.shape[d]
         return flat
 
+    def sub_boxes(self, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Rank's part as whole boxes ``(global offsets, sizes)`` in flat order: its box, or
+        the at most 2 * ndim - 1 boxes of its run ([Note: ragged slices as DCP boxes])."""
+        b = self.boxes[rank]
+        if self.is_whole_box(rank):
+            return [(b.offsets, b.sizes)] if b.length else []
+        return [(tuple(o + a for o, a in zip(offsets, b.offsets, strict=True)), tuple(sizes))
+                for offsets, sizes, _ in flat_range_boxes(b.sizes, b.start, b.length)]
+
     def range_parts(self, rank: int, lo: int, hi: int) -> list[tuple[int, tuple[int, ...], tuple[slice, ...],
                                                                      tuple[int, ...]]]:
-        """Rank's whole box intersected with the flat range ``[lo, hi)``, as strided pieces
+        """Rank's part intersected with the flat range ``[lo, hi)``, as strided pieces
         ([Note: box exchange] in comm): per box of the range ([Note: ragged slices as DCP
-        boxes]) that meets it, ``(its flat offset in the range, its sizes, the slices of the
-        intersection inside it, the intersection's sizes)``, in flat order. The
-        intersections' elements, in this order, are the rank's local elements in
-        ``[lo, hi)`` in order."""
-        b = self.boxes[rank]
-        if not self.is_whole_box(rank):
-            raise ValueError(f"rank {rank} holds a run of its box; range_parts needs whole boxes")
+        boxes]) and sub-box of the rank that meet, ``(the range box's flat offset in the
+        range, its sizes, the slices of the intersection inside it, the intersection's
+        sizes)``. In this order the intersections' elements are the rank's local elements
+        in ``[lo, hi)``, in order."""
         out = []
-        for offsets, sizes, f in flat_range_boxes(self.shape, lo, hi - lo):
-            ilo = [max(o, bo) for o, bo in zip(offsets, b.offsets, strict=True)]
-            ihi = [min(o + s, bo + bs) for o, s, bo, bs in zip(offsets, sizes, b.offsets, b.sizes, strict=True)]
-            if any(y <= x for x, y in zip(ilo, ihi, strict=True)):
-                continue
-            out.append((f, tuple(sizes), tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, offsets, strict=True)),
-                        tuple(y - x for x, y in zip(ilo, ihi, strict=True))))
+        ranges = flat_range_boxes(self.shape, lo, hi - lo)
+        for p_off, p_size in self.sub_boxes(rank):
+            for offsets, sizes, f in ranges:
+                ilo = [max(o, bo) for o, bo in zip(offsets, p_off, strict=True)]
+                ihi = [min(o + s, bo + bs) for o, s, bo, bs in zip(offsets, sizes, p_off, p_size, strict=True)]
+                if any(y <= x for x, y in zip(ilo, ihi, strict=True)):
+                    continue
+                out.append((f, tuple(sizes), tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, offsets,
+                                                                                          strict=True)),
+                            tuple(y - x for x, y in zip(ilo, ihi, strict=True))))
         return out
 
     def local_index(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -223,6 +233,20 @@ class BoxShard:
         the compute layout a block requirement snaps, for boxes that cut its blocks."""
         n, w = self.numel, self.world_size
         return RaggedShard.from_boundaries([r * n // w for r in range(w + 1)])
+
+
+def _check_disjoint(layout: BoxShard) -> None:
+    """ValueError when two ranks' parts overlap (a sweep over dim 0 of their sub-boxes)."""
+    if not layout.shape:
+        return
+    parts = sorted((off, size, r) for r in range(layout.world_size) for off, size in layout.sub_boxes(r))
+    for i, (off, size, r) in enumerate(parts):
+        for off2, size2, r2 in parts[i + 1:]:
+            if off2[0] >= off[0] + size[0]:
+                break
+            if all(a < b + z2 and b < a + z for a, z, b, z2 in zip(off, size, off2, size2, strict=True)):
+                raise ValueError(f"the parts of ranks {r} and {r2} overlap (boxes at {off} of {size} and at "
+                                 f"{off2} of {size2}): the boxes must partition the tensor")
 
 
 def _coords(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -47,6 +47,8 @@ def make_optimizer(name: str, params: list, *, experts: bool = False) -> torch.o
         return vo.AdamW(params, lr=1e-2, weight_decay=0.1)
     if name == "torch_adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "torch_sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True)
     if name == "muon":
         mats = [p for p in params if p.dim() == 2]
         rest = [p for p in params if p.dim() < 2]
@@ -448,3 +450,11 @@ def _meta_and_dims() -> dict[str, object]:
 def test_fully_shard_tp_meta_init_dp_mesh_dims_module_api() -> None:
     for r in run_distributed(_meta_and_dims, 4):
         assert r == {"meta_equal": True, "dims_equal": True}, r
+
+
+@pytest.mark.parametrize("name", ["torch_adamw", "torch_sgd"])
+def test_torch_optimizers_on_fully_shard_tp(name: str) -> None:
+    """torch's own optimizers step our fully_shard + TP parameters (elementwise ops on the
+    local runs), equal to one device."""
+    for r in run_distributed(_train_nd, 4, name, (2, 2), ("dp", "tp"), 3, False, "ours"):
+        assert r["worst"] == 0.0, r
