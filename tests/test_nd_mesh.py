@@ -458,3 +458,28 @@ def test_torch_optimizers_on_fully_shard_tp(name: str) -> None:
     local runs), equal to one device."""
     for r in run_distributed(_train_nd, 4, name, (2, 2), ("dp", "tp"), 3, False, "ours"):
         assert r["worst"] == 0.0, r
+
+
+def _partial_refused() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    import vefsdp_optim as vo
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    good = nn.Parameter(DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0), Shard(1)]))
+    bad = nn.Parameter(DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0), Partial()]))
+    out = []
+    for cls in (vo.AdamW, vo.Muon, vo.AdamW8bit, vo.Shampoo):
+        try:
+            cls([("good", good), ("up.weight", bad)])
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_unsupported_placement_named_at_construction() -> None:
+    for msgs in run_distributed(_partial_refused, 4):
+        for m in msgs:
+            assert "'up.weight'" in m and "P(sum)" in m and "not supported" in m, m
