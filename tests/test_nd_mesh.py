@@ -185,8 +185,13 @@ def _set_box_grad(p: torch.Tensor, full: torch.Tensor) -> None:
     checked against DTensor's own gather, so a wrong layout fails here."""
     from torch.distributed.tensor import DTensor
 
+    from vefsdp_optim import ShardedParameter
     from vefsdp_optim.comm import sharded_view
 
+    if isinstance(p, ShardedParameter):  # our fully_shard: its RaggedShard or BoxShard runs
+        p.grad = p.with_local(full.reshape(-1)[p.ragged_layout.local_index(p.shard_rank)].clone())
+        assert torch.equal(p.grad.full_tensor(), full), tuple(p.shape)
+        return
     if not isinstance(p, DTensor):
         p.grad = full.clone()
         return
@@ -247,10 +252,13 @@ def _build_ep(fsdp_dim: int = 0) -> tuple[nn.Module, nn.Module]:
     return model, ref
 
 
-def _build_3d() -> tuple[nn.Module, nn.Module]:
-    """HSDP + TP on replicate 2 x dp 2 x tp 2."""
+def _build_3d(ours: bool = False) -> tuple[nn.Module, nn.Module]:
+    """HSDP + TP on replicate 2 x dp 2 x tp 2 (FSDP2's or our fully_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    if ours:
+        from vefsdp_optim import fully_shard  # noqa: F811
 
     model, ref = TPBlock(), TPBlock()
     ref.load_state_dict(model.state_dict())
@@ -295,12 +303,13 @@ def test_expert_parallel_bitwise(fsdp_dim: int) -> None:
 
 
 def _two_optimizers_3d() -> dict[str, float]:
-    return {name: _synthetic_run(name, "3d") for name in ("adamw", "muon")}
+    return {f"{name}_{kind}": _synthetic_run(name, "3d", ours=kind == "ours")
+            for name in ("adamw", "muon") for kind in ("fsdp2", "ours")}
 
 
 def test_hsdp_tp_3d_mesh_w8() -> None:
     for r in run_distributed(_two_optimizers_3d, 8):
-        assert r == {"adamw": 0.0, "muon": 0.0}, r
+        assert r == {"adamw_fsdp2": 0.0, "adamw_ours": 0.0, "muon_fsdp2": 0.0, "muon_ours": 0.0}, r
 
 
 def _random_case(name: str, shapes: list, plans: list) -> float:
