@@ -246,7 +246,7 @@ def test_sharded_parameter_semantics(world_size: int) -> None:
 # -- zero copy ------------------------------------------------------------------------------
 
 _COPY_OPS = {"copy_", "cat", "split", "split_with_sizes", "chunk", "_to_copy", "clone",
-             "split_with_sizes_copy", "narrow_copy", "stack"}
+             "split_with_sizes_copy", "narrow_copy", "stack", "_foreach_copy_"}
 
 
 class _CountCopies(TorchDispatchMode):
@@ -290,33 +290,38 @@ def _backend_copies() -> dict[str, int]:
     return out
 
 
-def _zero_copy() -> tuple[int, int, int, int]:
+def _zero_copy() -> tuple[int, int, int, int, int, int]:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     from vefsdp_optim._fsdp import fully_shard
 
     ref, blocks, data = _build("transformer")
-    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    for m in list(ours.blocks):
-        fully_shard(m)
-    fully_shard(ours)
-    for m in list(theirs.blocks):
-        fsdp2_shard(m)
-    fsdp2_shard(theirs)
+    ours, copy_in, theirs = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
+    for model, shard in ((ours, fully_shard), (copy_in, fully_shard), (theirs, fsdp2_shard)):
+        for m in list(model.blocks):
+            shard(m)
+        shard(model)
+    ours.set_gradient_copy_in(False)  # gradients added into the flat buffer in place
     x = data[0]
-    _copies(ours, x)  # warm-up: lazy init, first allocations
     per = _backend_copies()
-    c = _copies(ours, x)
-    backend = sum(per.get(k, 0) * n for k, n in c.collectives.items())
+    counts = []
+    for model in (ours, copy_in):
+        _copies(model, x)  # warm-up: lazy init, first allocations
+        c = _copies(model, x)
+        counts.append(c.count - sum(per.get(k, 0) * n for k, n in c.collectives.items()))
     n_groups = len(list(ours.blocks)) + 1
     ok_colls = (c.collectives.get("_allgather_base_", 0) == 2 * n_groups - 1
                 and c.collectives.get("_reduce_scatter_base_", 0) == n_groups)
-    return _copies(ref, x).count, c.count - backend, _copies(theirs, x).count, int(ok_colls)
+    return _copies(ref, x).count, *counts, _copies(theirs, x).count, int(ok_colls), n_groups
 
 
 def test_zero_copy_forward_backward() -> None:
-    for plain, ours, fsdp2, ok_colls in run_distributed(_zero_copy, 3):
+    """In place: not one copy beyond the unsharded model's backward. Copy-in (the
+    default, [Note: lazy gradient buffer]): one foreach copy per group, at its end of
+    backward; FSDP2 copies in and out around both collectives."""
+    for plain, ours, copy_in, fsdp2, ok_colls, n_groups in run_distributed(_zero_copy, 3):
         assert ours == plain, (plain, ours, fsdp2)
+        assert copy_in == plain + n_groups, (plain, copy_in, n_groups)
         assert fsdp2 > plain  # the counter does see FSDP2's copy-in / copy-out
         assert ok_colls  # one all-gather per group in forward and per resharded group in backward
 

@@ -79,6 +79,9 @@ class ShardGroup:
         self.force_sum_reduction = False
         self.requires_all_reduce = True
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        #: [Note: lazy gradient buffer]: True (default) copies autograd's gradients into the
+        #: buffer at the end of backward (FSDP2's memory); False adds into it in place
+        self.grad_copy_in = True
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
         self._gathers: list[Any] = []  # GATHERING: (work, output, version) per store

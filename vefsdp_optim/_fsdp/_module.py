@@ -105,6 +105,16 @@ class FSDPModule(_TorchFSDPModule):
         for g in self._groups(recurse):
             g.requires_all_reduce = requires_all_reduce
 
+    def set_gradient_copy_in(self, enabled: bool, *, recurse: bool = True) -> None:
+        """True (the default): autograd makes gradients one parameter at a time and the
+        group's end of backward copies them into its flat reduce-scatter buffer (FSDP2's
+        peak memory). False: backward adds them straight into the buffer, allocated at
+        the group's first gradient (no copy at all; one block's buffer more memory).
+        [Note: lazy gradient buffer]; not a FSDP2 method."""
+        _check_bool("enabled", enabled)
+        for g in self._groups(recurse):
+            g.grad_copy_in = enabled
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _check_bool("reshard_after_forward", reshard_after_forward)
         for s in self._states(recurse):

@@ -43,12 +43,20 @@ ALIGN = 16
 # views]), so every cached view stays valid.
 #
 # [Note: lazy gradient buffer]
-# At W > 1 the W*m gradient buffer gets its bytes (zero-filled) when the group's first
-# gradient arrives, not at pre-backward: a backward that starts a reduction round
-# leaves each unsharded ``.grad`` None, and a hook on the gradients of the unsharded
-# parameters (run before AccumulateGrad) allocates the buffer and points every
-# ``.grad`` at its view, so autograd adds into it as [Note: grads into the buffer]
-# says. Under activation checkpointing the recomputation runs first, so the buffer and
+# At W > 1 the W*m gradient buffer gets its bytes (zero-filled) late, not at
+# pre-backward: a backward that starts a reduction round leaves each unsharded
+# ``.grad`` None. Then, by the group's policy (``FSDPModule.set_gradient_copy_in``):
+#   - copy-in (the default): autograd makes each parameter's gradient as usual, and
+#     the group's end of backward allocates the buffer and copies them in (one copy of
+#     the group's gradients, FSDP2's copy-in; FSDP2 also copies parameters in and out).
+#     A block's gradients then take memory one parameter at a time, as FSDP2's do, and
+#     the peak is FSDP2's (benchmarks/bench_memory.py: 1.00x at W = 2 and 4, AC off and
+#     on, where in place gave 1.04-1.08x: a whole block's buffer from its first gradient);
+#   - in place (``set_gradient_copy_in(False)``): a hook on the gradients of the unsharded parameters (run before
+#     AccumulateGrad) allocates the buffer at the group's first gradient and points
+#     every ``.grad`` at its view, so autograd adds into it as [Note: grads into the
+#     buffer] says: no copy at all, one block's buffer of memory more.
+# Later backwards of an accumulation without sync add into the buffer in place either way. Under activation checkpointing the recomputation runs first, so the buffer and
 # the recomputed activations no longer overlap with an earlier group's reduce-scatter
 # input: just before allocating, completed reduce-scatters of earlier groups are
 # finished, which frees their inputs ([Note: async reduce-scatter]). A round in which
@@ -328,7 +336,7 @@ class DtypeStore:
     def _on_grad(self, grad: torch.Tensor) -> None:
         """Hook on an unsharded parameter's gradient, before AccumulateGrad: the group's
         first gradient allocates the buffer ([Note: lazy gradient buffer])."""
-        if not self._awaiting:
+        if not self._awaiting or self.group.grad_copy_in:
             return
         self._awaiting = False
         self.group.before_grad_alloc()
@@ -338,10 +346,27 @@ class DtypeStore:
                 p.unsharded.grad = p.unsharded_face(self.compute.grad_full_view(p.fqn))
 
     def complete_grads(self) -> None:
-        """End of a backward: a lazy round that got no gradient still has a (zero) buffer."""
-        if self._awaiting:
-            self._awaiting = False
+        """End of a backward: a lazy round gets its buffer now (zero where no gradient
+        came), with the gradients autograd made copied in ([Note: lazy gradient buffer])."""
+        if not self._awaiting:
+            return
+        self._awaiting = False
+        if not self.group.grad_copy_in:
             self._alloc_grad_buffer()
+            return
+        self.group.before_grad_alloc()
+        self._alloc_grad_buffer()
+        views, grads = [], []
+        for p in self.params:
+            grad = p.unsharded.grad if p.unsharded is not None else None
+            if grad is not None:
+                view = self.compute.grad_full_view(p.fqn)
+                views.append(view)
+                grads.append((grad.to_local() if p.tp is not None else grad).reshape(view.shape))
+                p.unsharded.grad = None
+        if views:
+            with torch.no_grad():
+                torch._foreach_copy_(views, grads)  # one copy-in of the group's gradients
 
     def _kept_grads(self) -> torch.Tensor | None:
         """A copy of the kept sharded .grad (1-D, m elements), or None when none is kept."""
