@@ -12,6 +12,7 @@ from ._checkpoint import export_full, import_full, load, save
 from ._flat_store import ReplanReport, apply_requirements
 from ._fsdp import ShardedParameter, fully_shard
 from ._muon import Muon
+from ._normuon import NorMuon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
 from ._shampoo import Shampoo
 from ._state_format import ELEMENTWISE, LOCAL, REPLICATED, WHOLE
@@ -22,6 +23,7 @@ __all__ = [
     "AdamW8bit",
     "Adam8bit",
     "Muon",
+    "NorMuon",
     "Shampoo",
     "BlockOptimizer",
     "BlockContext",

@@ -14,11 +14,13 @@ import torch
 from vefsdp_optim._math import (
     NS_COEFFICIENTS,
     check_adam_hparams,
+    check_ns_coefficients,
     muon_adjust_lr,
     muon_matrix_view,
     zeropower_via_newtonschulz,
 )
 from vefsdp_optim._math._newton_schulz import (
+    NsCoefficients,
     muon_batch_view,
     muon_block_unit,
     muon_blocks,
@@ -42,7 +44,7 @@ from ._registry import register_optimizer
 from ._state_format import ELEMENTWISE
 from ._step_loop import StepItem
 
-__all__ = ["Muon"]
+__all__ = ["Muon", "muon_defaults"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,36 @@ def _muon_plan(shape: tuple[int, ...], flatten: bool, split_sizes: tuple[int, ..
         req = FlatBlocks(unit)
     return _MuonPlan(req, tuple(b[0] for b in blocks), tuple((r, c) for _, r, c in blocks),
                      simple=len(blocks) == 1, uniform=len({(r, c) for _, r, c in blocks}) == 1)
+
+
+def muon_defaults(
+    *, lr: float, weight_decay: float, momentum: float, nesterov: bool, ns_coefficients: object,
+    eps: float, ns_steps: int, adjust_lr_fn: str | None, betas: tuple[float, float], adamw_eps: float,
+    flatten: bool | None, split_sizes: Sequence[int] | None, adjust_lr_fns: tuple[str | None, ...],
+) -> dict[str, Any]:
+    """Muon's param-group defaults from its constructor arguments, validated (ValueError
+    naming the bad value, with torch.optim.Muon's messages where it has one)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not 0.0 <= momentum:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+    if adjust_lr_fn not in adjust_lr_fns:
+        raise ValueError(
+            f"Adjust learning rate function {adjust_lr_fn} is not supported; "
+            f"use one of {', '.join(map(repr, adjust_lr_fns))}")
+    if not (isinstance(ns_steps, int) and 0 < ns_steps < 100):
+        raise ValueError(f"ns_steps must be an int in [1, 100), got {ns_steps!r}")
+    check_adam_hparams(lr, betas, adamw_eps, weight_decay)
+    return dict(
+        lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+        ns_coefficients=check_ns_coefficients(ns_coefficients), eps=eps, ns_steps=ns_steps,
+        adjust_lr_fn=adjust_lr_fn, use_muon=True, betas=tuple(betas), adamw_eps=adamw_eps,
+        flatten=flatten, split_sizes=split_sizes,
+    )
 
 
 _FLATTEN_HELP = (
@@ -113,7 +145,14 @@ class Muon(BlockOptimizer):
     * ``split_sizes``: row-block sizes of each matrix (e.g. ``[q_rows, kv_rows, kv_rows]``
       of a fused QKV projection), summing to its rows; each block is updated exactly as
       a separate parameter of that shape.
+
+    ``ns_coefficients="polar_express"`` replaces the fixed quintic by Polar Express's
+    per-iteration coefficients and input scale (arXiv 2505.16932, Algorithm 1:
+    [Note: Polar Express] in _math/_polar_express.py), ``ns_steps`` iterations of it.
     """
+
+    #: accepted ``adjust_lr_fn`` values (torch.optim.Muon's)
+    adjust_lr_fns: tuple[str | None, ...] = (None, "original", "match_rms_adamw")
 
     def __init__(
         self,
@@ -122,7 +161,7 @@ class Muon(BlockOptimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_coefficients: NsCoefficients = NS_COEFFICIENTS,
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
@@ -132,30 +171,11 @@ class Muon(BlockOptimizer):
         flatten: bool | None = None,
         split_sizes: Sequence[int] | None = None,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-            raise ValueError(
-                f"Adjust learning rate function {adjust_lr_fn} is not supported; "
-                "use None, 'original' or 'match_rms_adamw'")
-        if not (isinstance(ns_steps, int) and 0 < ns_steps < 100):
-            raise ValueError(f"ns_steps must be an int in [1, 100), got {ns_steps!r}")
-        if len(ns_coefficients) != 3:
-            raise ValueError(f"ns_coefficients must be 3 floats, got {ns_coefficients!r}")
-        check_adam_hparams(lr, betas, adamw_eps, weight_decay)
-        defaults = dict(
+        super().__init__(params, muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn, use_muon=True, betas=tuple(betas), adamw_eps=adamw_eps,
-            flatten=flatten, split_sizes=split_sizes,
-        )
-        super().__init__(params, defaults)
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
+            adjust_lr_fns=self.adjust_lr_fns))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("use_muon", True) is False and "eps" in param_group:
@@ -172,6 +192,8 @@ class Muon(BlockOptimizer):
                 raise TypeError(f"split_sizes must be a sequence of positive ints (row-block sizes), "
                                 f"got {split!r}")
             param_group["split_sizes"] = tuple(split)
+        if "ns_coefficients" in param_group:
+            param_group["ns_coefficients"] = check_ns_coefficients(param_group["ns_coefficients"])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -253,7 +275,7 @@ class Muon(BlockOptimizer):
                 continue
             (x,) = inputs[i]
             if x.numel() == 0:  # not the owner of this matrix
-                out[i] = [x.to(torch.bfloat16)]
+                out[i] = [x.to(self._update_dtype(it))]
                 continue
             group = it.group
             plan = self._plan(it.view.shape, group)
@@ -263,10 +285,23 @@ class Muon(BlockOptimizer):
                     group["ns_steps"], group["eps"])
                 # flat order: a view for a wide matrix; a tall one's transposed result is
                 # copied once here (adding it strided to the parameter is slower still)
-                out[i] = [ortho.reshape(-1)]
+                out[i] = [self._post_orthogonalise(it, plan, 0, ortho.reshape(-1))]
                 continue
-            out[i] = [self._orthogonalise_blocks(it, plan, x)]
+            start = it.compute.local(it.view.rank)[0]
+            out[i] = [self._post_orthogonalise(it, plan, start, self._orthogonalise_blocks(it, plan, x))]
         return out
+
+    # what a subclass changes after Newton-Schulz (NorMuon's normalization)
+
+    def _update_dtype(self, item: StepItem) -> torch.dtype:
+        """The dtype of the update a Muon matrix's compute sends back: Newton-Schulz's
+        bfloat16 (the same on every rank: the exchange groups tensors by dtype)."""
+        return torch.bfloat16
+
+    def _post_orthogonalise(self, item: StepItem, plan: _MuonPlan, start: int, ortho: torch.Tensor) -> torch.Tensor:
+        """The update sent back for this rank's compute slice, from its Newton-Schulz
+        result ``ortho`` (1-D, flat order, whole blocks from flat offset ``start``)."""
+        return ortho
 
     @staticmethod
     def _orthogonalise_blocks(it: StepItem, plan: _MuonPlan, x: torch.Tensor) -> torch.Tensor:
@@ -274,7 +309,8 @@ class Muon(BlockOptimizer):
         runs of equal blocks (experts) batched where that keeps every bit
         ([Note: batched Newton-Schulz] in _math/_newton_schulz.py)."""
         group = it.group
-        ns = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        coeffs = group["ns_coefficients"]
+        ns = (coeffs if isinstance(coeffs, str) else tuple(coeffs), group["ns_steps"], group["eps"])
         start, length = it.compute.local(it.view.rank)
         res = torch.empty(length, dtype=torch.bfloat16, device=x.device)
         runs: list[list[int]] = []  # consecutive blocks of one (rows, cols)

@@ -1,6 +1,7 @@
 """Pure optimizer math on local tensors (no communication, no optimizer state objects).
 
-Muon's Newton-Schulz orthogonalisation, the Adam/AdamW update, block-wise 8-bit
+Muon's Newton-Schulz orthogonalisation (with Polar Express's coefficients) and
+NorMuon's neuron-wise normalization, the Adam/AdamW update, block-wise 8-bit
 quantization with a dynamic code map and the 8-bit Adam step, and Shampoo's matrix
 inverse roots and tiles. The optimizer classes route local blocks to these functions;
 each is tested in one process against torch.optim, scipy or a float64 reference.
@@ -12,10 +13,18 @@ from ._newton_schulz import (
     NS_COEFFICIENTS,
     NS_EPS,
     NS_STEPS,
+    check_ns_coefficients,
     muon_adjust_lr,
     muon_cost,
     muon_matrix_view,
     zeropower_via_newtonschulz,
+)
+from ._normuon import NORMUON_EPS, normuon_normalize_
+from ._polar_express import (
+    POLAR_EXPRESS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    POLAR_EXPRESS_SAFETY,
+    polar_express_coefficients,
 )
 from ._quant8 import (
     TableQuantizer,
@@ -28,14 +37,19 @@ from ._quant8 import (
 )
 
 __all__ = [
+    "NORMUON_EPS",
     "NS_COEFFICIENTS",
     "NS_EPS",
     "NS_STEPS",
+    "POLAR_EXPRESS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "POLAR_EXPRESS_SAFETY",
     "TableQuantizer",
     "adam8bit_block_step_",
     "adam_foreach_",
     "adamw_step_",
     "check_adam_hparams",
+    "check_ns_coefficients",
     "dequantize_blockwise",
     "dequantize_table",
     "dynamic_code_map",
@@ -43,7 +57,9 @@ __all__ = [
     "muon_adjust_lr",
     "muon_cost",
     "muon_matrix_view",
+    "normuon_normalize_",
     "num_blocks",
+    "polar_express_coefficients",
     "quantize_blockwise",
     "shampoo_tiles",
     "zeropower_via_newtonschulz",

@@ -4,20 +4,27 @@ The op sequence of ``zeropower_via_newtonschulz`` is the one of ``torch.optim.Mu
 (bfloat16 cast, transpose of tall matrices, division by the clamped Frobenius norm,
 then ``ns_steps`` quintic iterations written with two ``addmm``), so that the result
 is bit-identical to torch's on the same device. Keep it that way: any reordering, even
-an algebraically equal one, changes the bfloat16 rounding.
+an algebraically equal one, changes the bfloat16 rounding. ``ns_coefficients=
+"polar_express"`` runs the same iteration with Polar Express's per-iteration
+coefficients and input scale instead ([Note: Polar Express] in _polar_express.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from ._polar_express import POLAR_EXPRESS, POLAR_EXPRESS_SAFETY, polar_express_coefficients
+
 __all__ = [
     "NS_COEFFICIENTS",
+    "NsCoefficients",
+    "check_ns_coefficients",
     "NS_EPS",
     "NS_STEPS",
     "muon_adjust_lr",
@@ -37,10 +44,38 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 _MAX_NS_STEPS = 100
 
+#: ``(a, b, c)`` of one quintic for every iteration, or ``"polar_express"``
+NsCoefficients = tuple[float, float, float] | str
+
+
+def check_ns_coefficients(ns_coefficients: object) -> NsCoefficients:
+    """``ns_coefficients`` as the iteration takes it: a tuple of 3 real numbers
+    ``(a, b, c)`` used at every iteration, or ``"polar_express"``
+    ([Note: Polar Express]); ValueError naming what is accepted otherwise."""
+    if isinstance(ns_coefficients, str):
+        if ns_coefficients == POLAR_EXPRESS:
+            return POLAR_EXPRESS
+    elif isinstance(ns_coefficients, (tuple, list)) and len(ns_coefficients) == 3 and all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in ns_coefficients):
+        return tuple(ns_coefficients)  # type: ignore[return-value]
+    raise ValueError(
+        f"ns_coefficients must hold exactly 3 values (a, b, c) used at every iteration, or be "
+        f"{POLAR_EXPRESS!r} (Polar Express's per-iteration coefficients), got {ns_coefficients!r}")
+
+
+def _schedule(ns_coefficients: NsCoefficients, ns_steps: int) -> tuple[bool, Sequence[tuple[float, float, float]]]:
+    """(whether it is Polar Express, the (a, b, c) of each iteration)."""
+    if isinstance(ns_coefficients, str):
+        check_ns_coefficients(ns_coefficients)
+        return True, polar_express_coefficients(ns_steps)
+    if len(ns_coefficients) != 3:
+        check_ns_coefficients(ns_coefficients)
+    return False, (tuple(ns_coefficients),) * ns_steps  # type: ignore[return-value]
+
 
 def zeropower_via_newtonschulz(
     grad: Tensor,
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS,
     eps: float = NS_EPS,
 ) -> Tensor:
@@ -53,9 +88,12 @@ def zeropower_via_newtonschulz(
 
     Args:
         grad: a 2-D tensor of shape (rows, cols), any float dtype.
-        ns_coefficients: ``(a, b, c)`` of the quintic polynomial.
+        ns_coefficients: ``(a, b, c)`` of the quintic polynomial, or ``"polar_express"``:
+            Polar Express's coefficients per iteration, after scaling ``X`` by
+            ``1 / (1.01 ||X||_F + eps)`` ([Note: Polar Express]).
         ns_steps: number of iterations, ``0 <= ns_steps < 100``.
-        eps: lower clamp of the norm (guards the all-zero matrix).
+        eps: lower clamp of the norm (guards the all-zero matrix); with Polar Express,
+            added to the scaled norm instead, as the paper does.
 
     Returns:
         A new bfloat16 tensor of shape (rows, cols), bit-identical to
@@ -70,23 +108,22 @@ def zeropower_via_newtonschulz(
             f"grad must be a 2-D matrix, got shape {tuple(grad.shape)}; "
             "view higher-dimensional tensors with muon_matrix_view first"
         )
-    if len(ns_coefficients) != 3:
-        raise ValueError(
-            f"ns_coefficients must hold exactly 3 values (a, b, c), got {ns_coefficients!r}"
-        )
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
         raise TypeError(f"ns_steps must be an int, got {type(ns_steps).__name__}")
     if not 0 <= ns_steps < _MAX_NS_STEPS:
         raise ValueError(f"ns_steps must be in [0, {_MAX_NS_STEPS}), got {ns_steps}")
-    a, b, c = ns_coefficients
+    polar, schedule = _schedule(ns_coefficients, ns_steps)
     tall = grad.size(0) > grad.size(1)
     x = grad.bfloat16()  # (rows, cols), bf16
     if x is grad:
         x = x.clone()  # torch's version divides a bfloat16 input in place; ours never does
     if tall:
         x = x.T  # (cols, rows): iterate on the wide orientation, X X^T is the small Gram
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(ns_steps):
+    if polar:
+        x.div_(x.norm() * POLAR_EXPRESS_SAFETY + eps)
+    else:
+        x.div_(x.norm().clamp(min=eps))
+    for a, b, c in schedule:
         gram = x @ x.T  # (short, short)
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, gram_update, x, beta=a)
@@ -97,7 +134,7 @@ def zeropower_via_newtonschulz(
 
 def zeropower_via_newtonschulz_batched(
     grads: Tensor,
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS,
     eps: float = NS_EPS,
 ) -> Tensor:
@@ -108,7 +145,7 @@ def zeropower_via_newtonschulz_batched(
     only where :func:`newtonschulz_batch_exact` says so."""
     if not isinstance(grads, Tensor) or grads.ndim != 3:
         raise ValueError(f"grads must be a 3-D batch of matrices, got {getattr(grads, 'shape', grads)!r}")
-    a, b, c = ns_coefficients
+    polar, schedule = _schedule(ns_coefficients, ns_steps)
     tall = grads.size(1) > grads.size(2)
     x = grads.bfloat16()  # (batch, rows, cols), bf16
     if x is grads:
@@ -116,8 +153,11 @@ def zeropower_via_newtonschulz_batched(
     if tall:
         x = x.mT  # (batch, cols, rows)
     for m in x:  # per matrix, as the single-matrix function: the same norm bits
-        m.div_(m.norm().clamp(min=eps))
-    for _ in range(ns_steps):
+        if polar:
+            m.div_(m.norm() * POLAR_EXPRESS_SAFETY + eps)
+        else:
+            m.div_(m.norm().clamp(min=eps))
+    for a, b, c in schedule:
         gram = x @ x.mT  # (batch, short, short)
         gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, gram_update, x, beta=a)
@@ -128,7 +168,7 @@ def zeropower_via_newtonschulz_batched(
 
 @functools.lru_cache(maxsize=256)
 def newtonschulz_batch_exact(
-    batch: int, rows: int, cols: int, device: torch.device, ns_coefficients: tuple[float, float, float],
+    batch: int, rows: int, cols: int, device: torch.device, ns_coefficients: NsCoefficients,
     ns_steps: int, eps: float, threads: int,
 ) -> bool:
     """Whether the batched Newton-Schulz gives, on ``device`` with ``threads`` intra-op
@@ -179,17 +219,22 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
     ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot's). For a
     2-D shape this equals torch's ``_adjust_lr``; a shape of more dims uses its
     ``muon_matrix_view`` (the matrix actually orthogonalised), not its first two dims.
+    Dion's names: ``"spectral_norm"``: ``lr * sqrt(rows / cols)``; ``"rms_norm"``: the
+    same as ``"match_rms_adamw"``.
     """
     rows, cols = muon_matrix_view(shape)
     if rows == 0 or cols == 0:
         raise ValueError(f"Muon needs a non-empty matrix, got shape {tuple(shape)}")
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, rows / cols))
-    elif adjust_lr_fn == "match_rms_adamw":
+    elif adjust_lr_fn in ("match_rms_adamw", "rms_norm"):
         ratio = 0.2 * math.sqrt(max(rows, cols))
+    elif adjust_lr_fn == "spectral_norm":
+        ratio = math.sqrt(rows / cols)
     else:
         raise ValueError(
-            f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
+            f"adjust_lr_fn must be None, 'original', 'match_rms_adamw', 'spectral_norm' or "
+            f"'rms_norm', got {adjust_lr_fn!r}"
         )
     return lr * ratio
 

@@ -1,0 +1,172 @@
+"""NorMuon: Muon with a neuron-wise second moment, normalized on the rank that
+orthogonalizes each matrix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from vefsdp_optim._math import normuon_normalize_
+from vefsdp_optim._math._newton_schulz import NsCoefficients
+from vefsdp_optim.comm import ShardedView
+from vefsdp_optim.sharding import RaggedShard
+
+from ._adam_state import adam_state_spec
+from ._block_optimizer import BlockOptimizer
+from ._muon import Muon, _MuonPlan, muon_defaults
+from ._registry import register_optimizer
+from ._state_format import ELEMENTWISE, LOCAL
+from ._step_loop import StepItem
+
+__all__ = ["NorMuon"]
+
+_VARIANCE = "variance_neuron."  # + global block index: one block's row second moment
+
+# [Note: NorMuon state]
+# The row second moment of a block needs the block's whole orthogonalized update, which
+# only the rank that runs its Newton-Schulz has (the owner of a whole matrix; the rank
+# holding a block where blocks stay in place: whole experts, QKV blocks). So it lives
+# there, as state["variance_neuron.{b}"] (rows_b floats) per block b of
+# [Note: Muon blocks], created at the block's first step; the normalization runs on the
+# owner and the normalized update (float32) comes back instead of Newton-Schulz's
+# bfloat16. The momentum stays sharded, as Muon's. The entries are saved under these
+# keys, by global block index, by the rank that holds them, so a checkpoint loads at any
+# world size onto whichever rank then computes the block (the keys are the live ones,
+# as Shampoo's tiles: [Note: Shampoo's live state keys are its saved keys]). An owner
+# is fixed by the parameters that step together; if it changed (a parameter of the
+# group stepped without a gradient), the new owner would have no second moment: each
+# parameter keeps the compute layout of its last step (state["compute"], LOCAL), and a
+# step that would compute it elsewhere raises, on every rank alike (the layouts are the
+# same everywhere) and before its exchange, instead of restarting the moment from zero.
+
+
+def _check_beta2(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"muon_beta2 must be a float in [0, 1], got {value!r}")
+
+
+@register_optimizer("normuon")
+class NorMuon(Muon):
+    """NorMuon (arXiv 2510.05491) as Microsoft Dion's ``NorMuon`` computes it, on plain,
+    FSDP2 and fully_shard parameters, equal to one device at any world size.
+
+    Muon's update, then per orthogonalized matrix ``O`` (m x n): the row second moment
+    ``v <- muon_beta2 v + (1 - muon_beta2) mean_j O_ij^2``, ``O / (sqrt(v) + 1e-8)`` row by
+    row, rescaled to ``||O||_F`` ([Note: NorMuon normalization] in _math/_normuon.py),
+    then the learning-rate adjustment and decoupled weight decay. Newton-Schulz and the
+    normalization run once per matrix in the world, on whole matrices (or whole blocks),
+    as in :class:`Muon`; ``v`` lives on that rank ([Note: NorMuon state]).
+
+    Arguments and group keys are :class:`Muon`'s (torch.optim.Muon's names, ``flatten``,
+    ``split_sizes``, ``use_muon=False`` groups and 1-D parameters updated by AdamW with
+    ``betas`` / ``adamw_eps``) plus ``muon_beta2``; ``split_sizes`` blocks and
+    ``flatten=False`` slices are normalized as separate parameters. The defaults are
+    Dion's NorMuon's: ``lr=0.01``, ``weight_decay=0.01``, ``momentum=0.95`` (Dion's
+    ``mu``), ``nesterov=False``, ``muon_beta2=0.95``, Polar Express
+    (``ns_coefficients="polar_express"``: the paper's table, where Dion's
+    ``use_polar_express`` uses modded-nanogpt's) and ``adjust_lr_fn="spectral_norm"``
+    (``lr * sqrt(rows / cols)``; also ``"rms_norm"``, and torch's ``None`` /
+    ``"original"`` / ``"match_rms_adamw"``). The momentum is torch's average
+    (``m <- momentum m + (1 - momentum) g``) where Dion sums (``m <- mu m + g``): the
+    same direction, a constant factor that Newton-Schulz's normalization removes.
+    ``eps`` is Newton-Schulz's (torch's and the Polar Express paper's 1e-7).
+    """
+
+    adjust_lr_fns = Muon.adjust_lr_fns + ("spectral_norm", "rms_norm")
+    extra_state_prefixes = (_VARIANCE,)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.01,
+        weight_decay: float = 0.01,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        ns_coefficients: NsCoefficients = "polar_express",
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = "spectral_norm",
+        *,
+        muon_beta2: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        flatten: bool | None = None,
+        split_sizes: Sequence[int] | None = None,
+    ) -> None:
+        _check_beta2(muon_beta2)
+        defaults = muon_defaults(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
+            adjust_lr_fns=self.adjust_lr_fns)
+        defaults["muon_beta2"] = muon_beta2
+        BlockOptimizer.__init__(self, params, defaults)  # what Muon.__init__ does, with these defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "muon_beta2" in param_group:
+            _check_beta2(param_group["muon_beta2"])
+        if param_group.get("adjust_lr_fn", None) not in self.adjust_lr_fns:
+            raise ValueError(f"adjust_lr_fn {param_group['adjust_lr_fn']!r} is not supported; use one of "
+                             f"{', '.join(map(repr, self.adjust_lr_fns))}")
+        super().add_param_group(param_group)
+
+    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
+        if not self._is_muon(shape, group):
+            return adam_state_spec()
+        # + the per-block row second moments, by the extra-state hooks ([Note: NorMuon state])
+        return {"momentum_buffer": ELEMENTWISE, "compute": LOCAL}
+
+    def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard | None,
+                           group: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in state.items() if isinstance(k, str) and k.startswith(_VARIANCE)}
+
+    def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
+                           layout: RaggedShard | None, group: dict[str, Any], name: object) -> None:
+        keys = [k for k in state if isinstance(k, str) and k.startswith(_VARIANCE)]
+        missing = [k for k in keys if k not in saved]
+        if missing:
+            raise ValueError(f"NorMuon state of parameter {name!r} (shape {tuple(view.shape)}): the checkpoint "
+                             f"lacks {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        for k in keys:
+            live, v = state[k], saved[k]
+            if not isinstance(v, torch.Tensor) or v.shape != live.shape:
+                raise ValueError(
+                    f"NorMuon state {name!r}.{k} has shape "
+                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}, expected "
+                    f"{tuple(live.shape)} (the rows of that block: flatten and split_sizes must match)")
+            if v.data_ptr() != live.data_ptr():
+                live.copy_(v)
+
+    # hooks: Muon's, plus the normalization on the owner ([Note: NorMuon state])
+
+    def gather_inputs(self, item: StepItem) -> list[torch.Tensor]:
+        if self._is_muon(item.view.shape, item.group):
+            state = self.state[item.param]
+            last = state.get("compute")
+            if last is not None and last != item.compute:
+                raise NotImplementedError(
+                    f"NorMuon: a parameter of shape {tuple(item.view.shape)} would be orthogonalized "
+                    f"on other ranks than at its last step ({item.compute} instead of {last}), which "
+                    "lack its row second moments: a parameter of its param group stepped without a "
+                    "gradient and moved the owners ([Note: NorMuon state]); give every parameter "
+                    "of a NorMuon group a gradient at every step (zeros rather than None)")
+            state["compute"] = item.compute
+        return super().gather_inputs(item)
+
+    def _update_dtype(self, item: StepItem) -> torch.dtype:
+        return torch.promote_types(item.view.local.dtype, torch.float32)
+
+    def _post_orthogonalise(self, item: StepItem, plan: _MuonPlan, start: int, ortho: torch.Tensor) -> torch.Tensor:
+        state, beta2 = self.state[item.param], item.group["muon_beta2"]
+        out = torch.empty(ortho.numel(), dtype=self._update_dtype(item), device=ortho.device)
+        for b in plan.span(start, ortho.numel()):
+            (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
+            key = f"{_VARIANCE}{b}"
+            v = state.get(key)
+            if v is None:  # the block's first step
+                v = state[key] = torch.zeros(rows, dtype=out.dtype, device=out.device)
+            n = rows * cols
+            normuon_normalize_(ortho[a:a + n].view(rows, cols), v, beta2, out=out[a:a + n].view(rows, cols))
+        return out
