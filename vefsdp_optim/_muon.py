@@ -84,6 +84,7 @@ def muon_defaults(
     *, lr: float, weight_decay: float, momentum: float, nesterov: bool, ns_coefficients: object,
     eps: float, ns_steps: int, adjust_lr_fn: str | None, betas: tuple[float, float], adamw_eps: float,
     flatten: bool | None, split_sizes: Sequence[int] | None, adjust_lr_fns: tuple[str | None, ...],
+    num_heads: int | None = None,
 ) -> dict[str, Any]:
     """Muon's param-group defaults from its constructor arguments, validated (ValueError
     naming the bad value, with torch.optim.Muon's messages where it has one)."""
@@ -106,8 +107,18 @@ def muon_defaults(
         lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
         ns_coefficients=check_ns_coefficients(ns_coefficients), eps=eps, ns_steps=ns_steps,
         adjust_lr_fn=adjust_lr_fn, use_muon=True, betas=tuple(betas), adamw_eps=adamw_eps,
-        flatten=flatten, split_sizes=split_sizes,
+        flatten=flatten, split_sizes=split_sizes, num_heads=_check_heads(num_heads),
     )
+
+
+def _check_heads(num_heads: object) -> int | None:
+    if num_heads is None:
+        return None
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise TypeError(f"num_heads must be a positive int or None, got {num_heads!r}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    return num_heads
 
 
 _FLATTEN_HELP = (
@@ -145,6 +156,10 @@ class Muon(BlockOptimizer):
     * ``split_sizes``: row-block sizes of each matrix (e.g. ``[q_rows, kv_rows, kv_rows]``
       of a fused QKV projection), summing to its rows; each block is updated exactly as
       a separate parameter of that shape.
+    * ``num_heads``: per-head Muon (Dion's key): each matrix viewed as ``num_heads``
+      equal row blocks (attention heads), each updated exactly as a separate parameter
+      (``split_sizes`` of ``rows // num_heads`` each; the rows must divide; not together
+      with ``split_sizes``). The planner keeps heads whole on single ranks.
 
     ``ns_coefficients="polar_express"`` replaces the fixed quintic by Polar Express's
     per-iteration coefficients and input scale (arXiv 2505.16932, Algorithm 1:
@@ -170,12 +185,13 @@ class Muon(BlockOptimizer):
         adamw_eps: float = 1e-8,
         flatten: bool | None = None,
         split_sizes: Sequence[int] | None = None,
+        num_heads: int | None = None,
     ) -> None:
         super().__init__(params, muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
-            adjust_lr_fns=self.adjust_lr_fns))
+            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("use_muon", True) is False and "eps" in param_group:
@@ -192,6 +208,8 @@ class Muon(BlockOptimizer):
                 raise TypeError(f"split_sizes must be a sequence of positive ints (row-block sizes), "
                                 f"got {split!r}")
             param_group["split_sizes"] = tuple(split)
+        if "num_heads" in param_group:
+            param_group["num_heads"] = _check_heads(param_group["num_heads"])
         if "ns_coefficients" in param_group:
             param_group["ns_coefficients"] = check_ns_coefficients(param_group["ns_coefficients"])
         super().add_param_group(param_group)
@@ -216,15 +234,31 @@ class Muon(BlockOptimizer):
             raise ValueError(
                 f"Muon got a parameter of shape {shape} in a group without the key 'flatten': "
                 + _FLATTEN_HELP)
-        split = group.get("split_sizes")
+        split = Muon._split_sizes(shape, group)
         try:
-            return _muon_plan(shape, flatten is not False, None if split is None else tuple(split))
+            return _muon_plan(shape, flatten is not False, split)
         except ValueError as e:
             if split is None:
                 raise
             batch, rows, cols = muon_batch_view(shape, flatten is not False)
             raise ValueError(f"bad split_sizes for a Muon parameter of shape {shape} (matrices of "
                              f"{rows} x {cols}): {e}") from None
+
+    @staticmethod
+    def _split_sizes(shape: tuple[int, ...], group: dict[str, Any]) -> tuple[int, ...] | None:
+        """The group's row blocks of each matrix: ``split_sizes``, or ``num_heads`` equal ones."""
+        split = group.get("split_sizes")
+        heads = group.get("num_heads")
+        if heads is None:
+            return None if split is None else tuple(split)
+        if split is not None:
+            raise ValueError(f"a Muon group sets both num_heads={heads} and split_sizes={tuple(split)}; "
+                             "set one (num_heads: equal row blocks; split_sizes: any row blocks)")
+        _, rows, cols = muon_batch_view(shape, group.get("flatten") is not False)
+        if rows % heads:
+            raise ValueError(f"num_heads={heads} does not divide the {rows} rows of the {rows} x {cols} "
+                             f"matrices of a Muon parameter of shape {shape}")
+        return (rows // heads,) * heads
 
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         return self._plan(shape, group).requirement if self._is_muon(shape, group) else Elementwise()
@@ -242,7 +276,7 @@ class Muon(BlockOptimizer):
         expert alone, not the fused matrix."""
         if not self._is_muon(shape, group):
             return float(math.prod(shape))
-        split = group.get("split_sizes")
+        split = self._split_sizes(tuple(int(d) for d in shape), group)
         return muon_blocks_cost(shape, group.get("flatten") is not False, split)
 
     # hooks: momentum on the local shard, Newton-Schulz on the owner, apply locally

@@ -94,13 +94,14 @@ class NorMuon(Muon):
         adamw_eps: float = 1e-8,
         flatten: bool | None = None,
         split_sizes: Sequence[int] | None = None,
+        num_heads: int | None = None,
     ) -> None:
         _check_beta2(muon_beta2)
         defaults = muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
-            adjust_lr_fns=self.adjust_lr_fns)
+            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads)
         defaults["muon_beta2"] = muon_beta2
         BlockOptimizer.__init__(self, params, defaults)  # what Muon.__init__ does, with these defaults
 
