@@ -24,12 +24,13 @@ STEPS, SPLIT = 5, 3  # total steps; steps before the checkpoint
 OPTIMIZERS = {
     "adamw": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
     "muon": ("Muon", dict(lr=2e-2, weight_decay=0.1, flatten=True)),
+    "muon8": ("Muon", dict(lr=2e-2, weight_decay=0.1, flatten=True, momentum_dtype=torch.int8)),
     "adamw8bit": ("AdamW8bit", dict(lr=1e-2, weight_decay=0.1, block_size=32, min_8bit_size=64)),
     "adam8bit": ("Adam8bit", dict(lr=1e-2, weight_decay=0.01, block_size=16, min_8bit_size=64)),
     "shampoo": ("Shampoo", dict(lr=1e-2, weight_decay=0.01, max_preconditioner_dim=8,
                                 precondition_frequency=2, start_preconditioning_step=2)),
 }
-EXACT = {"adamw", "muon", "adamw8bit", "adam8bit"}
+EXACT = {"adamw", "muon", "muon8", "adamw8bit", "adam8bit"}
 
 
 class Net(nn.Module):
@@ -54,7 +55,7 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
     cls_name, kw = OPTIMIZERS[name]
     cls = getattr(vefsdp_optim, cls_name)
-    if name == "muon":  # Muon with an AdamW part (the 1-D parameters and the (1, n) row)
+    if name.startswith("muon"):  # Muon with an AdamW part (the 1-D parameters and the (1, n) row)
         named = dict(model.named_parameters())
         adam = [named[k] for k in ("scale", "l1.bias", "l3.bias")]
         muon = [p for k, p in named.items() if k not in ("scale", "l1.bias", "l3.bias")]

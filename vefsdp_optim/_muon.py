@@ -19,6 +19,7 @@ from vefsdp_optim._math import (
     muon_matrix_view,
     zeropower_via_newtonschulz,
 )
+from vefsdp_optim._math._muon_int8 import MOMENTUM_BLOCK, empty_momentum, muon_momentum_int8_
 from vefsdp_optim._math._newton_schulz import (
     NsCoefficients,
     muon_batch_view,
@@ -28,8 +29,10 @@ from vefsdp_optim._math._newton_schulz import (
     newtonschulz_batch_exact,
     zeropower_via_newtonschulz_batched,
 )
+from vefsdp_optim._math._quant8 import dynamic_code_map
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import (
+    BoxShard,
     Elementwise,
     FlatBlocks,
     RaggedShard,
@@ -84,7 +87,7 @@ def muon_defaults(
     *, lr: float, weight_decay: float, momentum: float, nesterov: bool, ns_coefficients: object,
     eps: float, ns_steps: int, adjust_lr_fn: str | None, betas: tuple[float, float], adamw_eps: float,
     flatten: bool | None, split_sizes: Sequence[int] | None, adjust_lr_fns: tuple[str | None, ...],
-    num_heads: int | None = None,
+    num_heads: int | None = None, momentum_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Muon's param-group defaults from its constructor arguments, validated (ValueError
     naming the bad value, with torch.optim.Muon's messages where it has one)."""
@@ -108,7 +111,15 @@ def muon_defaults(
         ns_coefficients=check_ns_coefficients(ns_coefficients), eps=eps, ns_steps=ns_steps,
         adjust_lr_fn=adjust_lr_fn, use_muon=True, betas=tuple(betas), adamw_eps=adamw_eps,
         flatten=flatten, split_sizes=split_sizes, num_heads=_check_heads(num_heads),
+        momentum_dtype=_check_momentum_dtype(momentum_dtype),
     )
+
+
+def _check_momentum_dtype(dtype: object) -> torch.dtype | None:
+    if dtype is None or dtype == torch.int8:
+        return dtype
+    raise ValueError(f"momentum_dtype must be None (the parameter's dtype, as torch.optim.Muon) or "
+                     f"torch.int8 (8-bit block-wise momentum), got {dtype!r}")
 
 
 def _check_heads(num_heads: object) -> int | None:
@@ -160,6 +171,11 @@ class Muon(BlockOptimizer):
       equal row blocks (attention heads), each updated exactly as a separate parameter
       (``split_sizes`` of ``rows // num_heads`` each; the rows must divide; not together
       with ``split_sizes``). The planner keeps heads whole on single ranks.
+    * ``momentum_dtype``: ``None`` (the parameter's dtype, as torch.optim.Muon) or
+      ``torch.int8``: the momentum block-wise quantized in 256-element blocks of the
+      flat order with 8-bit Adam's signed code map, 1.016 bytes per element
+      ([Note: 8-bit Muon momentum] in _math/_muon_int8.py); its blocks stay whole on
+      single ranks, so the result is the same at every world size.
 
     ``ns_coefficients="polar_express"`` replaces the fixed quintic by Polar Express's
     per-iteration coefficients and input scale (arXiv 2505.16932, Algorithm 1:
@@ -186,12 +202,13 @@ class Muon(BlockOptimizer):
         flatten: bool | None = None,
         split_sizes: Sequence[int] | None = None,
         num_heads: int | None = None,
+        momentum_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(params, muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
-            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads))
+            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("use_muon", True) is False and "eps" in param_group:
@@ -210,6 +227,8 @@ class Muon(BlockOptimizer):
             param_group["split_sizes"] = tuple(split)
         if "num_heads" in param_group:
             param_group["num_heads"] = _check_heads(param_group["num_heads"])
+        if "momentum_dtype" in param_group:
+            param_group["momentum_dtype"] = _check_momentum_dtype(param_group["momentum_dtype"])
         if "ns_coefficients" in param_group:
             param_group["ns_coefficients"] = check_ns_coefficients(param_group["ns_coefficients"])
         super().add_param_group(param_group)
@@ -261,14 +280,28 @@ class Muon(BlockOptimizer):
         return (rows // heads,) * heads
 
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
-        return self._plan(shape, group).requirement if self._is_muon(shape, group) else Elementwise()
+        if not self._is_muon(shape, group):
+            return Elementwise()
+        req = self._plan(shape, group).requirement
+        if group.get("momentum_dtype") is torch.int8 and not req.needs_whole:
+            # whole blocks and whole 256-element momentum blocks ([Note: 8-bit Muon momentum])
+            return FlatBlocks(math.lcm(req.unit(tuple(shape)), MOMENTUM_BLOCK))
+        return req
 
-    structural_keys = ("use_muon",)
+    structural_keys = ("use_muon", "momentum_dtype")
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
-        return {"momentum_buffer": ELEMENTWISE} if self._is_muon(shape, group) else adam_state_spec()
+        return self._momentum_spec(group) if self._is_muon(shape, group) else adam_state_spec()
 
-    def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard:
+    @staticmethod
+    def _momentum_spec(group: dict[str, Any]) -> dict[str, str | int]:
+        if group.get("momentum_dtype") is torch.int8:
+            return {"momentum_codes": ELEMENTWISE, "momentum_absmax": MOMENTUM_BLOCK}
+        return {"momentum_buffer": ELEMENTWISE}
+
+    def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+        if group.get("momentum_dtype") is torch.int8 and self._is_muon(view.shape, group):
+            return super().state_layout(view, group)  # with the compute slices ([Note: 8-bit Muon momentum])
         return view.layout  # momentum stays sharded like the parameter
 
     def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
@@ -284,6 +317,8 @@ class Muon(BlockOptimizer):
     def gather_inputs(self, item: StepItem) -> list[torch.Tensor]:
         if not self._is_muon(item.view.shape, item.group):
             return super().gather_inputs(item)
+        if item.group.get("momentum_dtype") is torch.int8:
+            return [item.grad]  # the momentum steps on the compute slices (compute_bucket)
         g, group = item.grad, item.group
         state = self.state[item.param]
         if "momentum_buffer" not in state:
@@ -308,6 +343,8 @@ class Muon(BlockOptimizer):
             if i in adam_idx:
                 continue
             (x,) = inputs[i]
+            if x.numel() and it.group.get("momentum_dtype") is torch.int8:
+                x = self._int8_momentum(it, x)
             if x.numel() == 0:  # not the owner of this matrix
                 out[i] = [x.to(self._update_dtype(it))]
                 continue
@@ -324,6 +361,20 @@ class Muon(BlockOptimizer):
             start = it.compute.local(it.view.rank)[0]
             out[i] = [self._post_orthogonalise(it, plan, start, self._orthogonalise_blocks(it, plan, x))]
         return out
+
+    def _int8_momentum(self, item: StepItem, grad: torch.Tensor) -> torch.Tensor:
+        """The bfloat16 Newton-Schulz input of a compute slice with 8-bit momentum."""
+        state = self.state[item.param]
+        if "momentum_codes" not in state:
+            state["momentum_codes"], state["momentum_absmax"] = empty_momentum(grad.numel(), grad.device)
+        codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
+        code = codes.get(grad.device)
+        if code is None:
+            code = codes[grad.device] = dynamic_code_map(True).to(grad.device)
+        group = item.group
+        update = muon_momentum_int8_(grad, state["momentum_codes"], state["momentum_absmax"],
+                                     momentum=group["momentum"], nesterov=group["nesterov"], code=code)
+        return update.to(torch.bfloat16)
 
     # what a subclass changes after Newton-Schulz (NorMuon's normalization)
 

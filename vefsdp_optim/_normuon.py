@@ -17,7 +17,7 @@ from ._adam_state import adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._muon import Muon, _MuonPlan, muon_defaults
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, LOCAL
+from ._state_format import LOCAL
 from ._step_loop import StepItem
 
 __all__ = ["NorMuon"]
@@ -95,13 +95,14 @@ class NorMuon(Muon):
         flatten: bool | None = None,
         split_sizes: Sequence[int] | None = None,
         num_heads: int | None = None,
+        momentum_dtype: torch.dtype | None = None,
     ) -> None:
         _check_beta2(muon_beta2)
         defaults = muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
-            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads)
+            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype)
         defaults["muon_beta2"] = muon_beta2
         BlockOptimizer.__init__(self, params, defaults)  # what Muon.__init__ does, with these defaults
 
@@ -117,7 +118,7 @@ class NorMuon(Muon):
         if not self._is_muon(shape, group):
             return adam_state_spec()
         # + the per-block row second moments, by the extra-state hooks ([Note: NorMuon state])
-        return {"momentum_buffer": ELEMENTWISE, "compute": LOCAL}
+        return {**self._momentum_spec(group), "compute": LOCAL}
 
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard | None,
                            group: dict[str, Any]) -> dict[str, Any]:
