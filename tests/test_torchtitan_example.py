@@ -1,5 +1,7 @@
 """examples/torchtitan_llama3.py at W = 2: torchtitan's llama3 debug model trains with our
-fully_shard and optimizers, and gives FSDP2's losses.
+fully_shard and optimizers, and gives FSDP2's losses; at W = 4 with ``--tp 2`` (dp 2 x
+tp 2, torchtitan's TP plan) our fully_shard + TP gives FSDP2 + TP's losses, and our AdamW
+on FSDP2 + TP gives torch AdamW's.
 
 Skipped where torchtitan (the ``torchtitan`` extra) is not installed or its llama3 model
 does not import. The example runs as a script (it spawns its own gloo ranks), so
@@ -34,15 +36,18 @@ def _unavailable() -> str | None:
     return None
 
 
-def _run(*args: str, world_size: int = 2) -> tuple[str, list[float]]:
+def _run(*args: str, world_size: int = 2, must_pass: bool = True) -> tuple[str, list[float]]:
+    """The example's output and its first run's first and last loss; ``must_pass=False``
+    lets the example's own checks fail (the caller reads which did)."""
     reason = _unavailable()
     if reason:
         pytest.skip(reason)
     r = subprocess.run([sys.executable, EXAMPLE, "--world-size", str(world_size), *args],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    if must_pass or "MISMATCH" not in r.stdout:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     m = re.search(r"^loss (\S+) -> (\S+)$", r.stdout, re.M)
-    assert m, r.stdout[-3000:]
+    assert m, r.stdout[-3000:] + r.stderr[-6000:]
     return r.stdout, [float(m.group(1)), float(m.group(2))]
 
 
@@ -73,3 +78,49 @@ def test_torchtitan_llama3_at_an_odd_world_size() -> None:
                               world_size=3)
     assert "== FSDP2's, within 1e-4" in out, out[-3000:]
     assert last < first - 4.0, out[-3000:]
+
+
+# Known at 118b9ac: our fully_shard's default gradient copy-in (set_gradient_copy_in,
+# True) copies the local part of a sequence-parallel norm weight's gradient, Partial over
+# tp, without the sum over tp that the in-place path gets from autograd; the norms train
+# on half their gradient and the losses leave FSDP2's from step 1. Reported with a
+# reproduction; this turns back into a pass when fixed.
+SP_NORM_GRAD_BUG = ("our fully_shard + TP: gradient copy-in drops the tp sum of sequence-"
+                    "parallel norm gradients (set_gradient_copy_in(False) is exact)")
+
+
+def _fully_shard_tp_matched(out: str) -> None:
+    """Our fully_shard + TP against FSDP2 + TP, as the example checked it."""
+    if "dp 2 x tp 2: losses of vefsdp_optim's fully_shard == FSDP2's, bit for bit" in out:
+        return
+    assert "MISMATCH step" in out and "losses of vefsdp_optim's fully_shard" in out, out[-3000:]
+    pytest.xfail(SP_NORM_GRAD_BUG)
+
+
+def test_torchtitan_llama3_tp2_adamw_equals_torch_adamw_bitwise() -> None:
+    """dp 2 x tp 2, torchtitan's TP plan (sequence-parallel norms, loss parallel) before
+    FSDP2, no gradient clipped: our AdamW on (_StridedShard(0), Shard(0)), (Shard(0),
+    Shard(1)) and (Shard(0), Replicate()) parameters gives torch AdamW's losses bit for
+    bit at every step (checked inside the example), and the loss falls; then our
+    fully_shard + TP against FSDP2 + TP, both with our AdamW, bit for bit."""
+    out, (first, last) = _run("--tp", "2", "--fsdp", "both", "--optimizer", "adamw",
+                              "--steps", "4", "--max-norm", "1e9", world_size=4,
+                              must_pass=False)
+    assert "dp 2 x tp 2: losses of adamw on FSDP2 + TP == torch AdamW's, bit for bit" in out, \
+        out[-3000:]
+    assert last < first - 4.0, out[-3000:]
+    _fully_shard_tp_matched(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["muon", "adamw8bit", "shampoo"])
+def test_torchtitan_llama3_tp2_each_optimizer(optimizer: str) -> None:
+    """dp 2 x tp 2, no gradient clipped: the optimizer trains on FSDP2 + TP (the loss
+    falls; torch AdamW's curve printed beside its own), and under our fully_shard + TP
+    gives its FSDP2 + TP losses bit for bit (checked inside the example)."""
+    out, (first, last) = _run("--tp", "2", "--fsdp", "both", "--optimizer", optimizer,
+                              "--steps", "6", "--max-norm", "1e9", world_size=4,
+                              must_pass=False)
+    assert f"dp 2 x tp 2: final loss on FSDP2 + TP of {optimizer}" in out, out[-3000:]
+    assert last < first - 2.0, out[-3000:]
+    _fully_shard_tp_matched(out)
