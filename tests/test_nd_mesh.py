@@ -492,3 +492,41 @@ def test_unsupported_placement_named_at_construction() -> None:
     for msgs in run_distributed(_partial_refused, 4):
         for m in msgs:
             assert "'up.weight'" in m and "P(sum)" in m and "not supported" in m, m
+
+
+def _sequence_parallel_grads() -> dict[str, bool]:
+    """A sequence-parallel norm (its weight's gradient is a Partial sum over tp) under our
+    fully_shard, with the gradient copy-in (the default) and in place, against FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    import vefsdp_optim
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    grads = {}
+    for kind in ("fsdp2", "copy_in", "in_place"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.RMSNorm(8), nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+        parallelize_module(model, mesh["tp"], {"0": SequenceParallel(),
+                                               "1": ColwiseParallel(input_layouts=Shard(1)),
+                                               "2": RowwiseParallel(output_layouts=Shard(1))})
+        (fsdp2_shard if kind == "fsdp2" else vefsdp_optim.fully_shard)(model, mesh=mesh["dp"])
+        if kind == "in_place":
+            model.set_gradient_copy_in(False)
+        x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+        model(x).pow(2).sum().backward()
+        grads[kind] = [p.grad.full_tensor() for p in model.parameters()]
+    return {kind: all(torch.equal(a, b) for a, b in zip(grads[kind], grads["fsdp2"], strict=True))
+            for kind in ("copy_in", "in_place")}
+
+
+def test_fully_shard_tp_sequence_parallel_norm_grads() -> None:
+    for r in run_distributed(_sequence_parallel_grads, 4):
+        assert r == {"copy_in": True, "in_place": True}, r

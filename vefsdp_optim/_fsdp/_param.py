@@ -63,6 +63,14 @@ class TensorParallel:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                   shape=self.shape, stride=self.stride)
 
+    def local(self, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor of a gradient DTensor in this placement: a gradient that autograd
+        left in another one (a sequence-parallel norm's ``Partial`` sum over tp) is
+        redistributed first, as AccumulateGrad does into a pre-set ``.grad``."""
+        if tuple(grad.placements) != self.placements:
+            grad = grad.redistribute(self.mesh, self.placements)
+        return grad.to_local()
+
     def sharded_layout(self, runs: list[RaggedShard]) -> BoxShard:
         """The BoxShard over dp x tp: ``runs[j]`` is tp coordinate j's dp layout of its box."""
         if self.boxes is None:

@@ -362,7 +362,7 @@ class DtypeStore:
             if grad is not None:
                 view = self.compute.grad_full_view(p.fqn)
                 views.append(view)
-                grads.append((grad.to_local() if p.tp is not None else grad).reshape(view.shape))
+                grads.append((p.tp.local(grad) if p.tp is not None else grad).reshape(view.shape))
                 p.unsharded.grad = None
         if views:
             with torch.no_grad():
