@@ -80,21 +80,10 @@ def test_torchtitan_llama3_at_an_odd_world_size() -> None:
     assert last < first - 4.0, out[-3000:]
 
 
-# Known at 118b9ac: our fully_shard's default gradient copy-in (set_gradient_copy_in,
-# True) copies the local part of a sequence-parallel norm weight's gradient, Partial over
-# tp, without the sum over tp that the in-place path gets from autograd; the norms train
-# on half their gradient and the losses leave FSDP2's from step 1. Reported with a
-# reproduction; this turns back into a pass when fixed.
-SP_NORM_GRAD_BUG = ("our fully_shard + TP: gradient copy-in drops the tp sum of sequence-"
-                    "parallel norm gradients (set_gradient_copy_in(False) is exact)")
-
-
 def _fully_shard_tp_matched(out: str) -> None:
-    """Our fully_shard + TP against FSDP2 + TP, as the example checked it."""
-    if "dp 2 x tp 2: losses of vefsdp_optim's fully_shard == FSDP2's, bit for bit" in out:
-        return
-    assert "MISMATCH step" in out and "losses of vefsdp_optim's fully_shard" in out, out[-3000:]
-    pytest.xfail(SP_NORM_GRAD_BUG)
+    """Our fully_shard + TP against FSDP2 + TP, as the example checked it (the sequence-
+    parallel norms' gradients included: tests/test_nd_mesh.py has the small case)."""
+    assert "dp 2 x tp 2: losses of vefsdp_optim's fully_shard == FSDP2's, bit for bit" in out, out[-3000:]
 
 
 def test_torchtitan_llama3_tp2_adamw_equals_torch_adamw_bitwise() -> None:
