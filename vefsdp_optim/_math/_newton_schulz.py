@@ -115,14 +115,11 @@ def zeropower_via_newtonschulz(
     polar, schedule = _schedule(ns_coefficients, ns_steps)
     tall = grad.size(0) > grad.size(1)
     x = grad.bfloat16()  # (rows, cols), bf16
-    if x is grad:
-        x = x.clone()  # torch's version divides a bfloat16 input in place; ours never does
     if tall:
         x = x.T  # (cols, rows): iterate on the wide orientation, X X^T is the small Gram
-    if polar:
-        x.div_(x.norm() * POLAR_EXPRESS_SAFETY + eps)
-    else:
-        x.div_(x.norm().clamp(min=eps))
+    norm = x.norm() * POLAR_EXPRESS_SAFETY + eps if polar else x.norm().clamp(min=eps)
+    # torch's version divides a bfloat16 input in place; ours divides only its own cast
+    x = x.div(norm) if x.data_ptr() == grad.data_ptr() else x.div_(norm)
     for a, b, c in schedule:
         gram = x @ x.T  # (short, short)
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
@@ -148,15 +145,13 @@ def zeropower_via_newtonschulz_batched(
     polar, schedule = _schedule(ns_coefficients, ns_steps)
     tall = grads.size(1) > grads.size(2)
     x = grads.bfloat16()  # (batch, rows, cols), bf16
-    if x is grads:
-        x = x.clone()
     if tall:
         x = x.mT  # (batch, cols, rows)
-    for m in x:  # per matrix, as the single-matrix function: the same norm bits
-        if polar:
-            m.div_(m.norm() * POLAR_EXPRESS_SAFETY + eps)
-        else:
-            m.div_(m.norm().clamp(min=eps))
+    # per matrix, as the single-matrix function: the same norm bits (and a division is
+    # exact elementwise, broadcast or not)
+    norms = torch.stack([m.norm() for m in x]).view(-1, 1, 1)
+    norms = norms * POLAR_EXPRESS_SAFETY + eps if polar else norms.clamp(min=eps)
+    x = x.div(norms) if x.data_ptr() == grads.data_ptr() else x.div_(norms)
     for a, b, c in schedule:
         gram = x @ x.mT  # (batch, short, short)
         gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)

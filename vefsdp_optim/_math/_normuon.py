@@ -12,8 +12,12 @@ The paper's Algorithm 1 scales ``Ô`` to RMS 0.2 (``0.2 sqrt(mn) / ||Ô||_F``) i
 the last line; Dion keeps ``||O||_F`` and leaves the shape-dependent scale to its
 learning-rate adjustment, and so does this function (for an exactly orthogonal ``O``,
 ``||O||_F = sqrt(min(m, n))``, and Dion's ``adjust_lr="rms_norm"`` turns it into the
-paper's scale). The operations and their order are Dion's
-(``_normuon_normalization_core``), in float32 or wider.
+paper's scale). These are Dion's formulas (``_normuon_normalization_core``), computed in
+float32 or wider in three passes over the matrix: the cast, the row norms ``r_i`` (from
+which ``mean_j O_ij^2 = r_i^2 / n``, ``||O||_F = ||r||`` and ``||Ô||_F = ||r / d||`` with
+``d = sqrt(v) + eps`` follow), and one multiplication of each row by
+``||O||_F / (max(||Ô||_F, eps) d_i)``; Dion's op order (a pass per product and norm) gives
+the same values up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ def normuon_normalize_(
             raise ValueError(f"out must be a contiguous {variance.dtype} tensor of shape {tuple(ortho.shape)}, "
                              f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
         u = out.copy_(ortho)
-    norm = torch.linalg.vector_norm(u)  # ||O||_F, 0-d
-    variance.lerp_((u * u).mean(dim=-1), 1 - beta2)
-    u.div_((variance.sqrt() + eps).unsqueeze(-1))
-    u.mul_(norm / torch.linalg.vector_norm(u).clamp(min=eps))
+    row = torch.linalg.vector_norm(u, dim=-1)  # (rows,): ||O_i.||
+    variance.lerp_(row.square() / u.shape[-1], 1 - beta2)  # mean_j O_ij^2
+    denom = variance.sqrt().add_(eps)  # (rows,)
+    new_norm = torch.linalg.vector_norm(row / denom).clamp_(min=eps)  # ||O / denom||_F
+    u.mul_((torch.linalg.vector_norm(row) / new_norm / denom).unsqueeze(-1))
     return u
