@@ -43,13 +43,14 @@ __all__ = [
 ]
 
 SHARDINGS = ("none", "fsdp2", "fully_shard")
-BUILTIN_OPTIMIZERS = ("adamw", "adamw8bit", "adam8bit", "muon", "shampoo")
+BUILTIN_OPTIMIZERS = ("adamw", "adamw8bit", "adam8bit", "muon", "normuon", "shampoo")
 MIN_8BIT_SIZE = 256  # toy tensors are small: quantize every one with a whole block
 TAIL = 10  # final loss = mean of the last TAIL steps
 
 # Learning rates that train every task at the default steps (see README "Toy runs").
-_DEFAULT_LR = {"adamw": 3e-3, "adamw8bit": 3e-3, "adam8bit": 3e-3, "muon": 0.02, "shampoo": 3e-3}
-_TASK_LR = {("illcond", "muon"): 3e-3}
+_DEFAULT_LR = {"adamw": 3e-3, "adamw8bit": 3e-3, "adam8bit": 3e-3, "muon": 0.02, "normuon": 0.01,
+               "shampoo": 3e-3}
+_TASK_LR = {("illcond", "muon"): 3e-3, ("conv", "normuon"): 0.02}
 for _t in ("mlp", "conv"):
     _TASK_LR.update({(_t, o): 1e-2 for o in ("adamw", "adamw8bit", "adam8bit", "shampoo")})
 # [Note: check tolerances]
@@ -61,7 +62,7 @@ for _t in ("mlp", "conv"):
 # AdamW 2e-7 -> 1e-5; Shampoo (float64 roots) 2e-7 -> 1e-4; 8-bit Adam (a last-bit
 # change can move a value to the next 8-bit code) 5e-5 and Muon (Newton-Schulz in
 # bfloat16) 6e-5 -> 1e-3. Custom optimizers: 1e-5 at any W.
-_TOLERANCE = {"shampoo": 1e-4, "muon": 1e-3, "adamw8bit": 1e-3, "adam8bit": 1e-3}
+_TOLERANCE = {"shampoo": 1e-4, "muon": 1e-3, "normuon": 1e-3, "adamw8bit": 1e-3, "adam8bit": 1e-3}
 DEFAULT_TOLERANCE = 1e-5
 
 
@@ -175,6 +176,7 @@ def build_optimizer(name: str, model: nn.Module, lr: float | None) -> torch.opti
 
     Built-ins use ``weight_decay=0`` (the loss floors assume no regularisation); the
     8-bit optimizers quantize every tensor of at least MIN_8BIT_SIZE elements. Muon
+    (and NorMuon, otherwise at its own defaults: Polar Express, Dion's lr adjustment)
     takes the matrices (2 or more dims) outside embeddings and the output head; the
     rest go to its ``use_muon=False`` AdamW group with lr 3e-3. Muon's block structure
     comes from ``model.muon_group_keys(name)`` where the model has it (the moe task: its
@@ -185,7 +187,7 @@ def build_optimizer(name: str, model: nn.Module, lr: float | None) -> torch.opti
     cls = get_optimizer(name)
     key = name.strip().lower()
     named = list(model.named_parameters())
-    if key == "muon":
+    if key in ("muon", "normuon"):
         mats = [(n, p) for n, p in named if p.ndim >= 2 and not _is_embed_or_head(n)]
         rest = [p for n, p in named if not (p.ndim >= 2 and not _is_embed_or_head(n))]
         # Muon's block structure: a model may name it per parameter (MoE experts, fused
