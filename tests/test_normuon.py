@@ -530,6 +530,85 @@ def test_sharded_equals_one_device(world_size: int) -> None:
             assert torch.equal(full[k], want[config][k]), (config, kind, k, (full[k] - want[config][k]).abs().max())
 
 
+# -- whole matrices batched on their owner ------------------------------------------------------
+
+BATCH_SHAPES = [(64, 96)] * 4 + [(96, 64)] * 3  # sides >= 64: the batched kernels may be used
+
+
+def _batch_grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return [torch.randn(s, generator=g) for s in BATCH_SHAPES]
+
+
+def _batch_run(kind: str, cls: str, steps: int = 3) -> tuple[list[torch.Tensor], int]:
+    """Muon / NorMuon over BATCH_SHAPES (plain, FSDP2 or fully_shard): the full
+    parameters and how many batched Newton-Schulz calls ran on this rank."""
+    import vefsdp_optim._muon as muon_module
+
+    g = torch.Generator().manual_seed(9)
+    model = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in BATCH_SHAPES])
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    elif kind == "fully_shard":
+        vefsdp_optim.fully_shard(model)
+    kw = dict(ns_coefficients="polar_express") if cls == "NorMuon" else {}
+    opt = getattr(vefsdp_optim, cls)(list(model), lr=0.02, **kw)
+    calls = []
+    orig = muon_module.zeropower_via_newtonschulz_batched
+    muon_module.zeropower_via_newtonschulz_batched = lambda *a: calls.append(1) or orig(*a)
+    try:
+        for step in range(steps):
+            _set_list_grads(list(model), _batch_grads(step))
+            opt.step()
+    finally:
+        muon_module.zeropower_via_newtonschulz_batched = orig
+    return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model], len(calls)
+
+
+def _set_list_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from vefsdp_optim import ShardedParameter
+
+    for p, g in zip(params, grads, strict=True):
+        if isinstance(p, ShardedParameter):
+            s, n = p.ragged_layout.local(p._rank)
+            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), p.ragged_layout, p.process_group,
+                                      p.shape, p._rank)
+        elif isinstance(p, DTensor):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        else:
+            p.grad = g.clone()
+
+
+def _batch_sharded() -> dict[tuple[str, str], tuple[list[torch.Tensor], int]]:
+    return {(kind, cls): _batch_run(kind, cls) for kind in ("fsdp2", "fully_shard") for cls in ("Muon", "NorMuon")}
+
+
+def test_whole_matrices_batched_per_owner_keep_every_bit() -> None:
+    """The matrices a rank orthogonalizes in one bucket go through Newton-Schulz as one
+    batch (where the probe allows): on one device Muon still equals torch.optim.Muon
+    (per matrix) bit for bit, and sharded runs (2 and 3 owners: other batch sizes) equal
+    one device."""
+    g = torch.Generator().manual_seed(9)
+    ref = [nn.Parameter(torch.randn(s, generator=g)) for s in BATCH_SHAPES]
+    torch_muon = torch.optim.Muon(ref, lr=0.02)
+    for step in range(3):
+        for p, gr in zip(ref, _batch_grads(step), strict=True):
+            p.grad = gr.clone()
+        torch_muon.step()
+    ours, batched = _batch_run("plain", "Muon")
+    assert batched == 6  # 2 shapes x 3 steps
+    assert all(torch.equal(a, b.detach()) for a, b in zip(ours, ref, strict=True))
+    want = {"Muon": ours, "NorMuon": _batch_run("plain", "NorMuon")[0]}
+    for world in (2, 3):
+        for (kind, cls), (got, _) in run_distributed(_batch_sharded, world)[0].items():
+            assert all(torch.equal(a, b) for a, b in zip(got, want[cls], strict=True)), (world, kind, cls)
+
+
 # -- FSDP2 + tensor parallel, dp 2 x tp 2 ----------------------------------------------------
 
 
