@@ -36,6 +36,9 @@ __all__ = ["fully_shard", "FSDPModule", "FSDPState", "replaced_by_fully_shard"]
 _CLS_CACHE: dict[type, type] = {}
 # every Parameter object fully_shard replaced by a sharded one (weak: id -> object)
 _REPLACED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+# id of a replaced Parameter -> where it was registered (valid while _REPLACED holds it):
+# for the error on a tie across groups
+_REPLACED_IN: dict[int, str] = {}
 
 
 def replaced_by_fully_shard(t: object) -> bool:
@@ -178,6 +181,8 @@ def fully_shard(
     state.originals.update({id(mp.original): mp.original for mp in params})
     _REPLACED.update({id(mp.original): mp.original for mp in params})
     for mp in params:
+        _REPLACED_IN[id(mp.original)] = " and ".join(f"{type(m).__name__}.{attr}" for m, attr in mp.slots)
+    for mp in params:
         del mp.original
     for m in modules:
         m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
@@ -252,6 +257,15 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = b.to(device)
 
 
+# [Note: tied parameters across groups]
+# A Parameter held by two modules that two sibling fully_shard calls shard (an embedding
+# tied to the output head in another group) would become two sharded parameters, each
+# trained on its own half of the gradient: FSDP2 does this silently (3 parameters become
+# 4). The second call finds the module still holding the original Parameter that the
+# first call replaced, and raises before any collective, naming both modules and the fix
+# (one group for both). Every rank sees the same module structure, so all raise alike.
+
+
 def _collect(modules: list[nn.Module], device: torch.device,
              ignored: set[int] = frozenset()) -> list[ManagedParam]:  # type: ignore[assignment]
     """The modules' parameters not managed by a fully_shard'd descendant (names prefixed
@@ -272,6 +286,14 @@ def _collect(modules: list[nn.Module], device: torch.device,
         for attr, p in list(sub._parameters.items()):
             if p is None or id(p) in ignored:
                 continue
+            if replaced_by_fully_shard(p):  # [Note: tied parameters across groups]
+                raise ValueError(
+                    f"parameter {mname + '.' if mname else ''}{attr} ({type(sub).__name__}.{attr}) is the "
+                    f"same Parameter as {_REPLACED_IN.get(id(p), 'a parameter')}, which another fully_shard "
+                    "call has already sharded: a tied weight (an embedding and its output head) would "
+                    "be untied, each copy trained apart. Shard both modules in one group: "
+                    "fully_shard([embed_module, head_module]) (one call, a list), or only their common "
+                    "parent")
             if isinstance(p, ShardedParameter):
                 raise ValueError(
                     f"parameter {mname + '.' if mname else ''}{attr} is shared with a module already "
