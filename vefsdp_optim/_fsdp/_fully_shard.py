@@ -292,8 +292,8 @@ def _collect(modules: list[nn.Module], device: torch.device,
                     f"same Parameter as {_REPLACED_IN.get(id(p), 'a parameter')}, which another fully_shard "
                     "call has already sharded: a tied weight (an embedding and its output head) would "
                     "be untied, each copy trained apart. Shard both modules in one group: "
-                    "fully_shard([embed_module, head_module]) (one call, a list), or only their common "
-                    "parent")
+                    "fully_shard([embed_module, head_module]) (one call, a list), or apply fully_shard "
+                    "to their lowest common ancestor only")
             if isinstance(p, ShardedParameter):
                 raise ValueError(
                     f"parameter {mname + '.' if mname else ''}{attr} is shared with a module already "
