@@ -36,9 +36,9 @@ __all__ = ["fully_shard", "FSDPModule", "FSDPState", "replaced_by_fully_shard"]
 _CLS_CACHE: dict[type, type] = {}
 # every Parameter object fully_shard replaced by a sharded one (weak: id -> object)
 _REPLACED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
-# id of a replaced Parameter -> where it was registered (valid while _REPLACED holds it):
-# for the error on a tie across groups
-_REPLACED_IN: dict[int, str] = {}
+# id of a replaced Parameter -> the (module, attribute) slots it was registered in, for
+# the error on a tie across groups (dropped when the Parameter dies)
+_REPLACED_IN: dict[int, list[tuple[weakref.ref[nn.Module], str]]] = {}
 
 
 def replaced_by_fully_shard(t: object) -> bool:
@@ -181,7 +181,8 @@ def fully_shard(
     state.originals.update({id(mp.original): mp.original for mp in params})
     _REPLACED.update({id(mp.original): mp.original for mp in params})
     for mp in params:
-        _REPLACED_IN[id(mp.original)] = " and ".join(f"{type(m).__name__}.{attr}" for m, attr in mp.slots)
+        _REPLACED_IN[id(mp.original)] = [(weakref.ref(m), attr) for m, attr in mp.slots]
+        weakref.finalize(mp.original, _REPLACED_IN.pop, id(mp.original), None)
     for mp in params:
         del mp.original
     for m in modules:
@@ -266,6 +267,30 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 # (one group for both). Every rank sees the same module structure, so all raise alike.
 
 
+def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
+               named: list[tuple[str, nn.Module]]) -> ValueError:
+    """The error for ``sub.attr`` (at ``mname`` in this call), a Parameter an earlier call
+    replaced: both modules by their paths in this call's module ``m`` where it holds both
+    (the root call), else by class ([Note: tied parameters across groups])."""
+    def where(path: str, m: nn.Module, a: str) -> str:
+        cls = type(m)
+        if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:  # the user's class
+            cls = cls.__bases__[1]
+        return f"{path}.{a} ({cls.__name__}.{a})" if path else f"{cls.__name__}.{a}"
+
+    paths = {id(m): n.rstrip(".") for n, m in reversed(named)}  # the first path of each module
+    others = [(m, a) for m, a in ((ref(), a) for ref, a in _REPLACED_IN.get(id(p), [])) if m is not None]
+    there = " and ".join(where(paths.get(id(m), ""), m, a) for m, a in others) or "a parameter"
+    known = [paths[id(m)] for m, _ in others if paths.get(id(m))]
+    pair = f"; here fully_shard([m.{known[0]}, m.{mname}]), then fully_shard(m)" if mname and known else ""
+    return ValueError(
+        f"fully_shard: parameter {where(mname, sub, attr)} is the same Parameter as {there}, which "
+        "another fully_shard call has already sharded: the tied weight (e.g. an embedding and its "
+        "output head) would be untied, each copy trained apart. Shard both modules in one group, "
+        f"one call with a list (fully_shard([embed_module, head_module]){pair}), or apply "
+        "fully_shard to their lowest common ancestor only")
+
+
 def _collect(modules: list[nn.Module], device: torch.device,
              ignored: set[int] = frozenset()) -> list[ManagedParam]:  # type: ignore[assignment]
     """The modules' parameters not managed by a fully_shard'd descendant (names prefixed
@@ -287,13 +312,7 @@ def _collect(modules: list[nn.Module], device: torch.device,
             if p is None or id(p) in ignored:
                 continue
             if replaced_by_fully_shard(p):  # [Note: tied parameters across groups]
-                raise ValueError(
-                    f"parameter {mname + '.' if mname else ''}{attr} ({type(sub).__name__}.{attr}) is the "
-                    f"same Parameter as {_REPLACED_IN.get(id(p), 'a parameter')}, which another fully_shard "
-                    "call has already sharded: a tied weight (an embedding and its output head) would "
-                    "be untied, each copy trained apart. Shard both modules in one group: "
-                    "fully_shard([embed_module, head_module]) (one call, a list), or apply fully_shard "
-                    "to their lowest common ancestor only")
+                raise _tie_error(mname, sub, attr, p, named)
             if isinstance(p, ShardedParameter):
                 raise ValueError(
                     f"parameter {mname + '.' if mname else ''}{attr} is shared with a module already "
