@@ -135,14 +135,15 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
     # re-initialised compare equal to the old ones but hold new groups
     cache = mesh.__dict__.setdefault("_vefsdp_view_meta", {})
     meta = cache.get(key)
+    checked = meta is not None
     if meta is None:
         if len(cache) > 4096:
             cache.clear()
-        meta = cache[key] = _dtensor_meta(mesh, *key)
-    layout, group, rank = meta
+        layout, group, rank = _dtensor_meta(mesh, *key)
+        meta = cache[key] = (layout, group, rank, layout.local_shape(rank) if isinstance(layout, BoxShard)
+                             else None, layout.local_numel(rank), torch.Size(key[1]))
+    layout, group, rank, want, n, shape = meta
     local = dt._local_tensor
-    want = layout.local_shape(rank) if isinstance(layout, BoxShard) else None
-    n = layout.local_numel(rank)
     if local.numel() != n or (want is not None and tuple(local.shape) != want):
         raise NotImplementedError(
             f"DTensor with placements {key[0]} and global shape {key[1]} has a local tensor of "
@@ -153,13 +154,15 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
             f"DTensor local tensor is not contiguous (shape {tuple(local.shape)}, stride "
             f"{local.stride()}); supported: contiguous local tensors, as FSDP2 and tensor "
             "parallelism store them")
-    return ShardedView(
-        local=local.detach().view(-1),
-        layout=layout,
-        group=group,
-        shape=dt.shape,
-        rank=rank,
-    )
+    if not checked:  # the first view of this placement: every check of ShardedView
+        return ShardedView(local=local.detach().view(-1), layout=layout, group=group, shape=shape, rank=rank)
+    # the fields were checked when the meta was built: skip ShardedView's checks (a step
+    # asks for two views of every parameter)
+    view = object.__new__(ShardedView)
+    for name, value in (("local", local.detach().view(-1)), ("layout", layout), ("group", group),
+                        ("shape", shape), ("rank", rank)):
+        object.__setattr__(view, name, value)
+    return view
 
 
 # [Note: N-D placements]
