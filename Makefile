@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP   = $(VENV)/.deps-stamp
 
-.PHONY: venv test test-fast lint toy bench bench-full clean
+.PHONY: venv test test-fast lint lint-csrc toy bench bench-full clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow" tests
 
-lint: $(STAMP)
+lint: $(STAMP) lint-csrc
 	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks
+
+# The C++ kernel sources (vefsdp_optim/_csrc): warnings are errors, for the native and
+# (on x86-64) the portable instruction set, and the operator file against torch's headers.
+CXX_LINT ?= c++
+CSRC      = vefsdp_optim/_csrc
+CXX_WARN  = -fsyntax-only -std=c++20 -Wall -Wextra -Werror -ffp-contract=off
+lint-csrc: $(STAMP)
+	$(CXX_LINT) $(CXX_WARN) -march=native $(CSRC)/quant8_adam.cpp
+	if [ "$$(uname -m)" = x86_64 ]; then $(CXX_LINT) $(CXX_WARN) -mno-avx512f $(CSRC)/quant8_adam.cpp; fi
+	$(CXX_LINT) $(CXX_WARN) -DTORCH_EXTENSION_NAME=lint -I$(CSRC) $$($(PY) -c "from torch.utils.cpp_extension \
+	  import include_paths; print(' '.join('-isystem ' + p for p in include_paths()))") $(CSRC)/quant8_adam_op.cpp
 
 toy: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[plot]"

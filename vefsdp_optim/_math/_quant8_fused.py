@@ -1,4 +1,4 @@
-"""The fused 8-bit Adam step on the CPU: one C kernel, built once with the system compiler.
+"""The fused 8-bit Adam step on the CPU: one C++ kernel, built once by torch's extension machinery.
 
 [Note: fused 8-bit step]
 ``adam8bit_block_step_`` (``_quant8.py``) is memory-bound: per element it reads the
@@ -36,21 +36,26 @@ vectors interleaved (their chains are ~80 cycles long). A vector gather from the
 step 4.5 -> 4.2 ms). Tried and dropped: the absmax folded into the update loop (gcc then
 vectorizes neither: 15 ms; written with intrinsics: no gain), both moments'
 requantizations in one loop (slower, also with one moment by gather and one by search),
-software prefetch (slower), the table lookups as scalar loads (1.4x slower). This kernel
-builds in under a second with ``cc`` (``$CC``, ``cc``, ``gcc`` or ``clang``) and is
-cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``, ``vefsdp_optim/``) by the hash of
-its source, flags, compiler and CPU, so ranks and test processes load it in
-milliseconds. The kernel runs on one thread (runs of blocks on several threads would
-give the same bits; not done yet).
+software prefetch (slower), the table lookups as scalar loads (1.4x slower). The kernel is
+C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
+pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
+``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` (or
+without it where the compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or
+``~/.cache``, ``vefsdp_optim/``) by the hash of the sources, flags, compiler, torch
+version, CPU and cache path, so ranks and test processes load it in milliseconds. A cold
+build takes a few seconds, nearly all of it parsing torch's operator headers (the kernel's
+own file builds in about a second). The kernel runs on one thread (runs of blocks on
+several threads would give the same bits; not done yet).
 
-Where it cannot be built (no compiler, a failed build) the eager path runs, with the
-same bits, and the reason is logged once; CUDA tensors always take the eager path.
-``VEFSDP_ADAM8BIT_FUSED=0`` (or ``fused=False`` on the optimizer) turns the kernel off.
+Where it cannot be built (no compiler, no ninja, a failed build) the eager path runs,
+with the same bits, and the reason is logged once. CUDA tensors take the Triton kernel
+(``_quant8_triton.py``) or the eager path; ``_quant8_backend.py`` picks the backend
+(``VEFSDP_ADAM8BIT_BACKEND``). ``VEFSDP_ADAM8BIT_FUSED=0`` (or ``fused=False`` on the
+optimizer) turns the kernels off.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -59,7 +64,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["ENV_VAR", "fused_kernel", "fused_unavailable_reason", "run_fused_step_"]
@@ -68,260 +75,39 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "VEFSDP_ADAM8BIT_FUSED"
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <float.h>
-#include <math.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* code[ix] for 16 indices in [0, 256): permutes over the 256-value table in 16 registers
-   (a gather costs ~3x more here); exact, as a load */
-static inline __m512 lut256(const __m512* t, __m512i ix) {
-    const __mmask16 b5 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(32));
-    const __mmask16 b6 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(64));
-    const __mmask16 b7 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(128));
-    __m512 r[8];
-    for (int j = 0; j < 8; ++j) r[j] = _mm512_permutex2var_ps(t[2 * j], ix, t[2 * j + 1]);
-    const __m512 s0 = _mm512_mask_blend_ps(b5, r[0], r[1]), s1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
-    const __m512 s2 = _mm512_mask_blend_ps(b5, r[4], r[5]), s3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
-    const __m512 u0 = _mm512_mask_blend_ps(b6, s0, s1), u1 = _mm512_mask_blend_ps(b6, s2, s3);
-    return _mm512_mask_blend_ps(b7, u0, u1);
-}
-#endif
-
-/* out[i] = code[c[i]] * scale, i < len */
-static void dequantize(const uint8_t* restrict c, int64_t len, const float* restrict code,
-                       float scale, float* restrict out) {
-    int64_t i = 0;
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-    /* 64 codes at a time: the map's 4 byte planes looked up with byte permutes, the
-       indices first reordered so that the byte interleaves give the floats in order;
-       the floats' bits are code[c[i]]'s, so this is exact */
-    if (len >= 64) {
-        uint8_t planes[4][256];
-        for (int j = 0; j < 256; ++j) {
-            uint32_t u; memcpy(&u, code + j, 4);
-            for (int k = 0; k < 4; ++k) planes[k][j] = (uint8_t)(u >> (8 * k));
-        }
-        __m512i pt[4][4];
-        for (int k = 0; k < 4; ++k)
-            for (int q = 0; q < 4; ++q) pt[k][q] = _mm512_loadu_si512((const void*)(planes[k] + 64 * q));
-        uint8_t order[64];  /* byte 16 L + 4 j + q takes element 16 j + 4 L + q */
-        for (int L = 0; L < 4; ++L)
-            for (int j = 0; j < 4; ++j)
-                for (int q = 0; q < 4; ++q) order[16 * L + 4 * j + q] = (uint8_t)(16 * j + 4 * L + q);
-        const __m512i ord = _mm512_loadu_si512((const void*)order);
-        const __m512 sc = _mm512_set1_ps(scale);
-        for (; i + 64 <= len; i += 64) {
-            const __m512i ix = _mm512_permutexvar_epi8(ord, _mm512_loadu_si512((const void*)(c + i)));
-            const __mmask64 top = _mm512_movepi8_mask(ix);
-            __m512i b[4];
-            for (int k = 0; k < 4; ++k)
-                b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(pt[k][0], ix, pt[k][1]),
-                                              _mm512_permutex2var_epi8(pt[k][2], ix, pt[k][3]));
-            const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
-            const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
-            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l)), sc));
-            _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l)), sc));
-            _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h)), sc));
-            _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), sc));
-        }
-    }
-#endif
-#if defined(__AVX512F__)
-    __m512 t[16];
-    for (int j = 0; j < 16; ++j) t[j] = _mm512_loadu_ps(code + 16 * j);
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (; i + 16 <= len; i += 16) {
-        const __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(lut256(t, ix), sc));
-    }
-#endif
-    for (; i < len; ++i) out[i] = code[c[i]] * scale;
-}
-
-/* hp: c_wd, wd, 1-beta1, beta2, 1-beta2, sqrt(bias_correction2), eps, -step_size
-   flags: 1 maximize, 2 weight decay on, 4 decoupled (AdamW)
-   stab, utab: TableQuantizer.packed of the signed and unsigned maps (lo8 << 16 | low 16
-   bits of the bucket's midpoint, see [Note: packed bucket table])
-   returns 0, or -1 if the scratch (2 * bs floats: the block's new moments) cannot be
-   allocated */
-static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
-static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
-
-static inline uint8_t code_of(float normed, const uint32_t* tab) {
-    const uint32_t u = bits_of(normed), e = tab[u >> 16], xl = u & 0xFFFFu, t = e & 0xFFFFu;
-    const uint32_t up = (u >> 31) ? (xl < t) : (xl > t);
-    return (uint8_t)((e >> 16) + up);
-}
-
-#if defined(__AVX512F__)
-/* the 8 levels of a branch-free binary search over the 255 midpoints mid[j] =
-   (code[j] + code[j + 1]) / 2 of a code map (as quantize_blockwise rounds them): level
-   L's 2^L midpoints mid[k * 2s + s - 1] (s = 2^(7 - L), k < 2^L) at srch[2^L - 1 + r],
-   r = k's L bits reversed, so that the bits found so far index the level directly */
-static void search_levels(const float* code, float* srch) {
-    float mid[255];
-    for (int j = 0; j < 255; ++j) mid[j] = (code[j] + code[j + 1]) / 2.0f;
-    for (int L = 0; L < 8; ++L)
-        for (int k = 0, s = 128 >> L; k < (1 << L); ++k) {
-            int r = 0;
-            for (int b = 0; b < L; ++b) r |= ((k >> (L - 1 - b)) & 1) << b;
-            srch[(1 << L) - 1 + r] = mid[k * 2 * s + s - 1];
-        }
-    for (int j = 255; j < 272; ++j) srch[j] = 0.0f;
-}
-
-typedef struct { __m512 sc, t0, t1, t2, t3, t4, t5[2], t6[4], t7[8]; } levels_t;
-
-/* codes of 16 * U values x[i] / scale: at level L, bit L of r (the code's bit 7 - L)
-   is mid < x for the level's midpoint picked by r's bits so far; r's byte is reversed
-   at the end. The same division and exact float compares, so searchsorted's codes */
-static inline __attribute__((always_inline)) void search(const levels_t* T, const float* x,
-                                                         uint8_t* out, const int U) {
-#define EACH for (int u = 0; u < U; ++u)
-#define LT(t) _mm512_cmp_ps_mask(t, xn[u], _CMP_LT_OQ)
-#define OR(m, b) r[u] = _mm512_mask_or_epi32(r[u], m, r[u], _mm512_set1_epi32(b))
-#define P2(t, j) _mm512_permutex2var_ps((t)[j], r[u], (t)[(j) + 1])
-    __m512 xn[8]; __m512i r[8]; __mmask16 k5[8], k6[8];
-    EACH xn[u] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * u), T->sc);
-    EACH r[u] = _mm512_maskz_mov_epi32(LT(T->t0), _mm512_set1_epi32(1));
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t1)), 2);
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t2)), 4);
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t3)), 8);
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t4)), 16);
-    EACH k5[u] = LT(P2(T->t5, 0));
-    EACH k6[u] = LT(_mm512_mask_blend_ps(k5[u], P2(T->t6, 0), P2(T->t6, 2)));
-    EACH {
-        const __m512 q0 = _mm512_mask_blend_ps(k5[u], P2(T->t7, 0), P2(T->t7, 2));
-        const __m512 q1 = _mm512_mask_blend_ps(k5[u], P2(T->t7, 4), P2(T->t7, 6));
-        const __mmask16 k7 = LT(_mm512_mask_blend_ps(k6[u], q0, q1));
-        OR(k5[u], 32); OR(k6[u], 64); OR(k7, 128);
-    }
-#if defined(__GFNI__)
-    const __m128i rev = _mm_set1_epi64x((long long)0x8040201008040201ULL);  /* byte reversal */
-    EACH _mm_storeu_si128((__m128i*)(out + 16 * u),
-                          _mm_gf2p8affine_epi64_epi8(_mm512_cvtepi32_epi8(r[u]), rev, 0));
-#else  /* the reversal of r's byte: rev4(low nibble) << 4 | rev4(high nibble) */
-    const __m128i rlo = _mm_setr_epi8(0, -128, 64, -64, 32, -96, 96, -32, 16, -112, 80, -48, 48, -80, 112, -16);
-    const __m128i rhi = _mm_setr_epi8(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-    const __m128i nib = _mm_set1_epi8(15);
-    EACH {
-        const __m128i b = _mm512_cvtepi32_epi8(r[u]);
-        _mm_storeu_si128((__m128i*)(out + 16 * u),
-                         _mm_or_si128(_mm_shuffle_epi8(rlo, _mm_and_si128(b, nib)),
-                                      _mm_shuffle_epi8(rhi, _mm_and_si128(_mm_srli_epi16(b, 4), nib))));
-    }
-#endif
-#undef EACH
-#undef LT
-#undef OR
-#undef P2
-}
-#endif
-
-/* codes of x[i] / scale, i < len, into out: code_of, or with AVX-512 the
-   search over srch (register permutes: a gather from the bucket table costs ~20 cycles
-   for 16 lanes, 8 levels of the search ~15; every finite float gets code_of's code) */
-static void quantize(const float* restrict x, int64_t len, float scale, const float* restrict srch,
-                     const uint32_t* restrict tab, uint8_t* restrict out) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    levels_t T;
-    T.sc = _mm512_set1_ps(scale);
-    T.t0 = _mm512_set1_ps(srch[0]);
-    T.t1 = _mm512_loadu_ps(srch + 1), T.t2 = _mm512_loadu_ps(srch + 3);
-    T.t3 = _mm512_loadu_ps(srch + 7), T.t4 = _mm512_loadu_ps(srch + 15);
-    for (int j = 0; j < 2; ++j) T.t5[j] = _mm512_loadu_ps(srch + 31 + 16 * j);
-    for (int j = 0; j < 4; ++j) T.t6[j] = _mm512_loadu_ps(srch + 63 + 16 * j);
-    for (int j = 0; j < 8; ++j) T.t7[j] = _mm512_loadu_ps(srch + 127 + 16 * j);
-    /* 8 vectors at a time: each level's permute and compare wait on the one before */
-    for (; i + 128 <= len; i += 128) search(&T, x + i, out + i, 8);
-    for (; i + 16 <= len; i += 16) search(&T, x + i, out + i, 1);
-#endif
-    for (; i < len; ++i) out[i] = code_of(x[i] / scale, tab);
-}
-
-int vefsdp_adam8bit_step(float* restrict p, const float* restrict g, uint8_t* restrict mc,
-                         float* restrict ma, uint8_t* restrict vc, float* restrict va,
-                         int64_t n, int64_t bs, const float* restrict hp, int flags,
-                         const float* restrict scode, const float* restrict ucode,
-                         const uint32_t* restrict stab,
-                         const uint32_t* restrict utab) {
-    const float c_wd = hp[0], wd = hp[1], w1 = hp[2], beta2 = hp[3], w2 = hp[4];
-    const float bc2 = hp[5], eps = hp[6], neg_step = hp[7];
-    const float gsign = (flags & 1) ? -1.0f : 1.0f;
-    const int wd_mode = (flags & 2) ? ((flags & 4) ? 1 : 2) : 0;
-    float ssrch[272] = {0}, usrch[272] = {0};
-#if defined(__AVX512F__)
-    search_levels(scode, ssrch);
-    search_levels(ucode, usrch);
-#endif
-    float* scratch = (float*)malloc((size_t)(2 * bs) * sizeof(float));
-    if (scratch == NULL) return -1;
-    float* restrict sm = scratch;
-    float* restrict sv = scratch + bs;
-    for (int64_t lo = 0; lo < n; lo += bs) {
-        const int64_t len = n - lo < bs ? n - lo : bs;
-        const int64_t blk = lo / bs;
-        const float am = ma[blk], av = va[blk];
-        float* restrict pb = p + lo;
-        const float* restrict gb = g + lo;
-        uint8_t* restrict mb = mc + lo;
-        uint8_t* restrict vb = vc + lo;
-        dequantize(mb, len, scode, am, sm);
-        dequantize(vb, len, ucode, av, sv);
-        uint32_t um = 0, uv = 0;
-        for (int64_t i = 0; i < len; ++i) {
-            float gi = gb[i] * gsign;
-            float pi = pb[i];
-            if (wd_mode == 1) pi = pi * c_wd;
-            else if (wd_mode == 2) gi = gi + pi * wd;
-            float m = sm[i], v = sv[i];
-            m = m + (gi - m) * w1;
-            v = v * beta2 + (gi * gi) * w2;
-            float denom = sqrtf(v) / bc2 + eps;
-            pb[i] = pi + (m * neg_step) / denom;
-            m = fabsf(m) <= FLT_MAX ? m : 0.0f;
-            v = fabsf(v) <= FLT_MAX ? v : 0.0f;
-            sm[i] = m;
-            sv[i] = v;
-        }
-        /* absmax on the bits: for |x| the uint32 order is the float order (an exact max) */
-        for (int64_t i = 0; i < len; ++i) { uint32_t a = bits_of(sm[i]) & 0x7fffffffu; um = a > um ? a : um; }
-        for (int64_t i = 0; i < len; ++i) { uint32_t a = bits_of(sv[i]) & 0x7fffffffu; uv = a > uv ? a : uv; }
-        const float amax_m = float_of(um), amax_v = float_of(uv);
-        const float scale_m = amax_m > 0.0f ? amax_m : 1.0f;
-        const float scale_v = amax_v > 0.0f ? amax_v : 1.0f;
-        quantize(sm, len, scale_m, ssrch, stab, mb);
-        quantize(sv, len, scale_v, usrch, utab, vb);
-        ma[blk] = amax_m;
-        va[blk] = amax_v;
-    }
-    free(scratch);
-    return 0;
-}
-"""
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_csrc")
+_SOURCES = ("quant8_adam.cpp", "quant8_adam_op.cpp")
+_HEADERS = ("quant8_adam.h",)
 
 # -ffp-contract=off and no fast-math keep every op one correctly rounded IEEE op, so the
 # instruction set chosen by -march=native changes the speed, never the bits
-_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
-          "-fPIC", "-shared", "-std=c99"]
+_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 _NATIVE = "-march=native"  # dropped if the compiler refuses it
 
 _lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
+_kernel: Any = None  # the operator (torch.ops.<build name>.adam8bit_step_) once built
 _reason: str | None = None  # why the kernel is unavailable, once a build was tried
 _tried = False
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    """The C++ compiler cpp_extension will run: ``$CXX``, else ``c++``, ``g++``, ``clang++``."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def _ninja_dir() -> str | None:
+    """A directory holding ``ninja`` (cpp_extension runs it from PATH): PATH's own, or
+    the pip package's, which a venv's python run by its path does not put on PATH."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja
+    except ImportError:
+        raise RuntimeError("ninja not found (pip install ninja)") from None
+    return ninja.BIN_DIR
 
 
 def _cpu_id() -> str:
@@ -341,43 +127,66 @@ def _cache_dir() -> str:
     return os.path.join(base, "vefsdp_optim")
 
 
-def _build() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), ver, _cpu_id(),
-                                    sys.platform]).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"adam8bit_{key}.so")
-    if not os.path.exists(path):
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError:  # an unwritable home: build in this process's temporary directory
-            path = os.path.join(tempfile.mkdtemp(prefix="vefsdp_optim_"), f"adam8bit_{key}.so")
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-            src = os.path.join(tmp, "adam8bit.c")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            out = os.path.join(tmp, "adam8bit.so")
-            for flags in ([_NATIVE, *_FLAGS], _FLAGS):
-                r = subprocess.run([cc, *flags, src, "-o", out, "-lm"], capture_output=True,
-                                   text=True, timeout=120)
-                if r.returncode == 0:
-                    break
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed ({r.returncode}): {r.stderr.strip()[-500:]}")
-            os.replace(out, path)  # atomic: concurrent ranks may race to the same file
-    lib = ctypes.CDLL(path)
-    fn = lib.vefsdp_adam8bit_step
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_int] + [ctypes.c_void_p] * 4)
-    return lib
+def _compile(name: str, flags: list[str], build_dir: str, cxx: str) -> None:
+    """Build and load ``name`` from the sources in ``build_dir`` (cpp_extension, ninja)."""
+    from torch.utils import cpp_extension
+
+    saved = {k: os.environ.get(k) for k in ("PATH", "CXX")}
+    ninja_dir = _ninja_dir()
+    if ninja_dir is not None:
+        os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
+    os.environ["CXX"] = cxx  # cpp_extension runs $CXX, else c++
+    try:
+        cpp_extension.load(name, [os.path.join(_CSRC, f) for f in _SOURCES], extra_cflags=flags,
+                           extra_include_paths=[_CSRC], build_directory=build_dir,
+                           is_python_module=False, verbose=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-def fused_kernel() -> ctypes.CDLL | None:
-    """The built kernel, or None (then ``fused_unavailable_reason()`` says why). Builds
-    on the first call; never raises."""
+def _build() -> Any:
+    """Build (or load from the on-disk cache) the kernel; returns its operator."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
+    ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = b"".join(open(os.path.join(_CSRC, f), "rb").read() for f in _SOURCES + _HEADERS)
+    cache = _cache_dir()
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError:  # an unwritable home: build in this process's temporary directory
+        cache = tempfile.mkdtemp(prefix="vefsdp_optim_")
+    err = None
+    for flags in ([_NATIVE, *_FLAGS], _FLAGS):
+        # the name is the operator's namespace: unique per sources, flags, compiler, CPU,
+        # torch and cache path, so two builds (native, portable) load side by side
+        key = hashlib.sha256("\0".join([source.hex(), " ".join(flags), ver, _cpu_id(), sys.platform,
+                                        torch.__version__, cache]).encode()).hexdigest()[:16]
+        name = f"adam8bit_{key}"
+        path = os.path.join(cache, f"{name}.so")
+        if os.path.exists(path):
+            torch.ops.load_library(path)
+            return getattr(torch.ops, name).adam8bit_step_
+        # each process builds in its own directory and renames the result into place
+        # (atomic), so ranks racing for a cold cache never load a half-written library
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            try:
+                _compile(name, flags, tmp, cxx)
+            except Exception as e:  # noqa: BLE001 - retried without -march=native, then raised
+                err = e
+                continue
+            os.replace(os.path.join(tmp, f"{name}.so"), path)
+        return getattr(torch.ops, name).adam8bit_step_
+    raise RuntimeError(f"{cxx} failed: {str(err).strip()[-500:]}") from err
+
+
+def fused_kernel() -> Any:
+    """The built kernel (a torch operator), or None (then ``fused_unavailable_reason()``
+    says why). Builds on the first call; never raises."""
     global _kernel, _reason, _tried
     if _tried:
         return _kernel
@@ -406,12 +215,8 @@ def run_fused_step_(
     ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),); ``hp``:
     ``adam8bit_hparams``; ``tables``: the signed code, the unsigned code, and the
     ``packed`` tables of their ``TableQuantizer``. The caller checks them, and that
-    ``fused_kernel()`` is not None."""
-    lib = fused_kernel()
-    if lib is None:
+    ``fused_kernel()`` is not None (the operator checks them again)."""
+    op = fused_kernel()
+    if op is None:
         raise AssertionError(f"run_fused_step_ called without a kernel: {_reason}")
-    rc = lib.vefsdp_adam8bit_step(
-        p.data_ptr(), g.data_ptr(), mc.data_ptr(), ma.data_ptr(), vc.data_ptr(), va.data_ptr(),
-        p.numel(), block_size, (ctypes.c_float * 8)(*hp), flags, *[t.data_ptr() for t in tables])
-    if rc != 0:
-        raise MemoryError(f"fused 8-bit Adam: no memory for a scratch of 2 * {block_size} floats")
+    op(p, g, mc, ma, vc, va, block_size, list(hp), flags, *tables)
