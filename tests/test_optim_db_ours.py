@@ -102,8 +102,14 @@ def _sharded(configs: list[OptimConfig]) -> list[tuple[str, str, str, bool]]:
                     opt.step()
                 got.append([p.full_tensor() for p in m.parameters()])
             ref_params = got[1] if len(got) > 1 else want
-            out.append((c.optim, c.desc, kind,
-                        all(torch.equal(a, b) for a, b in zip(got[0], ref_params, strict=True))))
+            if kind == "fully_shard" and c.kwargs.get("fused"):
+                # torch's fused CPU kernel rounds an element by its position in the tensor it
+                # steps (vector body or tail; README, `fused=True`), and a fully_shard slice starts
+                # elsewhere than one device's tensor: equal up to those roundings, on any CPU
+                same = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got[0], ref_params, strict=True))
+            else:
+                same = all(torch.equal(a, b) for a, b in zip(got[0], ref_params, strict=True))
+            out.append((c.optim, c.desc, kind, same))
     return out
 
 
