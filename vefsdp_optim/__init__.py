@@ -15,6 +15,7 @@ from ._muon import Muon
 from ._normuon import NorMuon
 from ._registry import get_optimizer, list_optimizers, register_optimizer
 from ._shampoo import Shampoo
+from ._soap import SOAP
 from ._state_format import ELEMENTWISE, LOCAL, REPLICATED, WHOLE
 from ._teardown import exit_rank
 
@@ -25,6 +26,7 @@ __all__ = [
     "Muon",
     "NorMuon",
     "Shampoo",
+    "SOAP",
     "BlockOptimizer",
     "BlockContext",
     "REPLICATED",

@@ -2,9 +2,10 @@
 
 Muon's Newton-Schulz orthogonalisation (with Polar Express's coefficients) and
 NorMuon's neuron-wise normalization, the Adam/AdamW update, block-wise 8-bit
-quantization with a dynamic code map and the 8-bit Adam step, and Shampoo's matrix
-inverse roots and tiles. The optimizer classes route local blocks to these functions;
-each is tested in one process against torch.optim, scipy or a float64 reference.
+quantization with a dynamic code map and the 8-bit Adam step, Shampoo's matrix
+inverse roots and tiles, and SOAP's factors, eigenbases, rotations and step. The
+optimizer classes route local blocks to these functions; each is tested in one process
+against torch.optim, scipy or a float64 reference.
 """
 
 from ._adam import adam_foreach_, adamw_step_, check_adam_hparams
@@ -35,6 +36,18 @@ from ._quant8 import (
     num_blocks,
     quantize_blockwise,
 )
+from ._soap import (
+    SoapGeometry,
+    SoapHparams,
+    SoapState,
+    soap_eigenbasis,
+    soap_geometry,
+    soap_power_iteration,
+    soap_project,
+    soap_project_back,
+    soap_step_,
+    soap_update_factors_,
+)
 
 __all__ = [
     "NORMUON_EPS",
@@ -44,6 +57,9 @@ __all__ = [
     "POLAR_EXPRESS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_SAFETY",
+    "SoapGeometry",
+    "SoapHparams",
+    "SoapState",
     "TableQuantizer",
     "adam8bit_block_step_",
     "adam_foreach_",
@@ -62,5 +78,12 @@ __all__ = [
     "polar_express_coefficients",
     "quantize_blockwise",
     "shampoo_tiles",
+    "soap_eigenbasis",
+    "soap_geometry",
+    "soap_power_iteration",
+    "soap_project",
+    "soap_project_back",
+    "soap_step_",
+    "soap_update_factors_",
     "zeropower_via_newtonschulz",
 ]
