@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[dev,triton]"
 	touch $(STAMP)
 
 venv: $(STAMP)

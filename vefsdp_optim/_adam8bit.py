@@ -67,14 +67,12 @@ class _Adam8bitBase(BlockOptimizer):
         _check_8bit_args(block_size, min_8bit_size)
         if fused is not None and not isinstance(fused, bool):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
-        #: the fused CPU kernel: None where it builds, True required, False never
-        #: ([Note: fused 8-bit step]; the same bits every way)
+        #: a fused kernel (Triton on CUDA, C++ on the CPU): None where one runs, True
+        #: required, False never ([Note: 8-bit Adam backends]; the same bits every way)
         self.fused = fused
-        if fused:
-            from vefsdp_optim._math._quant8_fused import fused_kernel, fused_unavailable_reason
+        from vefsdp_optim._math._quant8_backend import requested_backend, select_backend
 
-            if fused_kernel() is None:
-                raise RuntimeError(f"{type(self).__name__}(fused=True): {fused_unavailable_reason()}")
+        requested_backend()  # a bad VEFSDP_ADAM8BIT_BACKEND raises here, before any step
         if amsgrad:
             raise NotImplementedError(
                 f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state keeps the two "
@@ -86,6 +84,13 @@ class _Adam8bitBase(BlockOptimizer):
         self._codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._quantizers: dict[torch.device, tuple[TableQuantizer, TableQuantizer]] = {}
         super().__init__(params, defaults)
+        if fused:  # a kernel must run on every device type that holds parameters
+            for device_type in sorted({p.device.type for g in self.param_groups
+                                       for p in g["params"]} - {"meta"}):
+                try:
+                    select_backend(device_type, block_size, 1, True)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{type(self).__name__}(fused=True): {e}") from None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         merged = {**self.defaults, **param_group}
@@ -200,11 +205,12 @@ class AdamW8bit(_Adam8bitBase):
     blocks are ever updated together, and only pieces of blocks cut by a shard
     boundary move.
 
-    ``fused=None`` (default) steps the 8-bit tensors with a fused C kernel on the CPU
-    where the system compiler can build it, and with eager torch ops elsewhere (a
-    logged reason; also with ``fused=False`` or the environment variable
-    ``VEFSDP_ADAM8BIT_FUSED=0``); ``fused=True`` raises where the kernel cannot run.
-    Both give the same bits ([Note: fused 8-bit step]).
+    ``fused=None`` (default) steps the 8-bit tensors with a fused kernel: Triton on
+    CUDA (with ``pip install 'vefsdp-optim[triton]'``), C++ on the CPU where the system
+    compiler can build it; with eager torch ops elsewhere (a logged reason; also with
+    ``fused=False`` or ``VEFSDP_ADAM8BIT_FUSED=0``). ``VEFSDP_ADAM8BIT_BACKEND`` =
+    ``triton`` / ``c`` / ``eager`` forces one ([Note: 8-bit Adam backends]);
+    ``fused=True`` raises where no kernel can run. All give the same bits.
     """
 
     decoupled = True

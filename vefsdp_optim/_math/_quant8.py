@@ -29,7 +29,6 @@ decade: 0.9/128 unsigned, 0.9/64 signed.
 
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
@@ -307,25 +306,6 @@ def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ..
     p.add_((m * neg_step).div_(denom))
 
 
-def _use_fused(fused: bool | None, tensors: tuple[Tensor, ...], quantizers) -> bool:
-    if fused is False:
-        return False
-    from ._quant8_fused import ENV_VAR, fused_kernel, fused_unavailable_reason
-
-    why = None
-    if fused is None and os.environ.get(ENV_VAR, "1") == "0":
-        return False
-    if tensors[0].device.type != "cpu" or tensors[-1].device.type != "cpu":
-        why = "the fused 8-bit Adam kernel runs on the CPU only"
-    elif any(q.k > 1 for q in quantizers):
-        why = "the fused 8-bit Adam kernel needs code maps with at most one midpoint per bucket"
-    elif fused_kernel() is None:
-        why = fused_unavailable_reason()
-    if why is not None and fused:
-        raise RuntimeError(f"fused=True but {why}")
-    return why is None
-
-
 def adam8bit_block_step_(
     param: Tensor,
     grad: Tensor,
@@ -361,10 +341,12 @@ def adam8bit_block_step_(
     callers pass slices that start on a block boundary of the full parameter; then
     each slice's result is bit-identical to that part of the whole-tensor result.
 
-    ``fused``: None runs the fused CPU kernel ([Note: fused 8-bit step]) where it can
-    (CPU tensors, the kernel built, ``VEFSDP_ADAM8BIT_FUSED`` not ``0``) and the eager
-    torch ops otherwise; True requires the kernel (RuntimeError naming why not); False
-    runs the eager ops. All three give the same bits. ``quantizers``
+    ``fused``: None runs the best kernel available for the tensors' device, or the one
+    ``VEFSDP_ADAM8BIT_BACKEND`` forces (``triton``, ``c`` or ``eager``; [Note: 8-bit
+    Adam backends]): the Triton kernel on CUDA ([Note: Triton 8-bit step]), the C++
+    kernel on the CPU ([Note: fused 8-bit step]), the eager torch ops where neither can
+    run; True requires a kernel (RuntimeError naming why none can run); False runs the
+    eager ops. All of them give the same bits. ``quantizers``
     (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets callers build
     the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
     gives ``dequantize_blockwise``'s values, bit for bit (see [Note: table quantizer]).
@@ -393,16 +375,25 @@ def adam8bit_block_step_(
     state = (exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)
     flat = param.reshape(-1)
     p32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
-    if _use_fused(fused, (param, grad, *state), quantizers):
-        from ._quant8_fused import run_fused_step_
+    from ._quant8_backend import select_backend
 
+    device_type = "+".join(sorted({t.device.type for t in (param, grad, *state)}))  # "cpu", ...
+    backend = select_backend(device_type, block_size, max(q.k for q in quantizers), fused)
+    if backend != "eager":
+        if backend == "c":
+            from . import _quant8_fused
+
+            run = _quant8_fused.run_fused_step_
+        else:
+            from . import _quant8_triton
+
+            run = _quant8_triton.run_triton_step_
         g32 = grad.reshape(-1).float().contiguous()
         work = [t if t.is_contiguous() else t.contiguous() for t in state]
         flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
         tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
                   quantizers[1].packed)
-        run_fused_step_(p32, g32, work[0], work[1], work[2], work[3], hp, flags, block_size,
-                        tables)
+        run(p32, g32, work[0], work[1], work[2], work[3], hp, flags, block_size, tables)
         for t, w in zip(state, work, strict=True):
             if w.data_ptr() != t.data_ptr():
                 t.copy_(w)
