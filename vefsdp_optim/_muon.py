@@ -43,7 +43,7 @@ from vefsdp_optim.sharding import (
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE
+from ._state_format import ELEMENTWISE, LOCAL
 from ._step_loop import StepItem
 
 __all__ = ["Muon", "muon_defaults"]
@@ -295,7 +295,7 @@ class Muon(BlockOptimizer):
     @staticmethod
     def _momentum_spec(group: dict[str, Any]) -> dict[str, str | int]:
         if group.get("momentum_dtype") is torch.int8:
-            return {"momentum_codes": ELEMENTWISE, "momentum_absmax": MOMENTUM_BLOCK}
+            return {"momentum_codes": ELEMENTWISE, "momentum_absmax": MOMENTUM_BLOCK, "compute": LOCAL}
         return {"momentum_buffer": ELEMENTWISE}
 
     def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
@@ -364,6 +364,15 @@ class Muon(BlockOptimizer):
     def _int8_momentum(self, item: StepItem, grad: torch.Tensor) -> torch.Tensor:
         """The bfloat16 Newton-Schulz input of a compute slice with 8-bit momentum."""
         state = self.state[item.param]
+        last = state.get("compute")
+        if last is not None and last != item.compute:
+            raise NotImplementedError(
+                f"Muon with momentum_dtype=torch.int8: a parameter of shape {tuple(item.view.shape)} would "
+                f"step on other ranks than at its last step ({item.compute} instead of {last}), which lack "
+                "its 8-bit momentum: a parameter of its param group stepped without a gradient and moved "
+                "the owners; give every parameter of the group a gradient at every step (zeros rather "
+                "than None)")
+        state["compute"] = item.compute
         if "momentum_codes" not in state:
             state["momentum_codes"], state["momentum_absmax"] = empty_momentum(grad.numel(), grad.device)
         codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
