@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP   = $(VENV)/.deps-stamp
 
-.PHONY: venv test test-fast lint lint-csrc toy bench bench-full clean
+.PHONY: venv test test-fast lint lint-csrc toy bench bench-full gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) -m benchmarks.run --full
+
+# On a machine with a CUDA GPU: the tests with VEFSDP_TEST_DEVICE=cuda, the GPU
+# benchmarks and the GPU section of benchmarks/REPORT.md, in a venv with a CUDA torch
+# (.venv-gpu, or GPU_PYTHON=...). Without a CUDA device it says so and exits 0 at once.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
