@@ -29,7 +29,6 @@ by ``TRITON_INTERPRET`` when the function is wrapped), so a test can turn it on.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -52,8 +51,12 @@ _import_error: str | None = None
 
 
 def interpreting() -> bool:
-    """Whether Triton's interpreter runs kernels wrapped now (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether Triton's interpreter runs kernels wrapped now (``TRITON_INTERPRET=1``, read
+    as Triton reads it)."""
+    triton = _triton()
+    if triton is None:
+        return False
+    return bool(triton.knobs.runtime.interpret)
 
 
 def _triton() -> Any:
