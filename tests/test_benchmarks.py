@@ -117,3 +117,25 @@ def test_report_renders_a_tiny_result():
 def test_markdown_table_blank_cells_and_escaping():
     md = markdown_table([{"a": 1}, {"b": "x|y"}])
     assert md.splitlines()[2] == "| 1 |  |" and md.splitlines()[3] == "|  | x\\|y |"
+
+
+def test_muon_sweep_grid_and_summary():
+    from benchmarks import bench_muon_sweep as sweep
+
+    grid = sweep.full_grid()
+    assert len(grid) == len(set(grid)) == 142
+    assert set(sweep.QUICK) <= set(grid)
+    assert {c.family for c in sweep.QUICK} == set(sweep.FAMILIES) and {c.world for c in sweep.QUICK} == {2, 4}
+    for c in grid:  # split blocks tile the rows; FSDP2 and Dion need rows divisible by W
+        if (split := c.split_sizes()) is not None:
+            assert all(sum(split) == s[0] and s[0] % c.world == 0 for s in c.shapes())
+        assert sweep.Case.parse(c.spec()) == c
+    assert sweep.Case.parse("gqa:128:2:2").blocks() == [(128, 128), (32, 128), (32, 128)] * 2
+    assert [c.spec() for c in sweep.select("experts:512:*:4")] == [f"experts:512:{e}:4" for e in (4, 8, 16)]
+    with pytest.raises(ValueError, match="no case"):
+        sweep.select("nothing:*")
+    with pytest.raises(ValueError, match="family"):
+        sweep.Case("round", 64, 2, 2)
+    rows = [{"shape": s, "W": 2, "r": {"median": m}} for s, m in (("a", 0.5), ("b", 2.0), ("c", 1.0))]
+    s = sweep.summarize(rows, "r")
+    assert s["geomean"] == 1.0 and s["worst"] == 2.0 and s["above_1"] == 1 and s["worst_shapes"].startswith("b W=2")
