@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "normuon_dion": "bench_normuon_dion",
     "adam8bit": "bench_adam8bit",
     "shampoo": "bench_shampoo",
+    "soap": "bench_soap",
     "nd_mesh": "bench_nd_mesh",
     "profile": "bench_profile",
     "scale_model": "scale_model",
@@ -55,6 +56,7 @@ TITLES = {
     "normuon_dion": "NorMuon and Polar Express vs Dion's (a shape sweep; VEFSDP_DION_SRC)",
     "adam8bit": "AdamW8bit vs torch AdamW and torchao AdamW8bit",
     "shampoo": "Shampoo overhead",
+    "soap": "SOAP vs the reference SOAP's step, one device (VEFSDP_SOAP_REF)",
     "profile": "Profile-guided optimization",
     "scale_model": "Scale model: LLaMA-3-70B on 1,024 ranks with HSDP",
 }

@@ -553,3 +553,14 @@ def test_checkpoint_resharded_3_to_2(kind: str, tmp_path) -> None:
     want = _plain_run()
     for k in PARAMS:
         assert torch.equal(got[k], want[k]), (kind, k, (got[k] - want[k]).abs().max())
+
+
+# -- the benchmark's peer --------------------------------------------------------------------
+
+
+def test_benchmark_says_peer_not_installed(monkeypatch) -> None:
+    from benchmarks import bench_soap
+
+    monkeypatch.delenv("VEFSDP_SOAP_REF", raising=False)
+    res = bench_soap.run(quick=True)
+    assert res["rows"] and all(r["status"].startswith("peer not installed") for r in res["rows"])
