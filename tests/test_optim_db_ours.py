@@ -8,7 +8,9 @@ elementwise; Muon's Newton-Schulz runs once per matrix on the full matrix). With
 ``fused=True`` our AdamW runs torch's fused kernel on each rank's shard, as torch's
 AdamW(fused=True) does on FSDP2's DTensors; the CPU kernel's vectorised body and scalar
 tail can round an element differently when the shard starts elsewhere, so on FSDP2 the
-reference is torch's AdamW(fused=True) on the same FSDP2 model (bit for bit).
+reference is torch's AdamW(fused=True) on the same FSDP2 model (bit for bit). On
+fully_shard the flat store is stepped in pieces that put every element where one
+device's tensor has it ([Note: fused kernel positions]): one device, bit for bit.
 """
 
 from __future__ import annotations
@@ -102,14 +104,8 @@ def _sharded(configs: list[OptimConfig]) -> list[tuple[str, str, str, bool]]:
                     opt.step()
                 got.append([p.full_tensor() for p in m.parameters()])
             ref_params = got[1] if len(got) > 1 else want
-            if kind == "fully_shard" and c.kwargs.get("fused"):
-                # torch's fused CPU kernel rounds an element by its position in the tensor it
-                # steps (vector body or tail; README, `fused=True`), and a fully_shard slice starts
-                # elsewhere than one device's tensor: equal up to those roundings, on any CPU
-                same = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got[0], ref_params, strict=True))
-            else:
-                same = all(torch.equal(a, b) for a, b in zip(got[0], ref_params, strict=True))
-            out.append((c.optim, c.desc, kind, same))
+            out.append((c.optim, c.desc, kind,
+                        all(torch.equal(a, b) for a, b in zip(got[0], ref_params, strict=True))))
     return out
 
 

@@ -11,12 +11,13 @@ import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
 from vefsdp_optim.comm import sharded_view
-from vefsdp_optim.sharding import Elementwise, Requirement
+from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement
 
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._flat_store import FlatStore, flat_store
 from ._math import adam_foreach_, adamw_step_, check_adam_hparams
+from ._math._adam import FUSED_BLOCK, FusedPieces, LocalSlice, adam_fused_pieces_, fused_pieces
 from ._registry import register_optimizer
 from ._step_loop import StepItem
 
@@ -37,7 +38,9 @@ __all__ = ["AdamW"]
 # see torch's per-parameter keys. The fallback (adam_bucket_ on per-parameter slices)
 # updates those views in place, so both paths share one state. If a state entry is not
 # the view handed out (load_state_dict replaced it), the flat state is rebuilt by
-# copying the entries in, once.
+# copying the entries in, once. With ``fused=True`` the flat buffers are stepped in the
+# pieces of [Note: fused kernel positions] (torch's fused CPU kernel rounds an element
+# by its position in its tensor), so each element still gets one device's bits.
 
 
 @dataclass(slots=True)
@@ -51,6 +54,7 @@ class _FlatState:
     steps: torch.Tensor  # 1-D float32 on CPU, one per member: state[p]["step"] is steps[i]
     members: list[torch.Tensor]  # the store's members, in this order
     handed: list[tuple[torch.Tensor, ...]]  # per member: the state tensors given to self.state
+    pieces: FusedPieces | None = None  # fused=True on the CPU: built on first use
 
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -162,7 +166,12 @@ class AdamW(BlockOptimizer):
         hp = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                   weight_decay=group["weight_decay"], amsgrad=amsgrad,
                   maximize=group["maximize"], decoupled=self.decoupled)
-        if group["fused"] or group["foreach"]:  # torch's fused or multi-tensor implementation
+        if group["fused"] and flat.flat_param.device.type == "cpu":
+            if flat.pieces is None:  # torch's fused kernel, in pieces ([Note: fused kernel positions])
+                flat.pieces = fused_pieces([_local_slice(p, *store.segment(p)) for p in flat.members])
+            adam_fused_pieces_(flat.pieces, flat.flat_param, store.flat_grad(), flat.exp_avg,
+                               flat.exp_avg_sq, flat.max_exp_avg_sq, step=steps[0], **hp)
+        elif group["fused"] or group["foreach"]:  # torch's fused or multi-tensor implementation
             param = flat.flat_param
             step = torch.tensor(steps[0], dtype=torch.float32,  # incremented by torch
                                 device=param.device if group["fused"] else None)
@@ -219,3 +228,17 @@ class AdamW(BlockOptimizer):
             new.handed.append(tuple(views))
         self._flat[store] = new
         return new
+
+
+def _local_slice(p: torch.Tensor, offset: int, length: int) -> LocalSlice:
+    """Member ``p``'s segment of its flat buffer as a LocalSlice ([Note: fused kernel positions])."""
+    view = sharded_view(p)
+    layout, numel = view.layout, view.layout.numel
+    first = numel - numel % FUSED_BLOCK  # the parameter's last partial block starts here
+    if isinstance(layout, RaggedShard):
+        start = layout.local(view.rank)[0]
+        last = tuple(range(max(start, first), start + length))
+    else:  # BoxShard: local elements in increasing global order, so the block's are last
+        k = min(length, FUSED_BLOCK - 1)
+        last = tuple(i for i in layout.flat_indices(view.rank, length - k, length).tolist() if i >= first)
+    return LocalSlice(offset, length, numel, last)

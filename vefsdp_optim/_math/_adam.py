@@ -5,15 +5,138 @@ non-differentiable path) op for op: the same lerp, mul_/addcmul_, Python-float b
 corrections, sqrt / divide / add eps and addcdiv_. Every op is elementwise, so applying
 it to any slice of a parameter gives the same bits as applying it to the whole
 parameter: this is what makes sharded AdamW bit-identical to the single-device one.
+torch's fused kernel is the exception: see [Note: fused kernel positions] and
+``fused_pieces`` / ``adam_fused_pieces_``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
-__all__ = ["adam_foreach_", "adamw_step_", "check_adam_hparams"]
+__all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fused_pieces_",
+           "adamw_step_", "check_adam_hparams", "fused_pieces"]
+
+# [Note: fused kernel positions]
+# torch's fused CPU Adam(W) kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) steps
+# each tensor of its list in a vector body and then a scalar tail: the last numel % V
+# elements of a tensor, V the kernel's vector length (Vectorized<T>::size(); 8 float32s
+# in the AVX2 code that AVX2 and AVX-512 CPUs both run, since the kernel registers no
+# AVX-512 variant). The two loops round differently: the compiler contracts
+# ``exp_avg_sq * beta2 + (1 - beta2) * grad * grad`` into an FMA around the other
+# product in each, so an element's bits depend on whether it is in its tensor's last
+# numel % V elements (not on its address: loads are unaligned; not on the thread count:
+# threads split at whole cache lines). One device steps each parameter as one tensor;
+# a slice of it in a flat buffer (or alone) sits elsewhere relative to a tensor's end.
+# With B = FUSED_BLOCK = 64, a multiple of every V (a power of two, at most 64 bytes),
+# element i of a parameter of N elements is in the tail iff i >= N - N % V, hence:
+#   - i < N - N % B: in the body for every V. Stepped in any tensor of a multiple of B
+#     elements it gets the bits one device gives it: runs of such elements are stepped
+#     as views of whole multiples of B, the rest of a run (< B) copied into a zero row
+#     of B elements;
+#   - i >= N - N % B (the parameter's last partial block, N % B elements): at index
+#     i - (N - N % B) of a tensor of N % B elements it is in the tail for exactly the V
+#     for which it is on one device. The block is stepped as a view when the slice holds
+#     all of it, else its local elements are copied into a zero row of N % B elements.
+#     A whole block may end a view of body elements whose length is a multiple of B (a
+#     parameter held whole is then one view, as on one device).
+# Neither needs V. Zero rows stay zero where no element is copied in (zero param, grad
+# and moments), and nothing outside the slices (padding) is stepped.
+
+#: elements per block of [Note: fused kernel positions]; a multiple of every vector length
+FUSED_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSlice:
+    """One parameter's local elements in a flat buffer, for :func:`fused_pieces`.
+
+    ``last`` holds the global flat indices (increasing) of the local elements that lie
+    in the parameter's last partial block ``[numel - numel % FUSED_BLOCK, numel)``; they
+    are the slice's last ``len(last)`` elements (local elements are in global order).
+    """
+
+    offset: int  # of the slice's first element in the flat buffer
+    length: int  # local elements
+    numel: int  # elements of the whole parameter
+    last: tuple[int, ...]  # global indices, increasing; at most FUSED_BLOCK - 1
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0 or self.numel < self.length:
+            raise ValueError(f"LocalSlice needs 0 <= offset, 0 <= length <= numel, got {self}")
+        first = self.numel - self.numel % FUSED_BLOCK
+        if len(self.last) > self.length or any(not first <= i < self.numel for i in self.last) \
+                or any(b <= a for a, b in zip(self.last, self.last[1:], strict=False)):
+            raise ValueError(f"LocalSlice.last must be increasing indices in [{first}, {self.numel}) "
+                             f"and at most length={self.length} of them, got {self.last}")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedPieces:
+    """How to step a flat buffer with torch's fused kernel so that every element gets
+    the bits one device gives it ([Note: fused kernel positions]): each ``views`` range
+    of the buffer as its own tensor, then each ``rows`` zero row, into which element
+    ``src[k]`` of the buffer is copied at index ``dst[k]`` of the rows laid end to end."""
+
+    views: tuple[tuple[int, int], ...]  # (offset, length) in the flat buffer
+    rows: tuple[int, ...]  # lengths of the zero rows
+    src: tuple[int, ...]  # offsets in the flat buffer
+    dst: tuple[int, ...]  # indices in the rows, end to end
+
+
+def fused_pieces(slices: Sequence[LocalSlice]) -> FusedPieces:
+    """The pieces of [Note: fused kernel positions] for local slices of one flat buffer
+    (disjoint, any order): consecutive body elements share views and rows."""
+    views: list[tuple[int, int]] = []
+    rows: list[int] = []
+    src: list[int] = []
+    dst: list[int] = []
+
+    def row(length: int, at: int, index: Sequence[int]) -> None:
+        base = sum(rows)
+        rows.append(length)
+        src.extend(range(at, at + len(index)))
+        dst.extend(base + j for j in index)
+
+    run: list[int] = []  # [start, end) of body elements not yet placed
+
+    def flush() -> None:
+        if run:
+            start, end = run
+            whole = (end - start) - (end - start) % FUSED_BLOCK
+            if whole:
+                views.append((start, whole))
+            if start + whole < end:
+                row(FUSED_BLOCK, start + whole, range(end - start - whole))
+            run.clear()
+
+    for sl in sorted(slices, key=lambda s: s.offset):
+        head = sl.length - len(sl.last)
+        if head:
+            if run and run[1] == sl.offset:
+                run[1] += head
+            else:
+                flush()
+                run[:] = [sl.offset, sl.offset + head]
+        if sl.last:
+            k = sl.numel % FUSED_BLOCK
+            at = sl.offset + head
+            index = [i - (sl.numel - k) for i in sl.last]
+            if index != list(range(k)):
+                flush()
+                row(k, at, index)
+            elif run and run[1] == at and (at - run[0]) % FUSED_BLOCK == 0:
+                views.append((run[0], at + k - run[0]))  # body, then the block at its end
+                run.clear()
+            else:
+                flush()
+                views.append((at, k))
+    flush()
+    return FusedPieces(tuple(views), tuple(rows), tuple(src), tuple(dst))
 
 
 def _check_same(name: str, t: Tensor, ref: Tensor) -> None:
@@ -124,6 +247,37 @@ def adam_foreach_(
         weight_decay=weight_decay, eps=eps, maximize=maximize, decoupled_weight_decay=decoupled,
         grad_scale=None, found_inf=None,
     )
+
+
+def adam_fused_pieces_(
+    pieces: FusedPieces, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None, *, step: float, lr: float, beta1: float, beta2: float,
+    eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+) -> None:
+    """torch's fused Adam(W) on 1-D flat buffers, in place, stepped in ``pieces`` (from
+    :func:`fused_pieces`) so that each element gets the bits torch's fused kernel gives
+    it on one device ([Note: fused kernel positions]). ``step`` is the count before this
+    update, as in torch's ``state["step"]``; ``grad`` is read only."""
+    tensors = [param, grad, exp_avg, exp_avg_sq]
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("amsgrad=True needs a max_exp_avg_sq tensor, got None")
+        tensors.append(max_exp_avg_sq)
+    lists = [[t.narrow(0, o, n) for o, n in pieces.views] for t in tensors]
+    if pieces.rows:
+        src = torch.tensor(pieces.src, dtype=torch.int64, device=param.device)
+        dst = torch.tensor(pieces.dst, dtype=torch.int64, device=param.device)
+        rows = [t.new_zeros(sum(pieces.rows)).index_copy_(0, dst, t.index_select(0, src)) for t in tensors]
+        for lst, r in zip(lists, rows, strict=True):
+            lst.extend(r.split(pieces.rows))
+    steps = list(torch.full((len(lists[0]),), step, dtype=torch.float32, device=param.device).unbind())
+    adam_foreach_(lists[0], lists[1], lists[2], lists[3], lists[4] if amsgrad else [], steps,
+                  lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                  amsgrad=amsgrad, maximize=maximize, decoupled=decoupled, fused=True)
+    if pieces.rows:
+        for i, (t, r) in enumerate(zip(tensors, rows, strict=True)):
+            if i != 1:  # the gradient is read only
+                t.index_copy_(0, src, r.index_select(0, dst))
 
 
 def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: float,
