@@ -188,7 +188,7 @@ class ToyProblem:
     floor: float | None
 
 
-_BUILTINS = ("adamw", "adamw8bit", "adam8bit", "muon", "normuon", "shampoo")
+_BUILTINS = ("adamw", "adamw8bit", "adam8bit", "muon", "normuon", "shampoo", "soap")
 
 
 @dataclass(frozen=True, slots=True)
