@@ -79,6 +79,24 @@ def test_rotations_apply_each_basis_along_its_dim() -> None:
     torch.testing.assert_close(soap_project(m, [qs[0], qs[2]]), qs[0].T @ m @ qs[2], rtol=1e-12, atol=1e-12)
 
 
+def test_rotations_are_the_references_tensordot_calls_bit_for_bit() -> None:
+    """[Note: SOAP rotations]: a matrix is rotated by mm, not tensordot; the bits must not
+    change (sizes of 1, a dim without a factor, N-D tensors, both directions)."""
+    g = torch.Generator().manual_seed(4)
+    for shape in [(1, 9), (9, 1), (1, 1), (5, 32), (64, 32), (3, 300), (4, 1, 6), (3, 4, 5, 2)]:
+        x = torch.randn(shape, generator=g)
+        full = [torch.linalg.qr(torch.randn(d, d, generator=g))[0] for d in shape]
+        for drop in range(-1, len(shape)):
+            qs = [None if i == drop else q for i, q in enumerate(full)]
+            for back, side in ((False, 0), (True, 1)):
+                want = x
+                for q in qs:
+                    want = want.permute(*range(1, want.ndim), 0) if q is None else torch.tensordot(
+                        want, q, dims=[[0], [side]])
+                got = (soap_project_back if back else soap_project)(x, qs)
+                assert torch.equal(got, want) and got.stride() == want.stride(), (shape, drop, back)
+
+
 def test_eigenbasis_and_power_iteration() -> None:
     g = torch.Generator().manual_seed(1)
     a = torch.randn(6, 9, generator=g, dtype=torch.float64)
