@@ -381,7 +381,7 @@ def run(quick: bool = True) -> dict:
                          "value": ao_first / 1e3})
     notes = [f"{step['numel'] / 1e6:.2f} M fp32 elements, 1 intra-op thread; peers: "
              + ", ".join(f"{k}: {v}" for k, v in step["peers"].items()) + f"; {step['torchao_rule']}",
-             "fused kernel build (cc, cold cache): "
+             "fused kernel build (C++ via cpp_extension, cold cache): "
              + (f"{build['cold_s']:.2f} s, load from the on-disk cache {build['warm_s'] * 1e3:.0f} ms"
                 if "cold_s" in build else build.get("error", "?"))
              + (f"; torchao AdamW8bit first step (torch.compile included): {ao_first / 1e3:.1f} s"
