@@ -338,7 +338,10 @@ class Muon(BlockOptimizer):
                          [inputs[i][1] for i in adam_idx], group=items[0].group, eps_key="adamw_eps")
             for i in adam_idx:
                 out[i] = [inputs[i][0]]
-        whole: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # one-block matrices by shape
+        # every whole block this rank orthogonalises in this bucket, by (rows, cols, ns):
+        # one batch per shape across parameters ([Note: batched Newton-Schulz])
+        by_shape: dict[tuple, list[tuple[int, int]]] = {}  # -> [(item, flat offset in its slice)]
+        slices: dict[int, tuple[torch.Tensor, _MuonPlan, int]] = {}  # item -> (input, plan, start)
         for i, it in enumerate(items):
             if i in adam_idx:
                 continue
@@ -349,16 +352,45 @@ class Muon(BlockOptimizer):
                 out[i] = [x.to(self._update_dtype(it))]
                 continue
             plan = self._plan(it.view.shape, it.group)
-            if plan.simple:
-                whole.setdefault((plan.blocks[0], _ns_args(it.group)), []).append((i, x))
+            start = 0 if plan.simple else it.compute.local(it.view.rank)[0]
+            slices[i] = (x, plan, start)
+            ns = _ns_args(it.group)
+            for a, rows, cols in _whole_blocks(it, plan, start, x.numel()):
+                by_shape.setdefault((rows, cols, ns), []).append((i, a))
+        results: dict[int, torch.Tensor] = {}
+        for (rows, cols, ns), members in by_shape.items():
+            n = rows * cols
+            device = slices[members[0][0]][0].device
+            if len(members) == 1 or not newtonschulz_batch_exact(len(members), rows, cols, device, *ns,
+                                                                  torch.get_num_threads()):
+                for i, a in members:
+                    x = slices[i][0]
+                    ortho = zeropower_via_newtonschulz(x[a:a + n].view(rows, cols), *ns)
+                    if a == 0 and n == x.numel():  # a whole parameter: a view when wide
+                        results[i] = ortho.reshape(-1)
+                    else:
+                        _result(results, i, x)[a:a + n].view(rows, cols).copy_(ortho)
                 continue
-            start = it.compute.local(it.view.rank)[0]
-            out[i] = [self._post_orthogonalise(it, plan, start, self._orthogonalise_blocks(it, plan, x))]
-        for ((rows, cols), ns), members in whole.items():
-            orthos = _orthogonalise_matrices([x for _, x in members], rows, cols, ns)
-            for (i, _), ortho in zip(members, orthos, strict=True):
-                out[i] = [self._post_orthogonalise(items[i], self._plan(items[i].view.shape, items[i].group), 0,
-                                                   ortho)]
+            xs = [slices[i][0] for i, _ in members]
+            first_i, first_a = members[0]
+            if all(i == first_i for i, _ in members) and first_a == 0 and \
+                    all(a == j * n for j, (_, a) in enumerate(members)):  # one slice of equal blocks
+                batch = xs[0][:len(members) * n].view(len(members), rows, cols)
+            else:
+                batch = torch.stack([x[a:a + n].view(rows, cols) for x, (_, a) in zip(xs, members, strict=True)])
+            ortho = zeropower_via_newtonschulz_batched(batch, *ns)
+            if batch.data_ptr() == xs[0].data_ptr() and batch.numel() == xs[0].numel():
+                results[first_i] = _flat_copy(ortho)  # the whole slice: a view when wide
+                continue
+            if all(a == 0 and n == x.numel() for x, (_, a) in zip(xs, members, strict=True)) and \
+                    len({i for i, _ in members}) == len(members):  # whole parameters: views of one copy
+                for (i, _), o in zip(members, _flat_copy(ortho).view(len(members), n).unbind(0), strict=True):
+                    results[i] = o
+                continue
+            for j, (i, a) in enumerate(members):
+                _result(results, i, slices[i][0])[a:a + n].view(rows, cols).copy_(ortho[j])
+        for i, (_, plan, start) in slices.items():
+            out[i] = [self._post_orthogonalise(items[i], plan, start, results[i])]
         return out
 
     def _int8_momentum(self, item: StepItem, grad: torch.Tensor) -> torch.Tensor:
@@ -395,46 +427,6 @@ class Muon(BlockOptimizer):
         """The update sent back for this rank's compute slice, from its Newton-Schulz
         result ``ortho`` (1-D, flat order, whole blocks from flat offset ``start``)."""
         return ortho
-
-    @staticmethod
-    def _orthogonalise_blocks(it: StepItem, plan: _MuonPlan, x: torch.Tensor) -> torch.Tensor:
-        """Newton-Schulz on each whole block of this rank's compute slice ``x`` (1-D);
-        runs of equal blocks (experts) batched where that keeps every bit
-        ([Note: batched Newton-Schulz] in _math/_newton_schulz.py)."""
-        ns = _ns_args(it.group)
-        start, length = it.compute.local(it.view.rank)
-        res = torch.empty(length, dtype=torch.bfloat16, device=x.device)
-        runs: list[list[int]] = []  # consecutive blocks of one (rows, cols)
-        for b in plan.span(start, length):
-            (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
-            if a < 0 or a + rows * cols > length:
-                raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a parameter of shape "
-                                   f"{tuple(it.view.shape)} is split by the compute layout {it.compute}")
-            if runs and plan.blocks[runs[-1][-1]] == (rows, cols):
-                runs[-1].append(b)
-            else:
-                runs.append([b])
-        if len(runs) == 1 and len(runs[0]) > 1:  # one batch: its flat result, a view when wide
-            (rows, cols), k = plan.blocks[runs[0][0]], len(runs[0])
-            if k * rows * cols == length and newtonschulz_batch_exact(k, rows, cols, x.device, *ns,
-                                                                      torch.get_num_threads()):
-                return _flat_copy(zeropower_via_newtonschulz_batched(x.view(k, rows, cols), *ns))
-        done = 0
-        for run in runs:
-            (rows, cols), a = plan.blocks[run[0]], plan.offsets[run[0]] - start
-            n, k = rows * cols, len(run)
-            if k > 1 and newtonschulz_batch_exact(k, rows, cols, x.device, *ns, torch.get_num_threads()):
-                ortho = zeropower_via_newtonschulz_batched(x[a:a + k * n].view(k, rows, cols), *ns)
-                _flat_copy(ortho, out=res[a:a + k * n])
-            else:
-                for j in range(k):
-                    ortho = zeropower_via_newtonschulz(x[a + j * n:a + (j + 1) * n].view(rows, cols), *ns)
-                    res[a + j * n:a + (j + 1) * n].view(rows, cols).copy_(ortho)
-            done += k * n
-        if done != length:
-            raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a parameter of shape "
-                               f"{tuple(it.view.shape)} does not hold whole blocks")
-        return res
 
     def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
         if not self._is_muon(item.view.shape, item.group):
@@ -483,19 +475,29 @@ def _ns_args(group: dict[str, Any]) -> tuple[NsCoefficients, int, float]:
     return coeffs if isinstance(coeffs, str) else tuple(coeffs), group["ns_steps"], group["eps"]
 
 
-def _orthogonalise_matrices(xs: list[torch.Tensor], rows: int, cols: int, ns: tuple) -> list[torch.Tensor]:
-    """Newton-Schulz of whole (rows, cols) matrices (1-D bfloat16 each; the matrices one
-    rank computes in one exchange bucket, of one param group), each result 1-D in flat
-    order. Two or more are orthogonalised as one batch where a probe shows that keeps
-    every bit ([Note: batched Newton-Schulz]): on the CPU that runs small matrices several
-    times faster and large ones 10-20% faster (Dion batches the same way); the batch
-    size depends on the world size, and the probe is per batch size."""
-    if len(xs) > 1 and newtonschulz_batch_exact(len(xs), rows, cols, xs[0].device, *ns, torch.get_num_threads()):
-        batch = zeropower_via_newtonschulz_batched(torch.stack([x.view(rows, cols) for x in xs]), *ns)
-        return list(_flat_copy(batch).view(len(xs), rows * cols).unbind(0))
-    # flat order: a view for a wide matrix; a tall one's transposed result is copied once
-    # here (adding it strided to the parameter is slower still)
-    return [zeropower_via_newtonschulz(x.view(rows, cols), *ns).reshape(-1) for x in xs]
+def _whole_blocks(it: StepItem, plan: _MuonPlan, start: int, length: int) -> list[tuple[int, int, int]]:
+    """(offset in the slice, rows, cols) of each block of the compute slice ``[start,
+    start + length)`` of item ``it``, which must hold whole blocks only."""
+    found, done = [], 0
+    for b in plan.span(start, length):
+        (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
+        if a < 0 or a + rows * cols > length:
+            raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a parameter of shape "
+                               f"{tuple(it.view.shape)} is split by the compute layout {it.compute}")
+        found.append((a, rows, cols))
+        done += rows * cols
+    if done != length:
+        raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a parameter of shape "
+                           f"{tuple(it.view.shape)} does not hold whole blocks")
+    return found
+
+
+def _result(results: dict[int, torch.Tensor], i: int, x: torch.Tensor) -> torch.Tensor:
+    """Item ``i``'s bfloat16 Newton-Schulz result (1-D, the length of its slice ``x``)."""
+    res = results.get(i)
+    if res is None:
+        res = results[i] = torch.empty(x.numel(), dtype=torch.bfloat16, device=x.device)
+    return res
 
 
 def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,190 @@
+"""Muon's batched Newton-Schulz across parameters ([Note: batched Newton-Schulz]).
+
+A rank orthogonalises every whole block it computes in an exchange bucket (parameters
+of one param group), by shape, in one batch: the blocks of several fused QKV matrices
+(``split_sizes``), experts (``flatten=False``), plain matrices of one shape. The reference is torch.optim.Muon on every block as its own
+parameter, bit for bit, on one device and sharded (FSDP2 and fully_shard, W = 2 and 3).
+The guard (``BATCH_MIN_DIM``) is checked on input families a random probe does not cover.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from torch import nn
+
+import vefsdp_optim
+from vefsdp_optim._math._newton_schulz import (
+    BATCH_MIN_DIM,
+    NS_COEFFICIENTS,
+    NS_EPS,
+    NS_STEPS,
+    newtonschulz_batch_exact,
+    zeropower_via_newtonschulz,
+    zeropower_via_newtonschulz_batched,
+)
+
+STEPS = 3
+HP = dict(lr=0.02, weight_decay=0.1)
+
+# name -> (shape, group keys): param groups by keys; the QKV group's six 32 x 40 blocks,
+# three experts and the two tall matrices batch; 8 x 32 blocks stay below the guard
+PARAMS = {
+    "qkv0": ((96, 40), dict(split_sizes=[32, 32, 32])),
+    "qkv1": ((96, 40), dict(split_sizes=[32, 32, 32])),
+    "gqa": ((48, 32), dict(split_sizes=[32, 8, 8])),
+    "square": ((32, 32), {}),
+    "dense": ((32, 40), {}),
+    "experts": ((3, 32, 40), dict(flatten=False)),
+    "tall": ((64, 33), {}),
+    "tall2": ((64, 33), {}),
+}
+
+
+def _blocks(shape, keys):
+    """(index into the parameter, shape) of each separate matrix of the reference run."""
+    lead = [(e,) for e in range(shape[0])] if keys.get("flatten") is False else [()]
+    m, n = shape[-2:]
+    out = []
+    for ix in lead:
+        r = 0
+        for s in keys.get("split_sizes") or [m]:
+            out.append(ix + (slice(r, r + s),))
+            r += s
+    return out
+
+
+def _init():
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=g) for k, (s, _) in PARAMS.items()}
+
+
+def _grad(step, name):
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    return torch.randn(PARAMS[name][0], generator=g)
+
+
+def _groups(params):
+    groups: dict[str, dict] = {}
+    for k, (_, keys) in PARAMS.items():
+        groups.setdefault(repr(keys), {**keys, "params": []})["params"].append(params[k])
+    return list(groups.values())
+
+
+def _torch_reference():
+    init = _init()
+    pieces = {k: [(ix, nn.Parameter(init[k][ix].clone())) for ix in _blocks(s, keys)]
+              for k, (s, keys) in PARAMS.items()}
+    opt = torch.optim.Muon([p for ps in pieces.values() for _, p in ps], **HP)
+    for step in range(STEPS):
+        for k, ps in pieces.items():
+            g = _grad(step, k)
+            for ix, p in ps:
+                p.grad = g[ix].clone()
+        opt.step()
+    out = {k: v.clone() for k, v in init.items()}
+    for k, ps in pieces.items():
+        for ix, p in ps:
+            out[k][ix] = p.detach()
+    return out
+
+
+def test_blocks_of_several_parameters_in_one_batch(monkeypatch):
+    import vefsdp_optim._muon as muon_mod
+
+    batches = []
+    real = muon_mod.newtonschulz_batch_exact
+
+    def exact(*args):
+        ok = real(*args)
+        if ok:
+            batches.append(args[:3])  # (batch, rows, cols) of every batch taken
+        return ok
+
+    monkeypatch.setattr(muon_mod, "newtonschulz_batch_exact", exact)
+    params = {k: nn.Parameter(v.clone()) for k, v in _init().items()}
+    opt = vefsdp_optim.Muon(_groups(params), **HP)
+    for step in range(STEPS):
+        for k, p in params.items():
+            p.grad = _grad(step, k)
+        opt.step()
+    want = _torch_reference()
+    for k in PARAMS:
+        assert torch.equal(params[k].detach(), want[k]), (k, (params[k] - want[k]).abs().max())
+    assert {(6, 32, 40), (3, 32, 40), (2, 64, 33)} <= set(batches), batches
+    assert not any(rows == 8 for _, rows, _ in batches)  # below the guard
+
+
+def _sharded_run(kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from vefsdp_optim import ShardedParameter
+
+    model = nn.Module()
+    for k, v in _init().items():
+        setattr(model, k, nn.Parameter(v.clone()))
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        vefsdp_optim.fully_shard(model)
+    opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
+    for step in range(STEPS):
+        for k, p in model.named_parameters():
+            g = _grad(step, k)
+            if isinstance(p, ShardedParameter):
+                s, n = p.ragged_layout.local(p._rank)
+                p.grad = ShardedParameter(g.reshape(-1)[s:s + n].clone(), p.ragged_layout, p.process_group,
+                                          p.shape, p._rank)
+            else:
+                assert isinstance(p, DTensor)
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step()
+    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
+
+
+def _sharded_both():
+    return {kind: _sharded_run(kind) for kind in ("fsdp2", "fully_shard")}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_equals_torch_on_separate_blocks(world_size):
+    got = run_distributed(_sharded_both, world_size)[0]
+    want = _torch_reference()
+    for kind, full in got.items():
+        for k in PARAMS:
+            assert torch.equal(full[k], want[k]), (kind, k, (full[k] - want[k]).abs().max())
+
+
+def _families(batch, rows, cols, g):
+    """Inputs a random probe does not stand for: quantized momentum, mostly zeros, rank
+    two, constant rows (the probe itself is normal)."""
+    yield "normal", torch.randn(batch, rows, cols, generator=g)
+    scale = torch.rand(batch, 1, 1, generator=g)
+    yield "quantized", torch.randint(-127, 128, (batch, rows, cols), generator=g).float() / 127 * scale
+    yield "zeros", torch.randn(batch, rows, cols, generator=g) * (torch.rand(batch, rows, cols, generator=g) < 0.1)
+    yield "rank2", torch.randn(batch, rows, 2, generator=g) @ torch.randn(batch, 2, cols, generator=g)
+    yield "rows", torch.randn(batch, rows, 1, generator=g).expand(batch, rows, cols).contiguous()
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (32, 128), (40, 33), (96, 48), (8, 64), (16, 128), (70, 5)])
+@pytest.mark.parametrize("ns_coefficients", [NS_COEFFICIENTS, "polar_express"])
+def test_batch_guard_holds_on_every_input_family(shape, ns_coefficients):
+    """Where the probe allows a batch, the batch equals the per-matrix function on every
+    family; below ``BATCH_MIN_DIM`` the guard refuses without a probe."""
+    rows, cols = shape
+    ns = (ns_coefficients, NS_STEPS, NS_EPS)
+    allowed = [b for b in (2, 3, 8) if newtonschulz_batch_exact(b, rows, cols, torch.device("cpu"), *ns,
+                                                                  torch.get_num_threads())]
+    if min(shape) < BATCH_MIN_DIM:
+        assert allowed == []
+        return
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    for b in allowed:
+        for name, x in _families(b, rows, cols, g):
+            want = torch.stack([zeropower_via_newtonschulz(m, *ns) for m in x])
+            assert torch.equal(zeropower_via_newtonschulz_batched(x, *ns), want), (shape, b, name)
