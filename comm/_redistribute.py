@@ -8,6 +8,7 @@ once, before the first exchange.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
@@ -112,6 +113,61 @@ def transfer_sizes(
     return sc, rc
 
 
+class _RaggedPlan(NamedTuple):
+    """One rank's part of an exchange between RaggedShards, derived once per layouts
+    (the step loop repeats the same few every step)."""
+
+    send: tuple[tuple[int, int, int], ...]  # (tensor, local lo, local hi), peer-major
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    recv_numel: int
+    # per output, its pieces in flat order: (tensor, lo, hi) of a local input that
+    # stays, or (-1, lo, hi) of the receive buffer
+    assemble: tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], rank: int) -> _RaggedPlan:
+    w = src[0].world_size
+    send, recv = _routes(src, dst, rank)
+    sends = []
+    for p in range(w):
+        if p != rank:
+            for q in send[p]:
+                a = src[q.tensor].local(rank)[0]
+                sends.append((q.tensor, q.lo - a, q.hi - a))
+    send_counts = tuple(0 if p == rank else sum(q.hi - q.lo for q in send[p]) for p in range(w))
+    recv_counts = tuple(0 if p == rank else sum(q.hi - q.lo for q in recv[p]) for p in range(w))
+    assemble: list[list[tuple[int, int, int]]] = [[] for _ in src]
+    pos = 0
+    for p in range(w):
+        for q in recv[p]:
+            if p == rank:
+                a = src[q.tensor].local(rank)[0]
+                assemble[q.tensor].append((q.tensor, q.lo - a, q.hi - a))
+            else:
+                assemble[q.tensor].append((-1, pos, pos + q.hi - q.lo))
+                pos += q.hi - q.lo
+    for i, pieces in enumerate(assemble):
+        got, n = sum(hi - lo for _, lo, hi in pieces), dst[i].local(rank)[1]
+        if got != n:
+            raise AssertionError(f"tensor {i}: assembled {got} elements, dst gives {n}")
+    return _RaggedPlan(tuple(sends), send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble))
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_layouts_cached(src: tuple, dst: tuple) -> int:
+    return _check_layouts(src, dst)
+
+
+def _checked_world(src: tuple, dst: tuple) -> int:
+    """:func:`_check_layouts` once per distinct layouts."""
+    try:
+        return _check_layouts_cached(src, dst)
+    except TypeError:
+        return _check_layouts(src, dst)  # an unhashable entry: the check names it
+
+
 class RedistributeHandle:
     """An exchange in flight; :meth:`wait` returns this rank's slices under dst.
 
@@ -156,8 +212,8 @@ def redistribute(
     the same layouts: see :func:`check_same_on_all_ranks`. With ``async_op=True`` the
     exchange is launched and a :class:`RedistributeHandle` is returned.
     """
-    locals = list(locals)
-    w = _check_layouts(src, dst)
+    locals, src, dst = list(locals), tuple(src), tuple(dst)
+    w = _checked_world(src, dst)
     if len(locals) != len(src):
         raise ValueError(f"got {len(locals)} local tensors for {len(src)} layouts")
     if not locals:
@@ -172,52 +228,28 @@ def redistribute(
         rank = dist.get_rank(group)
     _check_locals(locals, src, rank)
 
-    if w == 1 or all(s == d for s, d in zip(src, dst, strict=True)):
+    if w == 1 or src == dst:
         out = [t[:] for t in locals]
         return RedistributeHandle(None, (), lambda: out) if async_op else out
     if any(isinstance(lay, BoxShard) for lay in (*src, *dst)):
         return _redistribute_boxes(locals, src, dst, group, rank, w, async_op)
 
-    send, recv = _routes(src, dst, rank)
+    plan = _ragged_plan(src, dst, rank)
     ref = locals[0]
-    out_pieces = []
-    for p in range(w):
-        if p != rank:
-            for q in send[p]:
-                a = src[q.tensor].local(rank)[0]
-                out_pieces.append(locals[q.tensor][q.lo - a : q.hi - a])
-    send_counts = [0 if p == rank else sum(q.hi - q.lo for q in send[p]) for p in range(w)]
-    recv_counts = [0 if p == rank else sum(q.hi - q.lo for q in recv[p]) for p in range(w)]
-    send_buf = torch.cat(out_pieces) if out_pieces else ref.new_empty(0)
-    recv_buf = ref.new_empty(sum(recv_counts))
+    send_buf = torch.cat([locals[i][lo:hi] for i, lo, hi in plan.send]) if plan.send else ref.new_empty(0)
+    recv_buf = ref.new_empty(plan.recv_numel)
     work = dist.all_to_all_single(
-        recv_buf, send_buf, recv_counts, send_counts, group=group, async_op=async_op
+        recv_buf, send_buf, list(plan.recv_counts), list(plan.send_counts), group=group, async_op=async_op
     )
 
     def finish() -> list[torch.Tensor]:
-        incoming: list[list[torch.Tensor]] = [[] for _ in locals]
-        pos = 0
-        for p in range(w):
-            for q in recv[p]:
-                if p == rank:
-                    a = src[q.tensor].local(rank)[0]
-                    incoming[q.tensor].append(locals[q.tensor][q.lo - a : q.hi - a])
-                else:
-                    incoming[q.tensor].append(recv_buf[pos : pos + q.hi - q.lo])
-                    pos += q.hi - q.lo
-        if pos != recv_buf.numel():
-            raise AssertionError(f"unpacked {pos} of {recv_buf.numel()} received elements")
         result = []
-        for i, pieces in enumerate(incoming):
-            n = dst[i].local(rank)[1]
-            if not pieces:
+        for pieces in plan.assemble:
+            parts = [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in pieces]
+            if not parts:
                 result.append(ref.new_empty(0))
-            elif len(pieces) == 1:
-                result.append(pieces[0])
             else:
-                result.append(torch.cat(pieces))
-            if result[-1].numel() != n:
-                raise AssertionError(f"tensor {i}: assembled {result[-1].numel()} elements, dst gives {n}")
+                result.append(parts[0] if len(parts) == 1 else torch.cat(parts))
         return result
 
     if async_op:
@@ -341,6 +373,7 @@ def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | 
 
 
 def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: int) -> None:
+    dtype = device = None
     for i, (t, s) in enumerate(zip(locals, src, strict=True)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"locals[{i}] must be a torch.Tensor, got {type(t).__name__}")
@@ -351,10 +384,11 @@ def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: 
             raise ValueError(
                 f"locals[{i}] has {t.numel()} elements; src[{i}] gives rank {rank} {n}: {s}"
             )
-    if locals:
-        dtypes = sorted({str(t.dtype) for t in locals})
-        devices = sorted({str(t.device) for t in locals})
-        if len(dtypes) > 1 or len(devices) > 1:
+        if dtype is None:
+            dtype, device = t.dtype, t.device
+        elif t.dtype != dtype or t.device != device:
+            dtypes = sorted({str(t.dtype) for t in locals})
+            devices = sorted({str(t.device) for t in locals})
             raise ValueError(
                 f"all locals must share one dtype and device (batch them per dtype), got "
                 f"dtypes {dtypes} on devices {devices}"
