@@ -188,3 +188,31 @@ def test_batch_guard_holds_on_every_input_family(shape, ns_coefficients):
         for name, x in _families(b, rows, cols, g):
             want = torch.stack([zeropower_via_newtonschulz(m, *ns) for m in x])
             assert torch.equal(zeropower_via_newtonschulz_batched(x, *ns), want), (shape, b, name)
+
+
+@pytest.mark.parametrize("n", [(1 << 16) * 3 + 17, (1 << 16) + 1, 1000])
+def test_mixed_dtype_add_in_pieces_equals_torch(n):
+    """Muon adds its bfloat16 update to a float32 parameter in pieces on the CPU: the
+    bits of one ``add_``, tails included."""
+    from vefsdp_optim._muon import _add_
+
+    g = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=g) * 1e-3
+    update = torch.randn(n, generator=g).bfloat16()
+    want = p.clone().add_(update, alpha=-0.0123)
+    _add_(p, update, -0.0123)
+    assert torch.equal(p, want)
+
+
+def test_large_matrix_equals_torch():
+    """A matrix above the piece size, through the whole step, against torch.optim.Muon."""
+    g = torch.Generator().manual_seed(5)
+    init = torch.randn(300, 501, generator=g)
+    ours, ref = nn.Parameter(init.clone()), nn.Parameter(init.clone())
+    opt, ref_opt = vefsdp_optim.Muon([ours], **HP), torch.optim.Muon([ref], **HP)
+    for _ in range(2):
+        grad = torch.randn(300, 501, generator=g)
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert torch.equal(ours.detach(), ref.detach())

@@ -440,7 +440,7 @@ class Muon(BlockOptimizer):
         if plan.uniform:
             adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0])
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho, alpha=-adjusted_lr)
+            _add_(p, ortho, -adjusted_lr)
             return
         # blocks of several shapes: each block's own lr adjustment, on its part of this slice
         p.mul_(1 - lr * group["weight_decay"])
@@ -465,10 +465,10 @@ class Muon(BlockOptimizer):
                 seg_hi = hi
                 continue
             if seg_lr is not None:
-                p[seg_lo:seg_hi].add_(ortho[seg_lo:seg_hi], alpha=-seg_lr)
+                _add_(p[seg_lo:seg_hi], ortho[seg_lo:seg_hi], -seg_lr)
             seg_lo, seg_hi, seg_lr = lo, hi, a_lr
         if seg_lr is not None:
-            p[seg_lo:seg_hi].add_(ortho[seg_lo:seg_hi], alpha=-seg_lr)
+            _add_(p[seg_lo:seg_hi], ortho[seg_lo:seg_hi], -seg_lr)
 
 
 def _ns_args(group: dict[str, Any]) -> tuple[NsCoefficients, int, float]:
@@ -500,6 +500,27 @@ def _result(results: dict[int, torch.Tensor], i: int, x: torch.Tensor) -> torch.
     if res is None:
         res = results[i] = torch.empty(x.numel(), dtype=torch.bfloat16, device=x.device)
     return res
+
+
+#: elements per piece of a mixed-dtype add on the CPU (a multiple of every vector length)
+_ADD_PIECE = 1 << 16
+
+
+def _add_(p: torch.Tensor, update: torch.Tensor, alpha: float) -> None:
+    """``p.add_(update, alpha=alpha)`` (1-D, equal lengths), as torch.optim.Muon adds its
+    bfloat16 update to a float32 parameter, with the same bits. On the CPU an add of two
+    dtypes first converts the whole bfloat16 operand into a new float32 tensor (the
+    common-dtype copy of TensorIterator) and runs through a slower loop, several times
+    the cost of the add itself on a large parameter; in pieces of ``_ADD_PIECE`` elements
+    the temporaries stay small. Elementwise, so the pieces do not change a bit; the
+    pieces start at multiples of every vector length, so each element keeps its place
+    in the vector loops too."""
+    n = p.numel()
+    if update.dtype == p.dtype or n <= _ADD_PIECE or p.device.type != "cpu":
+        p.add_(update, alpha=alpha)
+        return
+    for i in range(0, n, _ADD_PIECE):
+        p[i:i + _ADD_PIECE].add_(update[i:i + _ADD_PIECE], alpha=alpha)
 
 
 def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
