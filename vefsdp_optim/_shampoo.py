@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math import check_adam_hparams, matrix_inverse_root, shampoo_tiles
+from vefsdp_optim._math import ShampooTile, check_adam_hparams, shampoo_step_, shampoo_tiles
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBlocks
 
@@ -23,7 +24,6 @@ __all__ = ["Shampoo"]
 logger = logging.getLogger(__name__)
 
 _GRAFTINGS = ("adam", "sgd", "none")
-_ROOT = 4  # P = L^(-1/4) M R^(-1/4): the 2-D Shampoo exponent
 _TILE_STATS = ("L", "R", "L_inv_root", "R_inv_root")
 
 
@@ -197,7 +197,7 @@ class Shampoo(BlockOptimizer):
         if cols is not None:
             dtype = torch.promote_types(p.dtype, torch.float32)
             # flat keys, as saved: [Note: Shampoo's live state keys are its saved keys]
-            for (band, col), (rs, cs) in self._tiles(ctx, group):
+            for (band, col), rs, cs, *_ in self._tiles(ctx, group):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 state[_tile_key("L", band, col)] = torch.zeros(r, r, dtype=dtype, device=p.device)
                 state[_tile_key("R", band, col)] = torch.zeros(c, c, dtype=dtype, device=p.device)
@@ -207,20 +207,9 @@ class Shampoo(BlockOptimizer):
         return state
 
     @staticmethod
-    def _tiles(ctx: BlockContext, group: dict[str, Any]) -> list[tuple[tuple[int, int], tuple[slice, slice]]]:
-        """Tiles of the slice: ((global band, column tile), (local row slice, col slice))."""
-        cols = _matrix_cols(ctx.shape)
-        d = group["max_preconditioner_dim"]
-        if cols is None or cols == 0 or ctx.start % (d * cols) or ctx.length % cols:
-            raise AssertionError(
-                f"Shampoo slice [{ctx.start}, {ctx.start + ctx.length}) of shape "
-                f"{tuple(ctx.shape)} is not a run of whole {d}-row bands")
-        rows = ctx.length // cols
-        band0 = ctx.start // (d * cols)
-        out = []
-        for rs, cs in shampoo_tiles(rows, cols, d):
-            out.append(((band0 + rs.start // d, cs.start // d), (rs, cs)))
-        return out
+    def _tiles(ctx: BlockContext, group: dict[str, Any]) -> tuple[_SliceTile, ...]:
+        """Tiles of the slice: global (band, column tile), local slices and state keys."""
+        return _slice_tiles(ctx.shape, ctx.start, ctx.length, group["max_preconditioner_dim"])
 
     # -- the per-slice update -------------------------------------------------------
 
@@ -232,99 +221,55 @@ class Shampoo(BlockOptimizer):
             raise AssertionError(
                 f"Shampoo state holds the slice at {state['start']} of "
                 f"{state['exp_avg'].numel()} elems, the step gives {ctx.start} of {ctx.length}")
-        lr, wd, grafting = group["lr"], group["weight_decay"], group["grafting"]
-        beta1, beta2 = group["betas"]
         state["step"] += 1
         t = int(state["step"].item())
-        bc1 = 1 - beta1**t
-        bc2_sqrt = (1 - beta2**t) ** 0.5
-
-        m = state["exp_avg"]  # 1-D, ctx.length elems
-        m.lerp_(g, 1 - beta1)
-        denom = None
-        if grafting == "adam":
-            v = state["exp_avg_sq"]  # 1-D, ctx.length elems
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(group["grafting_epsilon"])  # 1-D
-
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-
+        m, v = state["exp_avg"], state.get("exp_avg_sq")  # 1-D, ctx.length elems
         cols = _matrix_cols(ctx.shape)  # None: no tiles (0-D / 1-D)
-        if cols is not None:
-            self._update_statistics(g, state, ctx, group, t, finite=bool(torch.isfinite(g).all()))
-        if cols is None or t < group["start_preconditioning_step"]:
-            # the grafted method alone (torch AdamW's op order for grafting="adam")
-            if denom is not None:
-                p.addcdiv_(m, denom, value=-lr / bc1)
-            else:
-                p.add_(m, alpha=-lr / bc1)
-            return
-
-        rows = ctx.length // cols
-        m_hat = (m / bc1).view(rows, cols)  # (rows, cols)
-        graft = m_hat if denom is None else m_hat / denom.view(rows, cols)  # (rows, cols)
-        # [Note: non-finite elements] elements whose moments are not finite (a NaN or
-        # inf gradient reached them) must not spread through the tile products: they
-        # count as 0 in the preconditioned direction and its grafting norm, and get a
-        # NaN update, so exactly they become NaN, as torch's AdamW makes them
-        bad = None
-        if not (bool(torch.isfinite(m_hat).all()) and bool(torch.isfinite(graft).all())):
-            bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
-            m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
-        update = torch.empty_like(m_hat)  # (rows, cols)
-        for (b, c), (rs, cs) in self._tiles(ctx, group):
-            l_root, r_root = state[_tile_key("L_inv_root", b, c)], state[_tile_key("R_inv_root", b, c)]
-            dtype = l_root.dtype
-            direction = l_root @ m_hat[rs, cs].to(dtype) @ r_root
-            if grafting != "none":
-                target = torch.linalg.vector_norm(graft[rs, cs].to(dtype))
-                norm = torch.linalg.vector_norm(direction)
-                direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
-            update[rs, cs] = direction
-        if bad is not None:
-            update.masked_fill_(bad, float("nan"))
-        p.add_(update.view(-1), alpha=-lr)
-
-    def _update_statistics(
-        self, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext, group: dict[str, Any],
-        t: int, finite: bool = True,
-    ) -> None:
-        beta2 = group["betas"][1]
-        cols = _matrix_cols(ctx.shape)
-        grad = g.reshape(ctx.length // cols, cols)  # (rows, cols)
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
-        recompute = t >= start and (t - start) % freq == 0
-        failed = skipped = 0
-        for (b, c), (rs, cs) in self._tiles(ctx, group):
-            stat_l, stat_r = state[_tile_key("L", b, c)], state[_tile_key("R", b, c)]
-            gt = grad[rs, cs].to(stat_l.dtype)  # (r, c)
-            if finite or bool(torch.isfinite(gt).all()):
-                stat_l.mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
-                stat_r.mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
-            else:  # one NaN would make the whole tile's statistics (and roots) NaN for good
-                skipped += 1
-            if not recompute:
-                continue
-            bc2 = 1 - beta2**t
-            for stat in ("L", "R"):
-                root, ok = matrix_inverse_root(state[_tile_key(stat, b, c)] / bc2, _ROOT, group["epsilon"])
-                if ok:
-                    state[_tile_key(f"{stat}_inv_root", b, c)] = root
-                else:
-                    failed += 1
+        tiles: list[ShampooTile] = []
+        if cols is not None:  # the slice as its (rows, cols) matrix, with its tiles' state
+            shape = (ctx.length // cols, cols)
+            p, g, m = p.view(shape), g.view(shape), m.view(shape)
+            v = v.view(shape) if v is not None else None
+            tiles = [ShampooTile(rs, cs, state[kl], state[kr], state[kli], state[kri])
+                     for _, rs, cs, kl, kr, kli, kri in self._tiles(ctx, group)]
+        skipped, failed = shampoo_step_(
+            p, g, m, v, tiles, step=t, lr=group["lr"], betas=group["betas"], epsilon=group["epsilon"],
+            weight_decay=group["weight_decay"], grafting=group["grafting"],
+            grafting_epsilon=group["grafting_epsilon"],
+            start_preconditioning_step=group["start_preconditioning_step"],
+            precondition_frequency=group["precondition_frequency"])
         if skipped:
             msg = (f"Shampoo: a non-finite gradient in {skipped} tile(s) of a parameter of shape "
                    f"{tuple(ctx.shape)} at step {t}; those tiles' statistics skip this step and "
                    "stay finite (the affected elements themselves become non-finite, as with "
                    "torch's AdamW)")
             logger.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
         if failed:
             if state["root_failures"] == 0:
                 msg = (f"Shampoo: {failed} inverse root(s) of a parameter of shape "
                        f"{tuple(ctx.shape)} failed or were not finite at step {t}; keeping "
                        "the previous roots (reported once per parameter)")
                 logger.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=4)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
             state["root_failures"] += failed
+
+
+#: one tile of a compute slice: ((global band, column tile), local row slice, column
+#: slice, and the state keys of its L, R, L_inv_root, R_inv_root)
+_SliceTile = tuple[tuple[int, int], slice, slice, str, str, str, str]
+
+
+@functools.lru_cache(maxsize=1024)
+def _slice_tiles(shape: torch.Size, start: int, length: int, d: int) -> tuple[_SliceTile, ...]:
+    cols = _matrix_cols(shape)
+    if cols is None or cols == 0 or start % (d * cols) or length % cols:
+        raise AssertionError(
+            f"Shampoo slice [{start}, {start + length}) of shape "
+            f"{tuple(shape)} is not a run of whole {d}-row bands")
+    band0 = start // (d * cols)
+    out = []
+    for rs, cs in shampoo_tiles(length // cols, cols, d):
+        band, col = band0 + rs.start // d, cs.start // d
+        out.append(((band, col), rs, cs, *(_tile_key(stat, band, col) for stat in _TILE_STATS)))
+    return tuple(out)

@@ -36,6 +36,7 @@ from ._quant8 import (
     num_blocks,
     quantize_blockwise,
 )
+from ._shampoo import SHAMPOO_ROOT, ShampooTile, shampoo_step_, shampoo_update_statistics_
 from ._soap import (
     SoapGeometry,
     SoapHparams,
@@ -57,6 +58,8 @@ __all__ = [
     "POLAR_EXPRESS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_SAFETY",
+    "SHAMPOO_ROOT",
+    "ShampooTile",
     "SoapGeometry",
     "SoapHparams",
     "SoapState",
@@ -77,7 +80,9 @@ __all__ = [
     "num_blocks",
     "polar_express_coefficients",
     "quantize_blockwise",
+    "shampoo_step_",
     "shampoo_tiles",
+    "shampoo_update_statistics_",
     "soap_eigenbasis",
     "soap_geometry",
     "soap_power_iteration",

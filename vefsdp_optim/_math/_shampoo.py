@@ -1,0 +1,171 @@
+"""One Shampoo step on a run of whole tiles: block-diagonal Shampoo with grafting.
+
+``shampoo_step_`` is the whole algorithm of :class:`vefsdp_optim.Shampoo` on local
+tensors: the momentum and the grafting method's second moment (elementwise), the tiles'
+statistics and their inverse fourth roots (per tile), and the grafted, preconditioned
+update. The optimizer routes to it each rank's compute slice, a run of whole row bands
+([Note: Shampoo tiles by global band] in _shampoo.py), with the slice's tiles; a single
+device passes the whole matrix. Tiles never interact, so any run of whole bands gets
+the bits of that part of the whole-matrix step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._matrix_root import matrix_inverse_root
+
+__all__ = ["SHAMPOO_ROOT", "ShampooTile", "shampoo_step_", "shampoo_update_statistics_"]
+
+#: P = L^(-1/4) M R^(-1/4): the exponent of 2-D Shampoo
+SHAMPOO_ROOT = 4
+
+
+class ShampooTile(NamedTuple):
+    """One tile of a matrix and its statistics, updated in place by :func:`shampoo_step_`."""
+
+    rows: slice  # of the matrix given to the step
+    cols: slice
+    L: Tensor  # (r, r) running mean of G G^T
+    R: Tensor  # (c, c) running mean of G^T G
+    L_inv_root: Tensor  # (r, r) (L / (1 - beta2^t) + epsilon I)^(-1/4); the identity at first
+    R_inv_root: Tensor  # (c, c) the same of R
+
+
+def shampoo_update_statistics_(
+    grad: Tensor, tiles: Sequence[ShampooTile], *, step: int, beta2: float, epsilon: float,
+    start_preconditioning_step: int, precondition_frequency: int, finite: bool = True,
+) -> tuple[int, int]:
+    """Each tile's ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2)
+    G^T G`` from the tile ``G`` of the (rows, cols) ``grad``, in place; at ``step =
+    start_preconditioning_step + k * precondition_frequency`` the inverse roots are
+    recomputed (:func:`matrix_inverse_root` of the bias-corrected statistic, written
+    into ``L_inv_root`` / ``R_inv_root``). A tile whose gradient is not finite skips
+    its update (one NaN would poison its statistics for good); a root that fails keeps
+    the previous one. ``finite``: False when ``grad`` may hold non-finite values.
+
+    Returns ``(skipped tiles, failed roots)``.
+    """
+    recompute = step >= start_preconditioning_step and (step - start_preconditioning_step) % precondition_frequency == 0
+    failed = skipped = 0
+    for tile in tiles:
+        stat_l, stat_r = tile.L, tile.R
+        gt = grad[tile.rows, tile.cols].to(stat_l.dtype)  # (r, c)
+        if finite or bool(torch.isfinite(gt).all()):
+            stat_l.mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
+            stat_r.mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
+        else:
+            skipped += 1
+        if not recompute:
+            continue
+        bc2 = 1 - beta2**step
+        for stat, inv_root in ((stat_l, tile.L_inv_root), (stat_r, tile.R_inv_root)):
+            root, ok = matrix_inverse_root(stat / bc2, SHAMPOO_ROOT, epsilon)
+            if ok:
+                inv_root.copy_(root)
+            else:
+                failed += 1
+    return skipped, failed
+
+
+def shampoo_step_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor | None,
+    tiles: Sequence[ShampooTile],
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    epsilon: float,
+    weight_decay: float,
+    grafting: str,
+    grafting_epsilon: float,
+    start_preconditioning_step: int,
+    precondition_frequency: int,
+) -> tuple[int, int]:
+    r"""One step of block-diagonal Shampoo with grafting, in place.
+
+    With ``(beta1, beta2) = betas`` and ``t = step`` (the count after this update, 1 on
+    the first call)::
+
+        m <- beta1 m + (1 - beta1) g                       (exp_avg, lerp)
+        v <- beta2 v + (1 - beta2) g^2                      (exp_avg_sq; grafting "adam")
+        A  = m_hat / (sqrt(v / (1 - beta2^t)) + grafting_epsilon)   (grafting "adam")
+           = m_hat                                          (grafting "sgd" or "none")
+        p <- p (1 - lr weight_decay)
+        per tile: L, R and their roots (shampoo_update_statistics_, from the RAW g)
+        t <  start_preconditioning_step, or no tiles:  p <- p - lr A
+        t >= start_preconditioning_step, per tile:
+            P = L^(-1/4) M R^(-1/4)        (M: the tile of m_hat = m / (1 - beta1^t))
+            P <- P ||A_tile||_F / ||P||_F  (grafting "adam" or "sgd")
+            p <- p - lr P
+
+    Elements whose moments are not finite count as 0 in the tile products and norms and
+    get a NaN update, as torch's AdamW makes them ([Note: non-finite elements]).
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: one shape, on one device: the (rows, cols)
+            matrix (a run of whole row bands of a parameter's (dim 0, rest) view) when
+            ``tiles`` are given; any shape without tiles (0-D and 1-D parameters: the
+            grafting method alone). ``exp_avg_sq`` is None unless ``grafting="adam"``.
+        tiles: the tiles of the matrix (``ShampooTile``: slices into it and the tile's
+            statistics, updated in place), e.g. from :func:`shampoo_tiles`.
+        grafting: ``"adam"``, ``"sgd"`` or ``"none"``.
+
+    Returns ``(tiles whose statistics skipped the step, roots that failed)``.
+    """
+    beta1, beta2 = betas
+    t = step
+    bc1 = 1 - beta1**t
+    bc2_sqrt = (1 - beta2**t) ** 0.5
+    exp_avg.lerp_(grad, 1 - beta1)
+    denom = None
+    if grafting == "adam":
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # type: ignore[union-attr]
+        denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(grafting_epsilon)  # type: ignore[union-attr]
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    report = (0, 0)
+    if tiles:
+        report = shampoo_update_statistics_(
+            grad, tiles, step=t, beta2=beta2, epsilon=epsilon,
+            start_preconditioning_step=start_preconditioning_step,
+            precondition_frequency=precondition_frequency, finite=bool(torch.isfinite(grad).all()))
+    if not tiles or t < start_preconditioning_step:
+        # the grafted method alone (torch AdamW's op order for grafting="adam")
+        if denom is not None:
+            param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+        else:
+            param.add_(exp_avg, alpha=-lr / bc1)
+        return report
+
+    m_hat = exp_avg / bc1  # (rows, cols)
+    graft = m_hat if denom is None else m_hat / denom  # (rows, cols)
+    # [Note: non-finite elements] elements whose moments are not finite (a NaN or inf
+    # gradient reached them) must not spread through the tile products: they count as 0
+    # in the preconditioned direction and its grafting norm, and get a NaN update, so
+    # exactly they become NaN, as torch's AdamW makes them
+    bad = None
+    if not (bool(torch.isfinite(m_hat).all()) and bool(torch.isfinite(graft).all())):
+        bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
+        m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
+    update = torch.empty_like(m_hat)  # (rows, cols)
+    for tile in tiles:
+        rs, cs, l_root, r_root = tile.rows, tile.cols, tile.L_inv_root, tile.R_inv_root
+        dtype = l_root.dtype
+        direction = l_root @ m_hat[rs, cs].to(dtype) @ r_root
+        if grafting != "none":
+            target = torch.linalg.vector_norm(graft[rs, cs].to(dtype))
+            norm = torch.linalg.vector_norm(direction)
+            direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
+        update[rs, cs] = direction
+    if bad is not None:
+        update.masked_fill_(bad, float("nan"))
+    param.add_(update, alpha=-lr)
+    return report
