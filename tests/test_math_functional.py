@@ -16,6 +16,8 @@ from torch.optim.adamw import adamw as torch_adamw
 
 from vefsdp_optim._math import (
     ShampooTile,
+    SoapHparams,
+    SoapState,
     adam8bit_block_step_,
     adam_foreach_,
     adamw_step_,
@@ -25,6 +27,8 @@ from vefsdp_optim._math import (
     quantize_blockwise,
     shampoo_step_,
     shampoo_tiles,
+    soap_geometry,
+    soap_step_,
 )
 
 SIGNED, UNSIGNED = dynamic_code_map(True), dynamic_code_map(False)
@@ -224,3 +228,58 @@ def test_shampoo_step_on_band_runs_equals_whole_matrix() -> None:
             shampoo_step_(p_runs[a:b], g[a:b], *st, step=t, **hp)
     assert torch.equal(p, p_runs)
     assert torch.equal(torch.cat([st[0] for st in state_runs]), state[0])
+
+
+# ----------------------------------------------------------------------------- SOAP
+
+
+def test_soap_step_equals_float64_reference() -> None:
+    """soap_step_ on one whole float64 matrix (both dims with a factor, full rank) against SOAP written
+    from the paper's algorithm: Adam on Q_L^T G Q_R, the update rotated back, the factors'
+    running means, a power iteration with QR every precondition_frequency Adam steps."""
+    gen = torch.Generator().manual_seed(5)
+    rows, cols = 5, 5  # full-rank factors: the eigenvectors are well defined
+    hp = SoapHparams(lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1, eps=1e-8, weight_decay=0.01,
+                     precondition_frequency=2, normalize_grads=False, correct_bias=True)
+    geo = soap_geometry((rows, cols), 100)
+    f64 = dict(dtype=torch.float64)
+    p = torch.randn(rows, cols, generator=gen, **f64)
+    p_ref = p.clone()
+    state = SoapState(torch.zeros(rows, cols, **f64), torch.zeros(rows, cols, **f64),
+                      [torch.zeros(rows, rows, **f64), torch.zeros(cols, cols, **f64)], [None, None])
+    b1, b2 = hp.betas
+    beta = hp.factor_beta
+    m, v = torch.zeros(rows, cols, **f64), torch.zeros(rows, cols, **f64)
+    fl, fr = torch.zeros(rows, rows, **f64), torch.zeros(cols, cols, **f64)
+    ql = qr = None
+
+    def eigvecs(f: torch.Tensor) -> torch.Tensor:  # by decreasing eigenvalue
+        return torch.linalg.eigh(f + 1e-30 * torch.eye(f.shape[0], **f64))[1].flip(1)
+
+    def power_step(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort(torch.diag(q.T @ f @ q), descending=True)
+        return torch.linalg.qr(f @ q[:, order])[0], order
+
+    for s in range(1, 8):
+        g = torch.randn(rows, cols, generator=gen, **f64)
+        soap_step_(p.view(-1), g.view(-1), state, s, hp, geo)
+        if s == 1:
+            fl, fr = (1 - beta) * g @ g.T, (1 - beta) * g.T @ g
+            ql, qr = eigvecs(fl), eigvecs(fr)
+            continue
+        t = s - 1
+        g_rot = ql.T @ g @ qr
+        m = b1 * m + (1 - b1) * g_rot
+        v = b2 * v + (1 - b2) * g_rot**2
+        u = ql @ (m / (v.sqrt() + hp.eps)) @ qr.T
+        p_ref = p_ref - hp.lr * (1 - b2**t) ** 0.5 / (1 - b1**t) * u
+        p_ref = p_ref - hp.lr * hp.weight_decay * p_ref
+        m_orig = ql @ m @ qr.T
+        fl, fr = beta * fl + (1 - beta) * g @ g.T, beta * fr + (1 - beta) * g.T @ g
+        if t % hp.precondition_frequency == 0:
+            ql, order_l = power_step(fl, ql)
+            qr, order_r = power_step(fr, qr)
+            v = v[order_l][:, order_r]
+        m = ql.T @ m_orig @ qr
+        torch.testing.assert_close(p, p_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state.exp_avg_sq, v, rtol=1e-9, atol=1e-14)
