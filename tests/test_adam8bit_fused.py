@@ -87,6 +87,50 @@ def test_kernel_equals_eager_bitwise(n, bs, decoupled, wd, maximize):
     assert p.isnan().sum() >= 1 and s[1].abs().min() >= 0  # the non-finite case ran
 
 
+def _hard_grad(n, bs, step, gen):
+    """Gradients over many decades per block, with NaN / inf, subnormal, huge and zero
+    blocks, so that moments' scales span subnormal to near-overflow values."""
+    g = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 1, (n,), generator=gen)
+    nb = -(-n // bs)
+    blocks = torch.randperm(nb, generator=gen)[: max(1, nb // 8)]
+    for k, b in enumerate(blocks.tolist()):
+        lo, hi = b * bs, min(n, (b + 1) * bs)
+        g[lo:hi] *= (1e-41, 1e30, 0.0, 1e-38)[k % 4]  # subnormal, huge, zero, near FLT_MIN
+    if step == 2:
+        g[torch.randint(0, n, (17,), generator=gen)] = float("nan")
+        g[torch.randint(0, n, (17,), generator=gen)] = float("inf")
+        g[torch.randint(0, n, (17,), generator=gen)] = -float("inf")
+    return g
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("bs,decoupled,wd,maximize", [
+    (1, True, 0.1, False), (7, False, 0.1, True), (256, True, 1e-2, False), (2048, False, 0.0, False)])
+def test_kernel_threads_equal_eager_bitwise(threads, bs, decoupled, wd, maximize):
+    """[Note: threads over blocks]: at 1, 2 and 3 intra-op threads the kernel gives the
+    eager ops' bits (a size with a short last block, split across threads at any block
+    size); moments from the whole float range exercise [Note: requantization by
+    reciprocal], including its exact fallbacks."""
+    n = 200_003
+    gen = torch.Generator().manual_seed(bs)
+    p = torch.randn(n, generator=gen)
+    pe = p.clone()
+    s, se = _state(n, bs), _state(n, bs)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(1, 5):
+            g = _hard_grad(n, bs, step, gen)
+            adam8bit_block_step_(p, g, *s, step=step, fused=True, **_hp(bs, decoupled, wd, maximize))
+            adam8bit_block_step_(pe, g, *se, step=step, fused=False, **_hp(bs, decoupled, wd, maximize))
+            assert _equal(p, pe), (step, (p != pe).sum())
+            for a, b in zip(s, se, strict=True):
+                assert torch.equal(a, b), step
+    finally:
+        torch.set_num_threads(saved)
+
+
 @needs_cc
 @pytest.mark.parametrize("fused", [True, False])
 def test_block_runs_equal_whole_tensor(fused):

@@ -19,6 +19,34 @@
 namespace vefsdp {
 namespace {
 
+static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+/* one code map, as the kernel reads it: the 256 values, the packed bucket table and,
+   with AVX-512 VBMI, the values' 4 byte planes (built once per call, not per block) */
+struct Map {
+    const float* code;    // 256 sorted values
+    const uint32_t* tab;  // 65536 packed bucket words ([Note: packed bucket table])
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    alignas(64) uint8_t planes[4][256];  // planes[k][j]: byte k of code[j]'s bits
+    alignas(64) uint8_t order[64];       // byte 16 L + 4 j + q takes element 16 j + 4 L + q
+#endif
+};
+
+static void map_init(Map* m, const float* code, const uint32_t* tab) {
+    m->code = code;
+    m->tab = tab;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    for (int j = 0; j < 256; ++j) {
+        const uint32_t u = bits_of(code[j]);
+        for (int k = 0; k < 4; ++k) m->planes[k][j] = (uint8_t)(u >> (8 * k));
+    }
+    for (int L = 0; L < 4; ++L)
+        for (int j = 0; j < 4; ++j)
+            for (int q = 0; q < 4; ++q) m->order[16 * L + 4 * j + q] = (uint8_t)(16 * j + 4 * L + q);
+#endif
+}
+
 #if defined(__AVX512F__)
 /* code[ix] for 16 indices in [0, 256): permutes over the 256-value table in 16 registers
    (a gather costs ~3x more here); exact, as a load */
@@ -36,27 +64,19 @@ static inline __m512 lut256(const __m512* t, __m512i ix) {
 #endif
 
 /* out[i] = code[c[i]] * scale, i < len */
-static void dequantize(const uint8_t* __restrict__ c, int64_t len, const float* __restrict__ code,
-                       float scale, float* __restrict__ out) {
+static void dequantize(const uint8_t* __restrict__ c, int64_t len, const Map* map, float scale,
+                       float* __restrict__ out) {
+    const float* __restrict__ code = map->code;
     int64_t i = 0;
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
     /* 64 codes at a time: the map's 4 byte planes looked up with byte permutes, the
        indices first reordered so that the byte interleaves give the floats in order;
        the floats' bits are code[c[i]]'s, so this is exact */
     if (len >= 64) {
-        uint8_t planes[4][256];
-        for (int j = 0; j < 256; ++j) {
-            uint32_t u; memcpy(&u, code + j, 4);
-            for (int k = 0; k < 4; ++k) planes[k][j] = (uint8_t)(u >> (8 * k));
-        }
         __m512i pt[4][4];
         for (int k = 0; k < 4; ++k)
-            for (int q = 0; q < 4; ++q) pt[k][q] = _mm512_loadu_si512((const void*)(planes[k] + 64 * q));
-        uint8_t order[64];  /* byte 16 L + 4 j + q takes element 16 j + 4 L + q */
-        for (int L = 0; L < 4; ++L)
-            for (int j = 0; j < 4; ++j)
-                for (int q = 0; q < 4; ++q) order[16 * L + 4 * j + q] = (uint8_t)(16 * j + 4 * L + q);
-        const __m512i ord = _mm512_loadu_si512((const void*)order);
+            for (int q = 0; q < 4; ++q) pt[k][q] = _mm512_load_si512((const void*)(map->planes[k] + 64 * q));
+        const __m512i ord = _mm512_load_si512((const void*)map->order);
         const __m512 sc = _mm512_set1_ps(scale);
         for (; i + 64 <= len; i += 64) {
             const __m512i ix = _mm512_permutexvar_epi8(ord, _mm512_loadu_si512((const void*)(c + i)));
@@ -75,19 +95,18 @@ static void dequantize(const uint8_t* __restrict__ c, int64_t len, const float* 
     }
 #endif
 #if defined(__AVX512F__)
-    __m512 t[16];
-    for (int j = 0; j < 16; ++j) t[j] = _mm512_loadu_ps(code + 16 * j);
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (; i + 16 <= len; i += 16) {
-        const __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(lut256(t, ix), sc));
+    if (len - i >= 16) {
+        __m512 t[16];
+        for (int j = 0; j < 16; ++j) t[j] = _mm512_loadu_ps(code + 16 * j);
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (; i + 16 <= len; i += 16) {
+            const __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(lut256(t, ix), sc));
+        }
     }
 #endif
     for (; i < len; ++i) out[i] = code[c[i]] * scale;
 }
-
-static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
-static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
 /* the code of one value by the packed bucket table of its map ([Note: packed bucket
    table]: lo8 << 16 | the low 16 bits of the bucket's midpoint) */
@@ -98,92 +117,146 @@ static inline uint8_t code_of(float normed, const uint32_t* tab) {
 }
 
 #if defined(__AVX512F__)
-/* the 8 levels of a branch-free binary search over the 255 midpoints mid[j] =
-   (code[j] + code[j + 1]) / 2 of a code map (as quantize_blockwise rounds them): level
-   L's 2^L midpoints mid[k * 2s + s - 1] (s = 2^(7 - L), k < 2^L) at srch[2^L - 1 + r],
-   r = k's L bits reversed, so that the bits found so far index the level directly */
-static void search_levels(const float* code, float* srch) {
-    float mid[255];
-    for (int j = 0; j < 255; ++j) mid[j] = (code[j] + code[j + 1]) / 2.0f;
-    for (int L = 0; L < 8; ++L)
-        for (int k = 0, s = 128 >> L; k < (1 << L); ++k) {
-            int r = 0;
-            for (int b = 0; b < L; ++b) r |= ((k >> (L - 1 - b)) & 1) << b;
-            srch[(1 << L) - 1 + r] = mid[k * 2 * s + s - 1];
-        }
-    for (int j = 255; j < 272; ++j) srch[j] = 0.0f;
-}
-
-typedef struct { __m512 sc, t0, t1, t2, t3, t4, t5[2], t6[4], t7[8]; } levels_t;
-
-/* codes of 16 * U values x[i] / scale: at level L, bit L of r (the code's bit 7 - L)
-   is mid < x for the level's midpoint picked by r's bits so far; r's byte is reversed
-   at the end. The same division and exact float compares, so searchsorted's codes */
-static inline __attribute__((always_inline)) void search(const levels_t* T, const float* x,
-                                                         uint8_t* out, const int U) {
-#define EACH for (int u = 0; u < U; ++u)
-#define LT(t) _mm512_cmp_ps_mask(t, xn[u], _CMP_LT_OQ)
-#define OR(m, b) r[u] = _mm512_mask_or_epi32(r[u], m, r[u], _mm512_set1_epi32(b))
-#define P2(t, j) _mm512_permutex2var_ps((t)[j], r[u], (t)[(j) + 1])
-    __m512 xn[8]; __m512i r[8]; __mmask16 k5[8], k6[8];
-    EACH xn[u] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * u), T->sc);
-    EACH r[u] = _mm512_maskz_mov_epi32(LT(T->t0), _mm512_set1_epi32(1));
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t1)), 2);
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t2)), 4);
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t3)), 8);
-    EACH OR(LT(_mm512_permutexvar_ps(r[u], T->t4)), 16);
-    EACH k5[u] = LT(P2(T->t5, 0));
-    EACH k6[u] = LT(_mm512_mask_blend_ps(k5[u], P2(T->t6, 0), P2(T->t6, 2)));
-    EACH {
-        const __m512 q0 = _mm512_mask_blend_ps(k5[u], P2(T->t7, 0), P2(T->t7, 2));
-        const __m512 q1 = _mm512_mask_blend_ps(k5[u], P2(T->t7, 4), P2(T->t7, 6));
-        const __mmask16 k7 = LT(_mm512_mask_blend_ps(k6[u], q0, q1));
-        OR(k5[u], 32); OR(k6[u], 64); OR(k7, 128);
-    }
-#if defined(__GFNI__)
-    const __m128i rev = _mm_set1_epi64x((long long)0x8040201008040201ULL);  /* byte reversal */
-    EACH _mm_storeu_si128((__m128i*)(out + 16 * u),
-                          _mm_gf2p8affine_epi64_epi8(_mm512_cvtepi32_epi8(r[u]), rev, 0));
-#else  /* the reversal of r's byte: rev4(low nibble) << 4 | rev4(high nibble) */
-    const __m128i rlo = _mm_setr_epi8(0, -128, 64, -64, 32, -96, 96, -32, 16, -112, 80, -48, 48, -80, 112, -16);
-    const __m128i rhi = _mm_setr_epi8(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-    const __m128i nib = _mm_set1_epi8(15);
-    EACH {
-        const __m128i b = _mm512_cvtepi32_epi8(r[u]);
-        _mm_storeu_si128((__m128i*)(out + 16 * u),
-                         _mm_or_si128(_mm_shuffle_epi8(rlo, _mm_and_si128(b, nib)),
-                                      _mm_shuffle_epi8(rhi, _mm_and_si128(_mm_srli_epi16(b, 4), nib))));
-    }
-#endif
-#undef EACH
-#undef LT
-#undef OR
-#undef P2
+/* code_of for 16 values q: a gather from the packed table; near (within NEAR bit
+   patterns of) the bucket's midpoint or the bucket's ends, in *near */
+static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
+    const __m512i u = _mm512_castps_si512(q), lo16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), (const void*)tab, 4);
+    const __m512i xl = _mm512_and_si512(u, lo16), t = _mm512_and_si512(e, lo16);
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    const __mmask16 up = (__mmask16)((neg & _mm512_cmplt_epu32_mask(xl, t)) |
+                                     (~neg & _mm512_cmpgt_epu32_mask(xl, t)));
+    const int NEAR = 8;
+    *near = (__mmask16)(
+        _mm512_cmple_epu32_mask(_mm512_abs_epi32(_mm512_sub_epi32(xl, t)), _mm512_set1_epi32(NEAR)) |
+        _mm512_cmple_epu32_mask(_mm512_and_si512(_mm512_add_epi32(xl, _mm512_set1_epi32(NEAR)), lo16),
+                                _mm512_set1_epi32(2 * NEAR - 1)));
+    return _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), up, _mm512_srli_epi32(e, 16), _mm512_set1_epi32(1));
 }
 #endif
 
-/* codes of x[i] / scale, i < len, into out: code_of, or with AVX-512 the
-   search over srch (register permutes: a gather from the bucket table costs ~20 cycles
-   for 16 lanes, 8 levels of the search ~15; every finite float gets code_of's code) */
-static void quantize(const float* __restrict__ x, int64_t len, float scale, const float* __restrict__ srch,
+/* codes of x[i] / scale, i < len, into out.
+
+   [Note: requantization by reciprocal]
+   The code of x is the number of the map's midpoints below d = x / scale (one correctly
+   rounded division; searchsorted's rule). The vector loop multiplies instead,
+   q = x * r with r = 1 / scale (both rounded): with scale and r normal, q is within
+   2.5 ulps of d (two relative errors of 2^-24; 5 bit patterns across a power of two,
+   1 in the subnormal range), so no midpoint between q and d unless one lies within
+   NEAR = 8 bit patterns of q: for the table's one midpoint per bucket that is
+   |low 16 bits of q - those of the midpoint| <= 8, and q within 8 patterns of its
+   bucket's ends for a neighbour's. Those vectors (~1%) are redone with the division.
+   So every code is the division's, which the tests check against the eager ops. */
+static void quantize(const float* __restrict__ x, int64_t len, float scale,
                      const uint32_t* __restrict__ tab, uint8_t* __restrict__ out) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    levels_t T;  // srch is read only here: the portable build leaves it unused
-    T.sc = _mm512_set1_ps(scale);
-    T.t0 = _mm512_set1_ps(srch[0]);
-    T.t1 = _mm512_loadu_ps(srch + 1), T.t2 = _mm512_loadu_ps(srch + 3);
-    T.t3 = _mm512_loadu_ps(srch + 7), T.t4 = _mm512_loadu_ps(srch + 15);
-    for (int j = 0; j < 2; ++j) T.t5[j] = _mm512_loadu_ps(srch + 31 + 16 * j);
-    for (int j = 0; j < 4; ++j) T.t6[j] = _mm512_loadu_ps(srch + 63 + 16 * j);
-    for (int j = 0; j < 8; ++j) T.t7[j] = _mm512_loadu_ps(srch + 127 + 16 * j);
-    /* 8 vectors at a time: each level's permute and compare wait on the one before */
-    for (; i + 128 <= len; i += 128) search(&T, x + i, out + i, 8);
-    for (; i + 16 <= len; i += 16) search(&T, x + i, out + i, 1);
-#else
-    (void)srch;
+    const float r = 1.0f / scale;
+    if (scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX) {
+        const __m512 vr = _mm512_set1_ps(r), vs = _mm512_set1_ps(scale);
+        for (; i + 16 <= len; i += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + i);
+            __mmask16 near;
+            __m512i c = codes16(_mm512_mul_ps(xv, vr), tab, &near);
+            if (near) {
+                __mmask16 unused;
+                c = codes16(_mm512_div_ps(xv, vs), tab, &unused);
+            }
+            _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(c));
+        }
+    }
 #endif
     for (; i < len; ++i) out[i] = code_of(x[i] / scale, tab);
+}
+
+struct Hp {
+    float c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, gsign;
+};
+
+/* the update of len elements of one block ([Note: 8-bit Adam op order]): p in place,
+   the new moments (non-finite ones as 0) into sm, sv; returns their absmax bits (for
+   |x| the uint32 order is the float order: an exact max) */
+template <int WD>
+static void update(float* __restrict__ pb, const float* __restrict__ gb, float* __restrict__ sm,
+                   float* __restrict__ sv, int64_t len, const Hp& h, uint32_t* um_out,
+                   uint32_t* uv_out) {
+    int64_t i = 0;
+    uint32_t um = 0, uv = 0;
+#if defined(__AVX512F__)
+    {
+        const __m512 gsign = _mm512_set1_ps(h.gsign), c_wd = _mm512_set1_ps(h.c_wd);
+        const __m512 wd = _mm512_set1_ps(h.wd), w1 = _mm512_set1_ps(h.w1);
+        const __m512 beta2 = _mm512_set1_ps(h.beta2), w2 = _mm512_set1_ps(h.w2);
+        const __m512 bc2 = _mm512_set1_ps(h.bc2), eps = _mm512_set1_ps(h.eps);
+        const __m512 neg_step = _mm512_set1_ps(h.neg_step), big = _mm512_set1_ps(FLT_MAX);
+        const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+        __m512i vm = _mm512_setzero_si512(), vv = _mm512_setzero_si512();
+        for (; i + 16 <= len; i += 16) {
+            __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(gb + i), gsign);
+            __m512 pi = _mm512_loadu_ps(pb + i);
+            if (WD == 1) pi = _mm512_mul_ps(pi, c_wd);
+            else if (WD == 2) gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, wd));
+            __m512 m = _mm512_loadu_ps(sm + i), v = _mm512_loadu_ps(sv + i);
+            m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_sub_ps(gi, m), w1));
+            v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), w2));
+            const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+            _mm512_storeu_ps(pb + i, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(m, neg_step), denom)));
+            const __m512i mb = _mm512_and_si512(_mm512_castps_si512(m), absm);
+            const __m512i vb = _mm512_and_si512(_mm512_castps_si512(v), absm);
+            /* |x| <= FLT_MAX (false for NaN) */
+            const __mmask16 fm = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mb), big, _CMP_LE_OQ);
+            const __mmask16 fv = _mm512_cmp_ps_mask(_mm512_castsi512_ps(vb), big, _CMP_LE_OQ);
+            _mm512_storeu_ps(sm + i, _mm512_maskz_mov_ps(fm, m));
+            _mm512_storeu_ps(sv + i, _mm512_maskz_mov_ps(fv, v));
+            vm = _mm512_mask_max_epu32(vm, fm, vm, mb);
+            vv = _mm512_mask_max_epu32(vv, fv, vv, vb);
+        }
+        um = _mm512_reduce_max_epu32(vm);
+        uv = _mm512_reduce_max_epu32(vv);
+    }
+#endif
+    for (; i < len; ++i) {
+        float gi = gb[i] * h.gsign;
+        float pi = pb[i];
+        if (WD == 1) pi = pi * h.c_wd;
+        else if (WD == 2) gi = gi + pi * h.wd;
+        float m = sm[i], v = sv[i];
+        m = m + (gi - m) * h.w1;
+        v = v * h.beta2 + (gi * gi) * h.w2;
+        float denom = sqrtf(v) / h.bc2 + h.eps;
+        pb[i] = pi + (m * h.neg_step) / denom;
+        m = fabsf(m) <= FLT_MAX ? m : 0.0f;
+        v = fabsf(v) <= FLT_MAX ? v : 0.0f;
+        sm[i] = m;
+        sv[i] = v;
+        const uint32_t a = bits_of(m) & 0x7fffffffu, b = bits_of(v) & 0x7fffffffu;
+        um = a > um ? a : um;
+        uv = b > uv ? b : uv;
+    }
+    *um_out = um;
+    *uv_out = uv;
+}
+
+template <int WD>
+static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8_t* __restrict__ mc,
+                       float* __restrict__ ma, uint8_t* __restrict__ vc, float* __restrict__ va,
+                       int64_t n, int64_t bs, const Hp& h, const Map* sm_map, const Map* sv_map,
+                       float* __restrict__ sm, float* __restrict__ sv) {
+    for (int64_t lo = 0; lo < n; lo += bs) {
+        const int64_t len = n - lo < bs ? n - lo : bs;
+        const int64_t blk = lo / bs;
+        uint8_t* __restrict__ mb = mc + lo;
+        uint8_t* __restrict__ vb = vc + lo;
+        dequantize(mb, len, sm_map, ma[blk], sm);
+        dequantize(vb, len, sv_map, va[blk], sv);
+        uint32_t um, uv;
+        update<WD>(p + lo, g + lo, sm, sv, len, h, &um, &uv);
+        const float amax_m = float_of(um), amax_v = float_of(uv);
+        quantize(sm, len, amax_m > 0.0f ? amax_m : 1.0f, sm_map->tab, mb);
+        quantize(sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb);
+        ma[blk] = amax_m;
+        va[blk] = amax_v;
+    }
 }
 
 }  // namespace
@@ -193,56 +266,18 @@ int adam8bit_step(float* __restrict__ p, const float* __restrict__ g, uint8_t* _
                   int64_t n, int64_t bs, const float* __restrict__ hp, int flags,
                   const float* __restrict__ scode, const float* __restrict__ ucode,
                   const uint32_t* __restrict__ stab, const uint32_t* __restrict__ utab) {
-    const float c_wd = hp[0], wd = hp[1], w1 = hp[2], beta2 = hp[3], w2 = hp[4];
-    const float bc2 = hp[5], eps = hp[6], neg_step = hp[7];
-    const float gsign = (flags & 1) ? -1.0f : 1.0f;
+    const Hp h = {hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7], (flags & 1) ? -1.0f : 1.0f};
     const int wd_mode = (flags & 2) ? ((flags & 4) ? 1 : 2) : 0;
-    float ssrch[272] = {0}, usrch[272] = {0};
-#if defined(__AVX512F__)
-    search_levels(scode, ssrch);
-    search_levels(ucode, usrch);
-#endif
+    Map smap, umap;
+    map_init(&smap, scode, stab);
+    map_init(&umap, ucode, utab);
     float* scratch = (float*)malloc((size_t)(2 * bs) * sizeof(float));
     if (scratch == NULL) return -1;
-    float* __restrict__ sm = scratch;
-    float* __restrict__ sv = scratch + bs;
-    for (int64_t lo = 0; lo < n; lo += bs) {
-        const int64_t len = n - lo < bs ? n - lo : bs;
-        const int64_t blk = lo / bs;
-        const float am = ma[blk], av = va[blk];
-        float* __restrict__ pb = p + lo;
-        const float* __restrict__ gb = g + lo;
-        uint8_t* __restrict__ mb = mc + lo;
-        uint8_t* __restrict__ vb = vc + lo;
-        dequantize(mb, len, scode, am, sm);
-        dequantize(vb, len, ucode, av, sv);
-        uint32_t um = 0, uv = 0;
-        for (int64_t i = 0; i < len; ++i) {
-            float gi = gb[i] * gsign;
-            float pi = pb[i];
-            if (wd_mode == 1) pi = pi * c_wd;
-            else if (wd_mode == 2) gi = gi + pi * wd;
-            float m = sm[i], v = sv[i];
-            m = m + (gi - m) * w1;
-            v = v * beta2 + (gi * gi) * w2;
-            float denom = sqrtf(v) / bc2 + eps;
-            pb[i] = pi + (m * neg_step) / denom;
-            m = fabsf(m) <= FLT_MAX ? m : 0.0f;
-            v = fabsf(v) <= FLT_MAX ? v : 0.0f;
-            sm[i] = m;
-            sv[i] = v;
-        }
-        /* absmax on the bits: for |x| the uint32 order is the float order (an exact max) */
-        for (int64_t i = 0; i < len; ++i) { uint32_t a = bits_of(sm[i]) & 0x7fffffffu; um = a > um ? a : um; }
-        for (int64_t i = 0; i < len; ++i) { uint32_t a = bits_of(sv[i]) & 0x7fffffffu; uv = a > uv ? a : uv; }
-        const float amax_m = float_of(um), amax_v = float_of(uv);
-        const float scale_m = amax_m > 0.0f ? amax_m : 1.0f;
-        const float scale_v = amax_v > 0.0f ? amax_v : 1.0f;
-        quantize(sm, len, scale_m, ssrch, stab, mb);
-        quantize(sv, len, scale_v, usrch, utab, vb);
-        ma[blk] = amax_m;
-        va[blk] = amax_v;
-    }
+    float* sm = scratch;
+    float* sv = scratch + bs;
+    if (wd_mode == 1) run_blocks<1>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, sm, sv);
+    else if (wd_mode == 2) run_blocks<2>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, sm, sv);
+    else run_blocks<0>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, sm, sv);
     free(scratch);
     return 0;
 }

@@ -2,15 +2,25 @@
 // CPU only. _quant8_fused.py builds both files with torch.utils.cpp_extension.load; the
 // build's name (the namespace here) carries the hash of the sources, flags and CPU, so
 // two builds (native and portable) can live in one process.
+//
+// [Note: threads over blocks]
+// The step runs on torch's intra-op threads (at::parallel_for, torch.get_num_threads()):
+// each thread takes a run of whole blocks, at least kGrain elements, and blocks never
+// interact, so the bits are the same at any thread count.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 
 #include "quant8_adam.h"
 
 namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // elements a thread takes at least (~0.1 ms of work)
 
 void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
     TORCH_CHECK(t.device().is_cpu(), "adam8bit_step_: ", name, " must be a CPU tensor, got ",
@@ -43,12 +53,24 @@ void adam8bit_step_cpu(const at::Tensor& p, const at::Tensor& g, const at::Tenso
     check(utab, "utab", at::kInt, 65536);
     std::array<float, 8> h{};  // each coefficient is a float32 already: exact
     for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(hp[i]);
-    const int rc = vefsdp::adam8bit_step(
-        p.data_ptr<float>(), g.data_ptr<float>(), mc.data_ptr<uint8_t>(), ma.data_ptr<float>(),
-        vc.data_ptr<uint8_t>(), va.data_ptr<float>(), n, block_size, h.data(),
-        static_cast<int>(flags), scode.data_ptr<float>(), ucode.data_ptr<float>(),
-        reinterpret_cast<const uint32_t*>(stab.data_ptr<int32_t>()),
-        reinterpret_cast<const uint32_t*>(utab.data_ptr<int32_t>()));
+    float* pp = p.data_ptr<float>();
+    const float* gp = g.data_ptr<float>();
+    uint8_t* mcp = mc.data_ptr<uint8_t>();
+    uint8_t* vcp = vc.data_ptr<uint8_t>();
+    float* map = ma.data_ptr<float>();
+    float* vap = va.data_ptr<float>();
+    const float* sc = scode.data_ptr<float>();
+    const float* uc = ucode.data_ptr<float>();
+    const auto* st = reinterpret_cast<const uint32_t*>(stab.data_ptr<int32_t>());
+    const auto* ut = reinterpret_cast<const uint32_t*>(utab.data_ptr<int32_t>());
+    std::atomic<int> rc{0};
+    const int64_t grain = std::max<int64_t>(1, kGrain / block_size);  // in blocks
+    at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+        const int64_t lo = b0 * block_size, hi = std::min(n, b1 * block_size);
+        if (vefsdp::adam8bit_step(pp + lo, gp + lo, mcp + lo, map + b0, vcp + lo, vap + b0, hi - lo,
+                                  block_size, h.data(), static_cast<int>(flags), sc, uc, st, ut) != 0)
+            rc = -1;
+    });
     TORCH_CHECK(rc == 0, "adam8bit_step_: no memory for a scratch of 2 * ", block_size, " floats");
 }
 

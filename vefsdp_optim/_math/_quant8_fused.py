@@ -5,13 +5,18 @@
 parameter, the gradient and two one-byte codes and writes the parameter and the codes
 (16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
 kernel below does the whole step block by block: dequantize both moments through the
-256-value code maps, the Adam / AdamW update, the block's absmax, and the requantization
-through the packed bucket table of ``TableQuantizer`` ([Note: packed bucket table];
-with AVX-512 a search over the midpoints, the same codes, see below),
+256-value code maps, the Adam / AdamW update with the block's absmax kept in registers,
+and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
+packed bucket table]; with AVX-512 a gather from it by a product with the reciprocal of
+the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
 with the block's new moments in a cache-resident scratch of 2 * block_size floats. The
-data are read once and written once. The step is still compute-bound (~0.4 of a large
-``copy_``'s bytes per second on one thread). Measured on 4.0 M elements, one thread, AMD
-EPYC with AVX-512: ~4.2 ms a kernel step, of which ~2 ms are the requantization.
+data are read once and written once. Runs of whole blocks go to torch's intra-op threads
+([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
+count. Measured on 4.0 M elements, one thread, Intel Xeon with AVX-512 (VBMI): ~10 ms a
+kernel step before these changes (the binary search below ~35% of it, the per-block
+setup of the dequantization's byte planes ~10%), ~6.9 ms after; four correctly rounded
+divisions and square roots per element were the largest part left (~2.5 ns per 16 lanes
+each), now two divisions and a square root.
 
 Bits. The kernel computes exactly the sequence of float32 operations that the eager
 path runs as torch ops ([Note: 8-bit Adam op order] in ``_quant8.py``): each is one
@@ -27,25 +32,27 @@ writes the float moments back to memory between its loops: ~45 ms for 4 M elemen
 one thread against ~5 ms for this kernel, after ~11 s of compilation. Where AVX-512
 is there, the 256-value code maps are read with register permutes (a vector gather cost
 ~1 ms more per 4 M elements; with AVX-512 VBMI, byte permutes of the map's four byte
-planes, 64 codes at a time: 3% of the step). The requantization's code is the number
-of the map's 255 midpoints below the value (searchsorted's, so ``code_of``'s for every
-finite float: checked on all 2^32 bit patterns); with AVX-512 it is found by a
-branch-free binary search whose 8 levels read the midpoints with register permutes, 8
-vectors interleaved (their chains are ~80 cycles long). A vector gather from the
-65536-entry bucket table costs ~20 cycles for 16 lanes there; the search ~15 (kernel
-step 4.5 -> 4.2 ms). Tried and dropped: the absmax folded into the update loop (gcc then
-vectorizes neither: 15 ms; written with intrinsics: no gain), both moments'
+planes, 64 codes at a time, the planes built once per call). The requantization's code is
+the number of the map's 255 midpoints below the value (searchsorted's, so ``code_of``'s
+for every finite float: checked on all 2^32 bit patterns). It was found by a branch-free
+binary search whose 8 levels read the midpoints with register permutes (on AMD EPYC a
+gather from the 65536-entry table cost ~20 cycles for 16 lanes, the search ~15; on an
+Intel Xeon the search's ~20 permutes and compares per 16 lanes on one port cost more
+than a gather, ~2.5 ns); it is now one gather from the packed table per 16 values, with
+the division by the scale replaced by a product with its reciprocal and redone exactly
+for the ~1% of vectors near a midpoint. Tried and dropped: the absmax folded into the
+update loop as scalar C (gcc then vectorizes neither: 15 ms), both moments'
 requantizations in one loop (slower, also with one moment by gather and one by search),
 software prefetch (slower), the table lookups as scalar loads (1.4x slower). The kernel is
 C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
 pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
-``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` (or
-without it where the compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or
+``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
+``-fopenmp`` (torch's at::parallel_for threads only with it; each dropped where the
+compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or
 ``~/.cache``, ``vefsdp_optim/``) by the hash of the sources, flags, compiler, torch
 version, CPU and cache path, so ranks and test processes load it in milliseconds. A cold
 build takes a few seconds, nearly all of it parsing torch's operator headers (the kernel's
-own file builds in about a second). The kernel runs on one thread (runs of blocks on
-several threads would give the same bits; not done yet).
+own file builds in about a second).
 
 Where it cannot be built (no compiler, no ninja, a failed build) the eager path runs,
 with the same bits, and the reason is logged once. CUDA tensors take the Triton kernel
@@ -83,6 +90,7 @@ _HEADERS = ("quant8_adam.h",)
 # instruction set chosen by -march=native changes the speed, never the bits
 _FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 _NATIVE = "-march=native"  # dropped if the compiler refuses it
+_OPENMP = "-fopenmp"  # at::parallel_for's threads ([Note: threads over blocks]); dropped if refused
 
 _lock = threading.Lock()
 _kernel: Any = None  # the operator (torch.ops.<build name>.adam8bit_step_) once built
@@ -138,6 +146,7 @@ def _compile(name: str, flags: list[str], build_dir: str, cxx: str) -> None:
     os.environ["CXX"] = cxx  # cpp_extension runs $CXX, else c++
     try:
         cpp_extension.load(name, [os.path.join(_CSRC, f) for f in _SOURCES], extra_cflags=flags,
+                           extra_ldflags=[f for f in flags if f == _OPENMP],
                            extra_include_paths=[_CSRC], build_directory=build_dir,
                            is_python_module=False, verbose=False)
     finally:
@@ -161,7 +170,8 @@ def _build() -> Any:
     except OSError:  # an unwritable home: build in this process's temporary directory
         cache = tempfile.mkdtemp(prefix="vefsdp_optim_")
     err = None
-    for flags in ([_NATIVE, *_FLAGS], _FLAGS):
+    for variant in ((_NATIVE, _OPENMP), (_OPENMP,), (_NATIVE,), ()):  # the first that builds
+        flags = [*variant, *_FLAGS]
         # the name is the operator's namespace: unique per sources, flags, compiler, CPU,
         # torch and cache path, so two builds (native, portable) load side by side
         key = hashlib.sha256("\0".join([source.hex(), " ".join(flags), ver, _cpu_id(), sys.platform,
@@ -176,7 +186,7 @@ def _build() -> Any:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             try:
                 _compile(name, flags, tmp, cxx)
-            except Exception as e:  # noqa: BLE001 - retried without -march=native, then raised
+            except Exception as e:  # noqa: BLE001 - retried without -march=native / OpenMP, then raised
                 err = e
                 continue
             os.replace(os.path.join(tmp, f"{name}.so"), path)
