@@ -147,26 +147,51 @@ static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
    |low 16 bits of q - those of the midpoint| <= 8, and q within 8 patterns of its
    bucket's ends for a neighbour's. Those vectors (~1%) are redone with the division.
    So every code is the division's, which the tests check against the eager ops. */
-static void quantize(const float* __restrict__ x, int64_t len, float scale,
-                     const uint32_t* __restrict__ tab, uint8_t* __restrict__ out) {
-    int64_t i = 0;
+struct QPlan {  // the requantization of one moment of one block
+    const float* x;       // the block's new moment (len)
+    uint8_t* out;         // its codes (len)
+    const uint32_t* tab;  // the map's packed bucket table
+    int64_t len;
+    float scale;
+#if defined(__AVX512F__)
+    __m512 vr, vs;  // 1 / scale, scale
+    bool fast;      // scale and 1 / scale normal: the product's bound holds
+#endif
+};
+
+static inline void qplan_init(QPlan* q, const float* x, int64_t len, float scale, const uint32_t* tab,
+                              uint8_t* out) {
+    q->x = x;
+    q->out = out;
+    q->tab = tab;
+    q->len = len;
+    q->scale = scale;
 #if defined(__AVX512F__)
     const float r = 1.0f / scale;
-    if (scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX) {
-        const __m512 vr = _mm512_set1_ps(r), vs = _mm512_set1_ps(scale);
-        for (; i + 16 <= len; i += 16) {
-            const __m512 xv = _mm512_loadu_ps(x + i);
-            __mmask16 near;
-            __m512i c = codes16(_mm512_mul_ps(xv, vr), tab, &near);
-            if (near) {
-                __mmask16 unused;
-                c = codes16(_mm512_div_ps(xv, vs), tab, &unused);
-            }
-            _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(c));
-        }
-    }
+    q->vr = _mm512_set1_ps(r);
+    q->vs = _mm512_set1_ps(scale);
+    q->fast = scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX;
 #endif
-    for (; i < len; ++i) out[i] = code_of(x[i] / scale, tab);
+}
+
+#if defined(__AVX512F__)
+/* the 16 codes at i (i + 16 <= len) */
+static inline void qvec(const QPlan& q, int64_t i) {
+    const __m512 xv = _mm512_loadu_ps(q.x + i);
+    __mmask16 near = 1;
+    __m512i c = _mm512_setzero_si512();
+    if (q.fast) c = codes16(_mm512_mul_ps(xv, q.vr), q.tab, &near);
+    if (near) c = codes16(_mm512_div_ps(xv, q.vs), q.tab, &near);
+    _mm_storeu_si128((__m128i*)(q.out + i), _mm512_cvtepi32_epi8(c));
+}
+#endif
+
+/* the codes from element i (a multiple of 16) on */
+static void qrest(const QPlan& q, int64_t i) {
+#if defined(__AVX512F__)
+    for (; i + 16 <= q.len; i += 16) qvec(q, i);
+#endif
+    for (; i < q.len; ++i) q.out[i] = code_of(q.x[i] / q.scale, q.tab);
 }
 
 struct Hp {
@@ -179,7 +204,7 @@ struct Hp {
 template <int WD>
 static void update(float* __restrict__ pb, const float* __restrict__ gb, float* __restrict__ sm,
                    float* __restrict__ sv, int64_t len, const Hp& h, uint32_t* um_out,
-                   uint32_t* uv_out) {
+                   uint32_t* uv_out, const QPlan* qm, const QPlan* qv, int64_t qn) {
     int64_t i = 0;
     uint32_t um = 0, uv = 0;
 #if defined(__AVX512F__)
@@ -210,10 +235,16 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
             _mm512_storeu_ps(sv + i, _mm512_maskz_mov_ps(fv, v));
             vm = _mm512_mask_max_epu32(vm, fm, vm, mb);
             vv = _mm512_mask_max_epu32(vv, fv, vv, vb);
+            if (i < qn) {  // the previous block's codes, alongside this block's divisions
+                qvec(*qm, i);
+                qvec(*qv, i);
+            }
         }
         um = _mm512_reduce_max_epu32(vm);
         uv = _mm512_reduce_max_epu32(vv);
     }
+#else
+    (void)qm, (void)qv, (void)qn;
 #endif
     for (; i < len; ++i) {
         float gi = gb[i] * h.gsign;
@@ -237,26 +268,42 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
     *uv_out = uv;
 }
 
+/* [Note: requantization one block behind]
+   Block k's update is bound by its divisions and square roots, the requantization by
+   its table gathers; so the loop over block k's vectors also requantizes the vectors
+   of block k - 1 (its moments in the other half of the scratch), and the rest of block
+   k - 1 follows. Each block's codes and absmax are its own: the same bits. */
 template <int WD>
 static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8_t* __restrict__ mc,
                        float* __restrict__ ma, uint8_t* __restrict__ vc, float* __restrict__ va,
                        int64_t n, int64_t bs, const Hp& h, const Map* sm_map, const Map* sv_map,
-                       float* __restrict__ sm, float* __restrict__ sv) {
-    for (int64_t lo = 0; lo < n; lo += bs) {
+                       float* __restrict__ scratch) {
+    QPlan qm = {}, qv = {};  // the previous block's requantization (len 0: none)
+    for (int64_t lo = 0, k = 0; lo < n; lo += bs, ++k) {
         const int64_t len = n - lo < bs ? n - lo : bs;
-        const int64_t blk = lo / bs;
+        float* sm = scratch + (k & 1) * 2 * bs;
+        float* sv = sm + bs;
         uint8_t* __restrict__ mb = mc + lo;
         uint8_t* __restrict__ vb = vc + lo;
-        dequantize(mb, len, sm_map, ma[blk], sm);
-        dequantize(vb, len, sv_map, va[blk], sv);
+        dequantize(mb, len, sm_map, ma[k], sm);
+        dequantize(vb, len, sv_map, va[k], sv);
         uint32_t um, uv;
-        update<WD>(p + lo, g + lo, sm, sv, len, h, &um, &uv);
+#if defined(__AVX512F__)
+        const int64_t qn = (qm.len < len ? qm.len : len) / 16 * 16;  // done inside update
+#else
+        const int64_t qn = 0;
+#endif
+        update<WD>(p + lo, g + lo, sm, sv, len, h, &um, &uv, &qm, &qv, qn);
+        qrest(qm, qn);
+        qrest(qv, qn);
         const float amax_m = float_of(um), amax_v = float_of(uv);
-        quantize(sm, len, amax_m > 0.0f ? amax_m : 1.0f, sm_map->tab, mb);
-        quantize(sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb);
-        ma[blk] = amax_m;
-        va[blk] = amax_v;
+        qplan_init(&qm, sm, len, amax_m > 0.0f ? amax_m : 1.0f, sm_map->tab, mb);
+        qplan_init(&qv, sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb);
+        ma[k] = amax_m;
+        va[k] = amax_v;
     }
+    qrest(qm, 0);
+    qrest(qv, 0);
 }
 
 }  // namespace
@@ -271,13 +318,11 @@ int adam8bit_step(float* __restrict__ p, const float* __restrict__ g, uint8_t* _
     Map smap, umap;
     map_init(&smap, scode, stab);
     map_init(&umap, ucode, utab);
-    float* scratch = (float*)malloc((size_t)(2 * bs) * sizeof(float));
+    float* scratch = (float*)malloc((size_t)(4 * bs) * sizeof(float));  // 2 blocks' moments
     if (scratch == NULL) return -1;
-    float* sm = scratch;
-    float* sv = scratch + bs;
-    if (wd_mode == 1) run_blocks<1>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, sm, sv);
-    else if (wd_mode == 2) run_blocks<2>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, sm, sv);
-    else run_blocks<0>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, sm, sv);
+    if (wd_mode == 1) run_blocks<1>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch);
+    else if (wd_mode == 2) run_blocks<2>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch);
+    else run_blocks<0>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch);
     free(scratch);
     return 0;
 }

@@ -9,14 +9,16 @@ kernel below does the whole step block by block: dequantize both moments through
 and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
 packed bucket table]; with AVX-512 a gather from it by a product with the reciprocal of
 the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
-with the block's new moments in a cache-resident scratch of 2 * block_size floats. The
+with two blocks' new moments in a cache-resident scratch of 4 * block_size floats. The
 data are read once and written once. Runs of whole blocks go to torch's intra-op threads
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
 count. Measured on 4.0 M elements, one thread, Intel Xeon with AVX-512 (VBMI): ~10 ms a
 kernel step before these changes (the binary search below ~35% of it, the per-block
-setup of the dequantization's byte planes ~10%), ~6.9 ms after; four correctly rounded
-divisions and square roots per element were the largest part left (~2.5 ns per 16 lanes
-each), now two divisions and a square root.
+setup of the dequantization's byte planes ~10%), ~6.9 ms with the requantization by
+gather, ~6.1 ms with it one block behind the update ([Note: requantization one block
+behind] in ``quant8_adam.cpp``: the update waits on its two divisions and square root,
+~2.5 ns per 16 lanes each, the requantization on its gathers; interleaved, they overlap).
+The same on a 100 K-element problem that stays in cache: the step is compute-bound.
 
 Bits. The kernel computes exactly the sequence of float32 operations that the eager
 path runs as torch ops ([Note: 8-bit Adam op order] in ``_quant8.py``): each is one
