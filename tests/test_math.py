@@ -78,11 +78,28 @@ def test_newton_schulz_rejects_bad_input() -> None:
         zeropower_via_newtonschulz([[1.0]])  # type: ignore[arg-type]
 
 
+
+def _torch_muon_accepts(fn: str) -> bool:
+    try:
+        torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)], adjust_lr_fn=fn)
+    except ValueError:
+        return False
+    return True
+
+
+# torch.optim.Muon's adjust_lr_fn values on the installed torch ("spectral_unclamped": 2.14)
+TORCH_MUON_ADJUST_LR_FNS = [None] + [f for f in ("original", "match_rms_adamw", "spectral_unclamped")
+                                     if _torch_muon_accepts(f)]
+
 def test_muon_adjust_lr_and_matrix_view() -> None:
     for shape in [(3, 5), (5, 3), (1, 1), (1024, 7), (7, 1024)]:
-        for fn in [None, "original", "match_rms_adamw"]:
-            ref = torch_muon._adjust_lr(0.02, fn, torch.Size(shape))
+        for fn in [None, "original", "match_rms_adamw", "spectral_unclamped"]:
+            if fn in TORCH_MUON_ADJUST_LR_FNS:
+                ref = torch_muon._adjust_lr(0.02, fn, torch.Size(shape))
+            else:  # torch < 2.14 has no "spectral_unclamped": its formula
+                ref = 0.02 * math.sqrt(shape[0] / shape[1])
             assert muon_adjust_lr(0.02, fn, shape) == ref
+        assert muon_adjust_lr(0.02, "spectral_norm", shape) == muon_adjust_lr(0.02, "spectral_unclamped", shape)
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         muon_adjust_lr(0.02, "spectral", (3, 4))
     assert muon_matrix_view((6, 4)) == (6, 4)

@@ -181,8 +181,9 @@ class Muon(BlockOptimizer):
     [Note: Polar Express] in _math/_polar_express.py), ``ns_steps`` iterations of it.
     """
 
-    #: accepted ``adjust_lr_fn`` values (torch.optim.Muon's)
-    adjust_lr_fns: tuple[str | None, ...] = (None, "original", "match_rms_adamw")
+    #: accepted ``adjust_lr_fn`` values: torch.optim.Muon's (``"spectral_unclamped"``,
+    #: ``lr * sqrt(rows / cols)``, since torch 2.14; accepted here on any torch)
+    adjust_lr_fns: tuple[str | None, ...] = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
     def __init__(
         self,

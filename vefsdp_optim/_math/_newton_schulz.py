@@ -229,11 +229,12 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
     """Muon's learning rate for a parameter of ``shape``, as ``torch.optim.Muon`` scales it.
 
     ``None`` or ``"original"``: ``lr * sqrt(max(1, rows / cols))`` (Keller Jordan's);
-    ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot's). For a
+    ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot's);
+    ``"spectral_unclamped"``: ``lr * sqrt(rows / cols)`` (Bernstein's; torch >= 2.14). For a
     2-D shape this equals torch's ``_adjust_lr``; a shape of more dims uses its
     ``muon_matrix_view`` (the matrix actually orthogonalised), not its first two dims.
-    Dion's names: ``"spectral_norm"``: ``lr * sqrt(rows / cols)``; ``"rms_norm"``: the
-    same as ``"match_rms_adamw"``.
+    Dion's names: ``"spectral_norm"``: the same as ``"spectral_unclamped"``;
+    ``"rms_norm"``: the same as ``"match_rms_adamw"``.
     """
     rows, cols = muon_matrix_view(shape)
     if rows == 0 or cols == 0:
@@ -242,12 +243,12 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
         ratio = math.sqrt(max(1, rows / cols))
     elif adjust_lr_fn in ("match_rms_adamw", "rms_norm"):
         ratio = 0.2 * math.sqrt(max(rows, cols))
-    elif adjust_lr_fn == "spectral_norm":
+    elif adjust_lr_fn in ("spectral_unclamped", "spectral_norm"):
         ratio = math.sqrt(rows / cols)
     else:
         raise ValueError(
-            f"adjust_lr_fn must be None, 'original', 'match_rms_adamw', 'spectral_norm' or "
-            f"'rms_norm', got {adjust_lr_fn!r}"
+            f"adjust_lr_fn must be None, 'original', 'match_rms_adamw', 'spectral_unclamped', "
+            f"'spectral_norm' or 'rms_norm', got {adjust_lr_fn!r}"
         )
     return lr * ratio
 
