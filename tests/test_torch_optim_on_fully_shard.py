@@ -91,11 +91,19 @@ def _attempt(fn: Any, *args: Any) -> tuple[list[torch.Tensor] | None, str | None
         return None, f"{type(e).__name__}: {str(e)[:400]}"
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> tuple[float, bool] | None:
+    """(max relative difference, bit for bit). Bits, not torch.equal: a run that diverges
+    to NaN on both sides alike (torch 2.14's LBFGS [maximize] maximizes a square) is equal."""
     if a is None or b is None:
         return None
+    if all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True)):
+        return 0.0, True
     rel = max(((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item() for x, y in zip(a, b, strict=True))
-    return rel, all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return rel, False
 
 
 def _one(cfg: OptimConfig) -> dict[str, Any]:
