@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vefsdp_optim._torch_compat import StridedShard, dtensor_local, mesh_flatten
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["ShardedView", "dtensor_boxes", "sharded_view"]
@@ -143,7 +144,7 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
         meta = cache[key] = (layout, group, rank, layout.local_shape(rank) if isinstance(layout, BoxShard)
                              else None, layout.local_numel(rank), torch.Size(key[1]))
     layout, group, rank, want, n, shape = meta
-    local = dt._local_tensor
+    local = dtensor_local(dt)
     if local.numel() != n or (want is not None and tuple(local.shape) != want):
         raise NotImplementedError(
             f"DTensor with placements {key[0]} and global shape {key[1]} has a local tensor of "
@@ -183,7 +184,6 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
         RaggedShard | BoxShard, dist.ProcessGroup | None, int]:
     """(layout, shard group or None, rank in it) of a DTensor's placement on ``mesh``."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if len(placements) != mesh.ndim:
         raise AssertionError(f"{len(placements)} placements on a {mesh.ndim}-D mesh")
@@ -191,8 +191,8 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
     for axis, p in enumerate(placements):
         if isinstance(p, Replicate):
             continue
-        if isinstance(p, (Shard, _StridedShard)) and 0 <= p.dim < len(shape):
-            sf = int(p.split_factor) if isinstance(p, _StridedShard) else None
+        if isinstance(p, (Shard, StridedShard)) and 0 <= p.dim < len(shape):
+            sf = int(p.split_factor) if isinstance(p, StridedShard) else None
             per_dim[p.dim].append((axis, sf))
             continue
         raise ValueError(
@@ -220,14 +220,13 @@ def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
     """Every shard rank's box of a DTensor placement ([Note: N-D placements]) and the
     mesh axes that shard (the box ranks are their row-major coordinates)."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     shape = tuple(shape)
     if per_dim is None:
         per_dim = [[] for _ in shape]
         for axis, p in enumerate(placements):
-            if isinstance(p, (Shard, _StridedShard)):
-                per_dim[p.dim].append((axis, int(p.split_factor) if isinstance(p, _StridedShard) else None))
+            if isinstance(p, (Shard, StridedShard)):
+                per_dim[p.dim].append((axis, int(p.split_factor) if isinstance(p, StridedShard) else None))
     axes = sorted(a for d in per_dim for a, _ in d)
     sizes = [mesh.size(a) for a in axes]
     try:
@@ -271,5 +270,5 @@ def _shard_group(mesh: Any, axes: tuple[int, ...], placements: tuple) -> dist.Pr
                 "mesh_dim_names; name the mesh dims (init_device_mesh(..., mesh_dim_names=...)) so "
                 "the optimizer can flatten them into one shard group")
         sub = mesh[tuple(names[a] for a in axes)]
-        group = groups[axes] = sub._flatten().get_group(0)
+        group = groups[axes] = mesh_flatten(sub).get_group(0)
     return group

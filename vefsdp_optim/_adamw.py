@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
 from vefsdp_optim.comm import sharded_view
 from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement
@@ -20,6 +19,7 @@ from ._math import adam_foreach_, adamw_step_, check_adam_hparams
 from ._math._adam import FUSED_BLOCK, FusedPieces, LocalSlice, adam_fused_pieces_, fused_pieces
 from ._registry import register_optimizer
 from ._step_loop import StepItem
+from ._torch_compat import device_dtype_check_for_fused, to_scalar
 
 __all__ = ["AdamW"]
 
@@ -97,7 +97,7 @@ class AdamW(BlockOptimizer):
                 "to backpropagate through an optimizer step")
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        defaults = dict(lr=lr, betas=tuple(_to_scalar(b) for b in betas), eps=eps,
+        defaults = dict(lr=lr, betas=tuple(to_scalar(b) for b in betas), eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused)
@@ -105,7 +105,7 @@ class AdamW(BlockOptimizer):
         if fused:  # torch's own device and dtype check for its fused kernel
             for group in self.param_groups:
                 for p in group["params"]:
-                    _device_dtype_check_for_fused(sharded_view(p).local)
+                    device_dtype_check_for_fused(sharded_view(p).local)
         self._flat: weakref.WeakKeyDictionary[Any, _FlatState] = weakref.WeakKeyDictionary()
         #: fully_shard stores updated by the fused path so far (one per store per step)
         self.fused_updates = 0

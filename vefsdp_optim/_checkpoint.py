@@ -23,6 +23,7 @@ from torch import nn
 
 from vefsdp_optim import _ckpt_commit as _commit
 from vefsdp_optim._safe_load import SafeReader, load_bytes_safely
+from vefsdp_optim._torch_compat import flatten_state_dict, set_element
 from vefsdp_optim.comm import sharded_view
 
 __all__ = ["save", "load", "export_full", "import_full"]
@@ -193,7 +194,6 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     reads against the checksum save() recorded (ValueError naming the file). Then call ``set_model_state_dict`` /
     ``set_optimizer_state_dict`` (or ``load_state_dict``) as usual."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = _check_path(path).rstrip(os.sep)
@@ -243,7 +243,6 @@ def _weights_only_planner(where: str) -> Any:
     import io
 
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class _Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:

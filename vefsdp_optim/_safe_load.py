@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as _md
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from vefsdp_optim._torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout
 
 __all__ = ["read_dcp_metadata", "SafeReader", "MetadataRefused"]
 
@@ -46,13 +47,14 @@ _DCP_MD = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP_MD, n): getattr(_md, n)
     for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+              "TensorProperties", "MetadataIndex", "StorageMeta")
     if hasattr(_md, n)
 }
-_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+# torch's private classes, under the names pickle records them by
+for _c in (MEM_FORMAT_ENCODING, StorageInfo, get_layout):  # get_layout: name -> layout
+    _ALLOWED[(_c.__module__, _c.__qualname__)] = _c
 _ALLOWED[("torch", "Size")] = torch.Size
 _ALLOWED[("torch", "device")] = torch.device
-_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # name -> layout
 for _n in dir(torch):
     _v = getattr(torch, _n, None)
     if isinstance(_v, (torch.dtype, torch.layout, torch.memory_format)):
@@ -134,7 +136,7 @@ def _check_types(md: object, where: str) -> _md.Metadata:
     for idx, info in sdata.items():
         if not isinstance(idx, _md.MetadataIndex) or not isinstance(idx.fqn, str):
             raise _bad(where, f"storage key {idx!r} is not a MetadataIndex")
-        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) or any(
+        if not isinstance(info, StorageInfo) or not isinstance(info.relative_path, str) or any(
                 type(x) is not int or x < 0 for x in (info.offset, info.length)):
             raise _bad(where, f"storage entry of {idx.fqn} is {info!r}, expected a relative path, "
                               "offset >= 0 and length >= 0")

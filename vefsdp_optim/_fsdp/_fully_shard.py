@@ -23,6 +23,12 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from vefsdp_optim._torch_compat import (
+    mesh_concatenate,
+    mesh_flatten,
+    module_buffers,
+    module_parameters,
+)
 from vefsdp_optim.comm import dtensor_boxes
 
 from ._group import ShardGroup, check_group_consistent
@@ -81,12 +87,12 @@ def _dp_submesh(mesh: DeviceMesh, dims: object, modules: list[nn.Module]) -> Dev
             "needs a shard dim (shard=...), with or without replicate=...")
 
     def sub(group: tuple[str, ...]) -> DeviceMesh:
-        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+        return mesh[group[0]] if len(group) == 1 else mesh_flatten(mesh[group], "_".join(group))
 
     shard = sub(dims.shard_names)
     if not dims.replicate_names:
         return shard
-    return DeviceMesh._concatenate([sub(dims.replicate_names), shard])
+    return mesh_concatenate([sub(dims.replicate_names), shard])
 
 
 def fully_shard(
@@ -222,7 +228,7 @@ def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorPa
         if not (tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names):
             raise ValueError(f"parameter {mp.fqn}: fully_shard over tensor parallel needs named meshes "
                              "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to form the dp x tp group")
-        flat = DeviceMesh._concatenate([shard_mesh, tp_mesh])._flatten().get_group(0)
+        flat = mesh_flatten(mesh_concatenate([shard_mesh, tp_mesh])).get_group(0)
     want = shard_mesh.get_local_rank(0) * tp_mesh.size() + tp_rank
     if dist.get_rank(flat) != want:
         raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp group, expected {want}")
@@ -253,9 +259,9 @@ def _check_offload(policy: object, device: torch.device) -> None:
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """Buffers stay replicated (as in FSDP2); only their device follows the mesh."""
     for sub in module.modules():
-        for name, b in list(sub._buffers.items()):
+        for name, b in list(module_buffers(sub).items()):
             if b is not None and b.device != device and not b.is_meta:  # meta: to_empty moves it
-                sub._buffers[name] = b.to(device)
+                module_buffers(sub)[name] = b.to(device)
 
 
 # [Note: tied parameters across groups]
@@ -308,7 +314,7 @@ def _collect(modules: list[nn.Module], device: torch.device,
         mname = mname.rstrip(".")
         if id(sub) in inner_ids:
             continue
-        for attr, p in list(sub._parameters.items()):
+        for attr, p in list(module_parameters(sub).items()):
             if p is None or id(p) in ignored:
                 continue
             if replaced_by_fully_shard(p):  # [Note: tied parameters across groups]

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from vefsdp_optim._torch_compat import tensor_version, unsafe_set_version_counter
+
 from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
 from ._store import DtypeStore, PendingReduce
@@ -106,7 +108,7 @@ class ShardGroup:
                 for b in self.stores]
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(b.master.local._version for b in self.stores)
+        return tuple(tensor_version(b.master.local) for b in self.stores)
 
     def _set_gather(self, new: GatherState) -> None:
         self.gather_state = advance(self.gather_state, new, "ShardGroup.gather_state")
@@ -144,7 +146,7 @@ class ShardGroup:
         if self.gather_state is GatherState.GATHERING:
             for work, out, version in self._gathers:
                 work.wait()
-                torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+                unsafe_set_version_counter((out,), (version,))
             self._gathers = []
             self._set_gather(GatherState.GATHERED)
 

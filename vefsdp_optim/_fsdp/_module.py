@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
+from vefsdp_optim._torch_compat import module_apply, module_parameters
+
 from ._group import ShardGroup
 
 if TYPE_CHECKING:
@@ -220,16 +222,16 @@ class FSDPModule(_TorchFSDPModule):
         and the optimizers share), so ``to_empty(device=...)`` after a meta-device
         construction keeps them. A change of dtype raises (use MixedPrecisionPolicy)."""
         self.reshard()
-        slots = [(m, a, m._parameters[a]) for s in self._states(recurse=True) if s.group is not None
+        slots = [(m, a, module_parameters(m)[a]) for s in self._states(recurse=True) if s.group is not None
                  for mp in s.group.params for m, a in mp.slots]
         dtypes = {id(p): p.dtype for _, _, p in slots}
         for m, a, _ in slots:
-            m._parameters[a] = None  # nn.Module._apply skips None entries
+            module_parameters(m)[a] = None  # nn.Module._apply skips None entries
         try:
-            out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+            out = module_apply(_TorchFSDPModule, self, *args, **kwargs)
         finally:
             for m, a, p in slots:
-                m._parameters[a] = p
+                module_parameters(m)[a] = p
         fn = args[0] if args else kwargs.get("fn")
         for _, _, p in slots[:1]:
             probe = fn(torch.empty(0, dtype=dtypes[id(p)], device=p.device)) if callable(fn) else None

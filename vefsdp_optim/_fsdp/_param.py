@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from vefsdp_optim._torch_compat import module_parameters
 from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
 
 from ._sharded_tensor import ShardedParameter
@@ -152,4 +153,4 @@ class ManagedParam:
         if p is None:
             raise AssertionError(f"{self.fqn}: unsharded parameter used before the first unshard")
         for module, attr in self.slots:
-            module._parameters[attr] = p  # bypass __setattr__ checks, as FSDP2 does
+            module_parameters(module)[attr] = p  # bypass __setattr__ checks, as FSDP2 does

@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from vefsdp_optim._torch_compat import (
+    ATEN_FOREACH_NORM,
+    ATEN_TO_COPY,
+    op_schema,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 
 __all__ = ["dispatch"]
 
@@ -86,14 +94,14 @@ _LIKE_OPS = {
     aten.clone.default,
     aten.detach.default,
     aten.alias.default,
-    aten._to_copy.default,
+    ATEN_TO_COPY,
     aten.zero_.default,
     aten.fill_.Scalar,
     aten.copy_.default,
 }
 _ELEMENTWISE = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor,
                 aten.masked_fill_.Tensor}  # per element, though not tagged pointwise
-_NORM_OPS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
+_NORM_OPS = {aten.linalg_vector_norm.default, ATEN_FOREACH_NORM}
 _FUSED = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 _NEW_OPS = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
             aten.new_full.default, aten.new_empty_strided.default}
@@ -169,7 +177,7 @@ def _slice_of(ref: Any, t: torch.Tensor) -> torch.Tensor:
 def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     flat, spec = tree_flatten((args, kwargs))
     ref = _ref(cls, func, flat)
-    names = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
     mutable = bool(names)
     if names - {"self"} and names != {"out"}:
         return NotImplemented  # several outputs written: rule 5 maps them back
@@ -302,7 +310,7 @@ def _norm_has_dim(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
-    tensors = list(args[0]) if func is aten._foreach_norm.Scalar else [args[0]]
+    tensors = list(args[0]) if func is ATEN_FOREACH_NORM else [args[0]]
     ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dtype = kwargs.get("dtype") if func is aten.linalg_vector_norm.default else (
         args[2] if len(args) > 2 else kwargs.get("dtype"))
@@ -341,7 +349,7 @@ def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
             if ord_ not in (math.inf, -math.inf, 0.0):
                 v = v.pow(1.0 / ord_)
             results[i] = v.to(outs[i][2])
-    return results if func is aten._foreach_norm.Scalar else results[0]
+    return results if func is ATEN_FOREACH_NORM else results[0]
 
 
 # -- rule 5: gather, compute, replicate ----------------------------------------------------
@@ -371,11 +379,11 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _written_positions(func: Any, args: tuple, kwargs: dict, spec: Any) -> list[int]:
     """Flat positions (in tree_flatten((args, kwargs)) order) of the tensors func writes."""
-    names = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
     if not names:
         return []
     marks = []
-    for j, a in enumerate(func._schema.arguments):
+    for j, a in enumerate(op_schema(func).arguments):
         value = kwargs[a.name] if a.name in kwargs else args[j] if j < len(args) and not a.kwarg_only else None
         marks.append((a.name, value))
     written = {id(t) for n, v in marks if n in names for t in tree_flatten(v)[0]}  # lists too

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from vefsdp_optim._torch_compat import make_wrapper_subclass
 from vefsdp_optim.comm import ShardedView, all_gather_flat
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 from vefsdp_optim.sharding._box import flat_range_boxes
@@ -60,7 +61,7 @@ class ShardedParameter(torch.Tensor):
                 f"layout {layout}, got shape {tuple(local.shape)}")
         if math.prod(shape) != layout.numel:
             raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has {layout.numel}")
-        t = torch.Tensor._make_wrapper_subclass(
+        t = make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
         t._local = local
         t._layout = layout

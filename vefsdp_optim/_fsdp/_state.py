@@ -14,9 +14,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from vefsdp_optim._torch_compat import (
+    queue_autograd_callback,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 
 from ._group import ShardGroup
 from ._lifecycle import Role, TrainingState, advance
@@ -185,7 +190,7 @@ class FSDPState:
         ctx = self.ctx
         if ctx is not None and not ctx.callback_queued:
             ctx.callback_queued = True
-            Variable._execution_engine.queue_callback(ctx_final_callback(ctx))
+            queue_autograd_callback(ctx_final_callback(ctx))
         if self.in_backward:
             return grad
         self._set_training(TrainingState.BACKWARD)

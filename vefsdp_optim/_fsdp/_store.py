@@ -17,6 +17,12 @@ import torch
 import torch.distributed as dist
 
 from vefsdp_optim._flat_store import StoreReplan, dense_offset
+from vefsdp_optim._torch_compat import (
+    foreach_copy_,
+    storage_use_count,
+    tensor_version,
+    unsafe_preserve_version_counter,
+)
 from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
 from vefsdp_optim.sharding import GroupPlan, RaggedShard, TensorSpec, plan_group
 
@@ -84,7 +90,7 @@ def _release_storage(t: torch.Tensor) -> None:
 
 def _uses(t: torch.Tensor) -> int:
     """Tensors (and the storage object) sharing ``t``'s storage."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return storage_use_count(t)
 
 
 class DtypeStore:
@@ -262,8 +268,8 @@ class DtypeStore:
         # gloo's async work writes the output from its own thread, so the version is
         # restored after wait() too, as FSDP2 does around its all-gather copy-out.
         out = c.global_buffer
-        with torch.autograd._unsafe_preserve_version_counter(out):
-            version = out._version
+        with unsafe_preserve_version_counter(out):
+            version = tensor_version(out)
             work = c.all_gather(async_op=async_op)
         for p in self.params:
             if p.unsharded is None:
@@ -366,7 +372,7 @@ class DtypeStore:
                 p.unsharded.grad = None
         if views:
             with torch.no_grad():
-                torch._foreach_copy_(views, grads)  # one copy-in of the group's gradients
+                foreach_copy_(views, grads)  # one copy-in of the group's gradients
 
     def _kept_grads(self) -> torch.Tensor | None:
         """A copy of the kept sharded .grad (1-D, m elements), or None when none is kept."""
