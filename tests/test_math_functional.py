@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim import _muon as torch_muon
 from torch.optim.adamw import adamw as torch_adamw
 
 from vefsdp_optim._math import (
+    NS_COEFFICIENTS,
+    Int8Momentum,
     ShampooTile,
     SoapHparams,
     SoapState,
@@ -23,12 +26,18 @@ from vefsdp_optim._math import (
     adamw_step_,
     dequantize_blockwise,
     dynamic_code_map,
+    muon_adjust_lr,
+    muon_orthogonalise,
+    muon_step_,
+    normuon_step_,
     num_blocks,
+    polar_express_coefficients,
     quantize_blockwise,
     shampoo_step_,
     shampoo_tiles,
     soap_geometry,
     soap_step_,
+    zeropower_via_newtonschulz,
 )
 
 SIGNED, UNSIGNED = dynamic_code_map(True), dynamic_code_map(False)
@@ -283,3 +292,153 @@ def test_soap_step_equals_float64_reference() -> None:
         m = ql.T @ m_orig @ qr
         torch.testing.assert_close(p, p_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(state.exp_avg_sq, v, rtol=1e-9, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- Muon, NorMuon
+
+MUON_HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, ns_steps=5, eps=1e-7)
+
+
+def _torch_muon(params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *,
+                nesterov: bool, adjust_lr_fn: str | None = None) -> None:
+    torch_muon._single_tensor_muon(params, grads, bufs, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn,
+                                   ns_coefficients=NS_COEFFICIENTS, has_complex=False, **MUON_HP)
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(True, None), (False, "match_rms_adamw"), (True, "original")])
+def test_muon_step_equals_torch_functional_muon(nesterov: bool, adjust: str | None) -> None:
+    """muon_step_ on one whole matrix: torch.optim._muon._single_tensor_muon's bits."""
+    gen = torch.Generator().manual_seed(6)
+    for shape in [(48, 40), (40, 96), (7, 3)]:
+        p = torch.randn(shape, generator=gen)
+        p_ref, buf, buf_ref = p.clone(), torch.zeros(shape), torch.zeros(shape)
+        for _ in range(3):
+            g = torch.randn(shape, generator=gen)
+            muon_step_(p, g, buf, nesterov=nesterov, adjust_lr_fn=adjust, **MUON_HP)
+            _torch_muon([p_ref], [g], [buf_ref], nesterov=nesterov, adjust_lr_fn=adjust)
+        assert torch.equal(p, p_ref) and torch.equal(buf, buf_ref), shape
+
+
+@pytest.mark.parametrize("layout", ["split_sizes", "heads", "experts"])
+def test_muon_step_blocks_equal_torch_on_separate_blocks(layout: str) -> None:
+    """split_sizes (fused QKV), per-head blocks and flatten=False (experts): each block
+    exactly torch.optim.Muon's step on it as a separate parameter."""
+    gen = torch.Generator().manual_seed(7)
+    if layout == "split_sizes":
+        shape, kw, cuts = (96, 32), dict(split_sizes=(64, 16, 16)), [(0, 64), (64, 80), (80, 96)]
+    elif layout == "heads":  # num_heads=4: split_sizes of rows // 4 each
+        shape, kw, cuts = (64, 24), dict(split_sizes=(16,) * 4), [(r, r + 16) for r in range(0, 64, 16)]
+    else:
+        shape, kw, cuts = (3, 20, 12), dict(flatten=False), [(e, e + 1) for e in range(3)]
+    p = torch.randn(shape, generator=gen)
+    refs = [p[a:b].clone().squeeze(0) if layout == "experts" else p[a:b].clone() for a, b in cuts]
+    buf, bufs = torch.zeros(shape), [torch.zeros_like(r) for r in refs]
+    for _ in range(3):
+        g = torch.randn(shape, generator=gen)
+        muon_step_(p, g, buf, nesterov=True, adjust_lr_fn="match_rms_adamw", **kw, **MUON_HP)
+        grads = [g[a:b].squeeze(0) if layout == "experts" else g[a:b].contiguous() for a, b in cuts]
+        _torch_muon(refs, grads, bufs, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    for (a, b), r in zip(cuts, refs, strict=True):
+        assert torch.equal(p[a:b].reshape(r.shape), r), (a, b)
+
+
+def _polar_express_float64(x: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    """Polar Express (arXiv 2505.16932, Algorithm 1) in float64 from its coefficients."""
+    x = x.double()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() * 1.01 + eps)
+    for a, b, c in polar_express_coefficients(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def test_muon_step_polar_express_close_to_float64() -> None:
+    """ns_coefficients="polar_express": the bfloat16 iteration within bfloat16 rounding of
+    the algorithm in float64."""
+    gen = torch.Generator().manual_seed(8)
+    p = torch.randn(64, 40, generator=gen)
+    p0, buf, g = p.clone(), torch.zeros_like(p), torch.randn(64, 40, generator=gen)
+    muon_step_(p, g, buf, nesterov=False, ns_coefficients="polar_express", **MUON_HP)
+    lr, wd = MUON_HP["lr"], MUON_HP["weight_decay"]
+    ortho = (p0 * (1 - lr * wd) - p) / muon_adjust_lr(lr, None, (64, 40))
+    want = _polar_express_float64(g * (1 - MUON_HP["momentum"]), 5, MUON_HP["eps"])
+    assert (ortho.double() - want).abs().max() < 0.03
+    sv = torch.linalg.svdvals(want)  # near-orthogonal: singular values near 1
+    assert 0.6 < sv.min() and sv.max() < 1.4, sv
+
+
+def test_muon_step_int8_momentum_equals_reference() -> None:
+    """momentum_dtype=torch.int8: the momentum dequantized, torch's lerp in float32,
+    requantized in 256-element blocks; then torch's Newton-Schulz and step."""
+    gen = torch.Generator().manual_seed(9)
+    shape = (40, 33)  # 1320 elements: 6 blocks, the last one 40
+    p = torch.randn(shape, generator=gen)
+    p_ref = p.clone()
+    codes, absmax = quantize_blockwise(torch.zeros(p.numel()), SIGNED, 256)
+    state = Int8Momentum(codes, absmax, SIGNED)
+    m_codes, m_absmax = codes.clone(), absmax.clone()
+    for _ in range(3):
+        g = torch.randn(shape, generator=gen)
+        muon_step_(p, g, state, nesterov=True, **MUON_HP)
+        m = dequantize_blockwise(m_codes, m_absmax, SIGNED, 256).view(shape)
+        m.lerp_(g, 1 - MUON_HP["momentum"])
+        x = torch_muon._zeropower_via_newtonschulz(g.lerp(m, MUON_HP["momentum"]), NS_COEFFICIENTS, 5, 1e-7)
+        p_ref.mul_(1 - MUON_HP["lr"] * MUON_HP["weight_decay"]).add_(x, alpha=-muon_adjust_lr(MUON_HP["lr"], None, shape))
+        m_codes, m_absmax = quantize_blockwise(m.reshape(-1), SIGNED, 256)
+        assert torch.equal(p, p_ref) and torch.equal(state.codes, m_codes) and torch.equal(state.absmax, m_absmax)
+
+
+def test_normuon_step_equals_reference() -> None:
+    """normuon_step_ on one whole matrix (two row blocks) against NorMuon written from
+    Dion's formulas: per block, v <- b2 v + (1 - b2) mean_j O_ij^2, O / (sqrt(v) + 1e-8)
+    rescaled to ||O||_F, then lr * sqrt(rows / cols) ("spectral_norm") and decay."""
+    gen = torch.Generator().manual_seed(10)
+    shape, split, beta2 = (48, 32), (32, 16), 0.95
+    p = torch.randn(shape, generator=gen)
+    p_ref, buf, buf_ref = p.clone(), torch.zeros(shape), torch.zeros(shape)
+    vs = [torch.zeros(32), torch.zeros(16)]
+    vs_ref = [torch.zeros(32), torch.zeros(16)]
+    lr, wd, mom = MUON_HP["lr"], MUON_HP["weight_decay"], MUON_HP["momentum"]
+    for _ in range(3):
+        g = torch.randn(shape, generator=gen)
+        normuon_step_(p, g, buf, vs, nesterov=False, muon_beta2=beta2, split_sizes=split, **MUON_HP)
+        buf_ref.lerp_(g, 1 - mom)
+        p_ref.mul_(1 - lr * wd)
+        for k, (a, b) in enumerate([(0, 32), (32, 48)]):
+            o = zeropower_via_newtonschulz(buf_ref[a:b], "polar_express", 5, 1e-7).float()
+            vs_ref[k] = beta2 * vs_ref[k] + (1 - beta2) * (o * o).mean(dim=1)
+            o_hat = o / (vs_ref[k].sqrt() + 1e-8)[:, None]
+            o_hat = o_hat * o.norm() / o_hat.norm().clamp(min=1e-8)
+            p_ref[a:b] -= lr * ((b - a) / shape[1]) ** 0.5 * o_hat
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
+        for v, v_ref in zip(vs, vs_ref, strict=True):
+            torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-9)
+
+
+def test_muon_orthogonalise_batched_equals_per_block() -> None:
+    """The step loop's batched Newton-Schulz over a bucket (vefsdp_optim._muon.
+    muon_orthogonalise_batched) is muon_orthogonalise on each input, bit for bit: inputs
+    of one block, of equal blocks, of mixed shapes, tall and wide, and blocks below the
+    batch guard."""
+    from vefsdp_optim._muon import muon_orthogonalise_batched
+
+    gen = torch.Generator().manual_seed(11)
+
+    def blocks_of(shapes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        out, a = [], 0
+        for r, c in shapes:
+            out.append((a, r, c))
+            a += r * c
+        return out
+
+    layouts = [[(32, 40)], [(32, 40)], [(32, 40)] * 3, [(64, 33), (32, 40)], [(64, 33)], [(8, 8)] * 2,
+               [(8, 8)], [(33, 70), (33, 70)], [(40, 32)]]
+    blocks = [blocks_of(s) for s in layouts]
+    updates = [torch.randn(sum(r * c for r, c in s), generator=gen).bfloat16() for s in layouts]
+    for ns in [(NS_COEFFICIENTS, 5, 1e-7), ("polar_express", 5, 1e-7)]:
+        got = muon_orthogonalise_batched(updates, blocks, *ns)
+        for x, b, o in zip(updates, blocks, got, strict=True):
+            assert torch.equal(o, muon_orthogonalise(x, b, *ns)), b

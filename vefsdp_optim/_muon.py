@@ -18,8 +18,16 @@ from vefsdp_optim._math import (
     muon_adjust_lr,
     zeropower_via_newtonschulz,
 )
-from vefsdp_optim._math._muon_int8 import MOMENTUM_BLOCK, empty_momentum, muon_momentum_int8_
+from vefsdp_optim._math._muon import (
+    Int8Momentum,
+    _add_,  # noqa: F401 - re-exported for tests
+    muon_apply_,
+    muon_momentum_,
+)
+from vefsdp_optim._math._muon_int8 import MOMENTUM_BLOCK, empty_momentum
 from vefsdp_optim._math._newton_schulz import (
+    NS_EPS,
+    NS_STEPS,
     NsCoefficients,
     muon_batch_view,
     muon_block_unit,
@@ -321,17 +329,11 @@ class Muon(BlockOptimizer):
             return [item.grad]  # the momentum steps on the compute slices (compute_bucket)
         g, group = item.grad, item.group
         state = self.state[item.param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        momentum = group["momentum"]
-        buf.lerp_(g, 1 - momentum)
-        # Newton-Schulz starts with a bfloat16 cast: cast before the exchange (half the
-        # bytes to the owner, the same bits); Nesterov's lerp writes it (computed in
-        # float32, rounded once to bfloat16: the bits of lerp then cast, one pass fewer)
-        if not group["nesterov"]:
-            return [buf.to(torch.bfloat16)]
-        return [torch.lerp(g, buf, momentum, out=torch.empty(g.shape, dtype=torch.bfloat16, device=g.device))]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+        # Newton-Schulz's bfloat16 input, cast before the exchange ([Note: Muon's phases])
+        return [muon_momentum_(g, buf, momentum=group["momentum"], nesterov=group["nesterov"])]
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]
@@ -341,10 +343,11 @@ class Muon(BlockOptimizer):
                          [inputs[i][1] for i in adam_idx], group=items[0].group, eps_key="adamw_eps")
             for i in adam_idx:
                 out[i] = [inputs[i][0]]
-        # every whole block this rank orthogonalises in this bucket, by (rows, cols, ns):
-        # one batch per shape across parameters ([Note: batched Newton-Schulz])
-        by_shape: dict[tuple, list[tuple[int, int]]] = {}  # -> [(item, flat offset in its slice)]
-        slices: dict[int, tuple[torch.Tensor, _MuonPlan, int]] = {}  # item -> (input, plan, start)
+        # every whole block this rank orthogonalises in this bucket: one batched
+        # Newton-Schulz per block shape across parameters ([Note: batched Newton-Schulz])
+        updates: list[torch.Tensor] = []
+        blocks: list[list[tuple[int, int, int]]] = []
+        where: list[tuple[int, _MuonPlan, int]] = []  # (item, plan, flat offset of its slice)
         for i, it in enumerate(items):
             if i in adam_idx:
                 continue
@@ -356,44 +359,13 @@ class Muon(BlockOptimizer):
                 continue
             plan = self._plan(it.view.shape, it.group)
             start = 0 if plan.simple else it.compute.local(it.view.rank)[0]
-            slices[i] = (x, plan, start)
-            ns = _ns_args(it.group)
-            for a, rows, cols in _whole_blocks(it, plan, start, x.numel()):
-                by_shape.setdefault((rows, cols, ns), []).append((i, a))
-        results: dict[int, torch.Tensor] = {}
-        for (rows, cols, ns), members in by_shape.items():
-            n = rows * cols
-            device = slices[members[0][0]][0].device
-            if len(members) == 1 or not newtonschulz_batch_exact(len(members), rows, cols, device, *ns,
-                                                                  torch.get_num_threads()):
-                for i, a in members:
-                    x = slices[i][0]
-                    ortho = zeropower_via_newtonschulz(x[a:a + n].view(rows, cols), *ns)
-                    if a == 0 and n == x.numel():  # a whole parameter: a view when wide
-                        results[i] = ortho.reshape(-1)
-                    else:
-                        _result(results, i, x)[a:a + n].view(rows, cols).copy_(ortho)
-                continue
-            xs = [slices[i][0] for i, _ in members]
-            first_i, first_a = members[0]
-            if all(i == first_i for i, _ in members) and first_a == 0 and \
-                    all(a == j * n for j, (_, a) in enumerate(members)):  # one slice of equal blocks
-                batch = xs[0][:len(members) * n].view(len(members), rows, cols)
-            else:
-                batch = torch.stack([x[a:a + n].view(rows, cols) for x, (_, a) in zip(xs, members, strict=True)])
-            ortho = zeropower_via_newtonschulz_batched(batch, *ns)
-            if batch.data_ptr() == xs[0].data_ptr() and batch.numel() == xs[0].numel():
-                results[first_i] = _flat_copy(ortho)  # the whole slice: a view when wide
-                continue
-            if all(a == 0 and n == x.numel() for x, (_, a) in zip(xs, members, strict=True)) and \
-                    len({i for i, _ in members}) == len(members):  # whole parameters: views of one copy
-                for (i, _), o in zip(members, _flat_copy(ortho).view(len(members), n).unbind(0), strict=True):
-                    results[i] = o
-                continue
-            for j, (i, a) in enumerate(members):
-                _result(results, i, slices[i][0])[a:a + n].view(rows, cols).copy_(ortho[j])
-        for i, (_, plan, start) in slices.items():
-            out[i] = [self._post_orthogonalise(items[i], plan, start, results[i])]
+            where.append((i, plan, start))
+            updates.append(x)
+            blocks.append(_whole_blocks(it, plan, start, x.numel()))
+        if updates:  # one param group per bucket: one Newton-Schulz
+            orthos = muon_orthogonalise_batched(updates, blocks, *_ns_args(items[0].group))
+            for (i, plan, start), ortho in zip(where, orthos, strict=True):
+                out[i] = [self._post_orthogonalise(items[i], plan, start, ortho)]
         return out
 
     def _int8_momentum(self, item: StepItem, grad: torch.Tensor) -> torch.Tensor:
@@ -415,9 +387,8 @@ class Muon(BlockOptimizer):
         if code is None:
             code = codes[grad.device] = dynamic_code_map(True).to(grad.device)
         group = item.group
-        update = muon_momentum_int8_(grad, state["momentum_codes"], state["momentum_absmax"],
-                                     momentum=group["momentum"], nesterov=group["nesterov"], code=code)
-        return update.to(torch.bfloat16)
+        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code)
+        return muon_momentum_(grad, momentum, momentum=group["momentum"], nesterov=group["nesterov"])
 
     # what a subclass changes after Newton-Schulz (NorMuon's normalization)
 
@@ -436,16 +407,15 @@ class Muon(BlockOptimizer):
             return super().apply_results(item, outputs)
         (ortho,) = outputs
         p, group = item.view.local, item.group
-        lr = group["lr"]
+        lr, wd = group["lr"], group["weight_decay"]
         plan = self._plan(item.view.shape, group)
         if plan.uniform:
-            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0])
-            p.mul_(1 - lr * group["weight_decay"])
-            _add_(p, ortho, -adjusted_lr)
+            muon_apply_(p, ortho, lr=lr, weight_decay=wd,
+                        adjusted_lr=muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0]))
             return
         # blocks of several shapes: each block's own lr adjustment, on its part of this slice
-        p.mul_(1 - lr * group["weight_decay"])
         if not p.numel():
+            p.mul_(1 - lr * wd)
             return
         layout, rank = item.view.layout, item.view.rank
         if isinstance(layout, RaggedShard):
@@ -453,8 +423,7 @@ class Muon(BlockOptimizer):
         else:  # a tensor-parallel box: each block's elements are one run of it
             span = range(len(plan.blocks))
         adjusted = {rc: muon_adjust_lr(lr, group["adjust_lr_fn"], rc) for rc in set(plan.blocks)}
-        seg_lo = seg_hi = None
-        seg_lr = None
+        runs: list[tuple[int, int, float]] = []  # (lo, hi, adjusted lr) in this slice
         for b in span:
             rows, cols = plan.blocks[b]
             lo = layout.count_below(rank, plan.offsets[b])
@@ -462,14 +431,63 @@ class Muon(BlockOptimizer):
             if lo == hi:
                 continue
             a_lr = adjusted[plan.blocks[b]]
-            if seg_lr is not None and a_lr == seg_lr and lo == seg_hi:
-                seg_hi = hi
-                continue
-            if seg_lr is not None:
-                _add_(p[seg_lo:seg_hi], ortho[seg_lo:seg_hi], -seg_lr)
-            seg_lo, seg_hi, seg_lr = lo, hi, a_lr
-        if seg_lr is not None:
-            _add_(p[seg_lo:seg_hi], ortho[seg_lo:seg_hi], -seg_lr)
+            if runs and a_lr == runs[-1][2] and lo == runs[-1][1]:
+                runs[-1] = (runs[-1][0], hi, a_lr)
+            else:
+                runs.append((lo, hi, a_lr))
+        muon_apply_(p, ortho, lr=lr, weight_decay=wd, adjusted_lr=runs)
+
+
+def muon_orthogonalise_batched(
+    updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+) -> list[torch.Tensor]:
+    """The batched form of ``_math.muon_orthogonalise`` ([Note: Muon's phases]):
+    ``[muon_orthogonalise(x, b, ...) for x, b in zip(updates, blocks)]``, bit for bit, with
+    one batched Newton-Schulz per block shape across all the inputs where
+    :func:`newtonschulz_batch_exact` says it gives the per-block bits ([Note: batched
+    Newton-Schulz]); per block elsewhere. Each ``blocks[i]`` covers ``updates[i]`` (1-D).
+    The step loop runs it on the whole blocks a rank computes in a bucket."""
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rows, cols) -> [(input, offset)]
+    for i, bs in enumerate(blocks):
+        for a, rows, cols in bs:
+            by_shape.setdefault((rows, cols), []).append((i, a))
+    results: list[torch.Tensor | None] = [None] * len(updates)
+    for (rows, cols), members in by_shape.items():
+        n = rows * cols
+        device = updates[members[0][0]].device
+        if len(members) == 1 or not newtonschulz_batch_exact(len(members), rows, cols, device, ns_coefficients,
+                                                              ns_steps, eps, torch.get_num_threads()):
+            for i, a in members:
+                x = updates[i]
+                ortho = zeropower_via_newtonschulz(x[a:a + n].view(rows, cols), ns_coefficients, ns_steps, eps)
+                if a == 0 and n == x.numel():  # a whole input: a view when wide
+                    results[i] = ortho.reshape(-1)
+                else:
+                    _result(results, i, x)[a:a + n].view(rows, cols).copy_(ortho)
+            continue
+        xs = [updates[i] for i, _ in members]
+        first_i, first_a = members[0]
+        if all(i == first_i for i, _ in members) and first_a == 0 and \
+                all(a == j * n for j, (_, a) in enumerate(members)):  # one input of equal blocks
+            batch = xs[0][:len(members) * n].view(len(members), rows, cols)
+        else:
+            batch = torch.stack([x[a:a + n].view(rows, cols) for x, (_, a) in zip(xs, members, strict=True)])
+        ortho = zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps, eps)
+        if batch.data_ptr() == xs[0].data_ptr() and batch.numel() == xs[0].numel():
+            results[first_i] = _flat_copy(ortho)  # the whole input: a view when wide
+            continue
+        if all(a == 0 and n == x.numel() for x, (_, a) in zip(xs, members, strict=True)) and \
+                len({i for i, _ in members}) == len(members):  # whole inputs: views of one copy
+            for (i, _), o in zip(members, _flat_copy(ortho).view(len(members), n).unbind(0), strict=True):
+                results[i] = o
+            continue
+        for j, (i, a) in enumerate(members):
+            _result(results, i, updates[i])[a:a + n].view(rows, cols).copy_(ortho[j])
+    for i, r in enumerate(results):
+        if r is None:  # no blocks
+            results[i] = torch.empty(0, dtype=torch.bfloat16, device=updates[i].device)
+    return results  # type: ignore[return-value]
 
 
 def _ns_args(group: dict[str, Any]) -> tuple[NsCoefficients, int, float]:
@@ -495,33 +513,12 @@ def _whole_blocks(it: StepItem, plan: _MuonPlan, start: int, length: int) -> lis
     return found
 
 
-def _result(results: dict[int, torch.Tensor], i: int, x: torch.Tensor) -> torch.Tensor:
-    """Item ``i``'s bfloat16 Newton-Schulz result (1-D, the length of its slice ``x``)."""
-    res = results.get(i)
+def _result(results: list[torch.Tensor | None], i: int, x: torch.Tensor) -> torch.Tensor:
+    """Input ``i``'s bfloat16 Newton-Schulz result (1-D, the length of ``x``)."""
+    res = results[i]
     if res is None:
         res = results[i] = torch.empty(x.numel(), dtype=torch.bfloat16, device=x.device)
     return res
-
-
-#: elements per piece of a mixed-dtype add on the CPU (a multiple of every vector length)
-_ADD_PIECE = 1 << 16
-
-
-def _add_(p: torch.Tensor, update: torch.Tensor, alpha: float) -> None:
-    """``p.add_(update, alpha=alpha)`` (1-D, equal lengths), as torch.optim.Muon adds its
-    bfloat16 update to a float32 parameter, with the same bits. On the CPU an add of two
-    dtypes first converts the whole bfloat16 operand into a new float32 tensor (the
-    common-dtype copy of TensorIterator) and runs through a slower loop, several times
-    the cost of the add itself on a large parameter; in pieces of ``_ADD_PIECE`` elements
-    the temporaries stay small. Elementwise, so the pieces do not change a bit; the
-    pieces start at multiples of every vector length, so each element keeps its place
-    in the vector loops too."""
-    n = p.numel()
-    if update.dtype == p.dtype or n <= _ADD_PIECE or p.device.type != "cpu":
-        p.add_(update, alpha=alpha)
-        return
-    for i in range(0, n, _ADD_PIECE):
-        p[i:i + _ADD_PIECE].add_(update[i:i + _ADD_PIECE], alpha=alpha)
 
 
 def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -540,4 +537,3 @@ def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     else:
         dst.copy_(batch)
     return out
-

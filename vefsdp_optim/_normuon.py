@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math import normuon_normalize_
+from vefsdp_optim._math._muon import normuon_normalize_blocks
 from vefsdp_optim._math._newton_schulz import NsCoefficients
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import RaggedShard
@@ -161,14 +161,14 @@ class NorMuon(Muon):
         return torch.promote_types(item.view.local.dtype, torch.float32)
 
     def _post_orthogonalise(self, item: StepItem, plan: _MuonPlan, start: int, ortho: torch.Tensor) -> torch.Tensor:
-        state, beta2 = self.state[item.param], item.group["muon_beta2"]
-        out = torch.empty(ortho.numel(), dtype=self._update_dtype(item), device=ortho.device)
+        state, dtype = self.state[item.param], self._update_dtype(item)
+        blocks, variances = [], []  # this slice's blocks, with their row second moments
         for b in plan.span(start, ortho.numel()):
             (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
             key = f"{_VARIANCE}{b}"
             v = state.get(key)
             if v is None:  # the block's first step
-                v = state[key] = torch.zeros(rows, dtype=out.dtype, device=out.device)
-            n = rows * cols
-            normuon_normalize_(ortho[a:a + n].view(rows, cols), v, beta2, out=out[a:a + n].view(rows, cols))
-        return out
+                v = state[key] = torch.zeros(rows, dtype=dtype, device=ortho.device)
+            blocks.append((a, rows, cols))
+            variances.append(v)
+        return normuon_normalize_blocks(ortho, blocks, variances, item.group["muon_beta2"], dtype)

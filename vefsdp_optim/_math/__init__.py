@@ -1,15 +1,45 @@
 """Pure optimizer math on local tensors (no communication, no optimizer state objects).
 
-Muon's Newton-Schulz orthogonalisation (with Polar Express's coefficients) and
-NorMuon's neuron-wise normalization, the Adam/AdamW update, block-wise 8-bit
-quantization with a dynamic code map and the 8-bit Adam step, Shampoo's matrix
-inverse roots and tiles, and SOAP's factors, eigenbases, rotations and step. The
-optimizer classes route local blocks to these functions; each is tested in one process
-against torch.optim, scipy or a float64 reference.
+[Note: one function per optimizer] Each optimizer's mathematics is one function on
+tensors and hyperparameters, documented as torch's functional optimizers are, and the
+definition a reader can take for the algorithm:
+
+    AdamW, Adam         adamw_step_            (torch.optim.adamw.adamw's single-tensor bits)
+    8-bit Adam(W)       adam8bit_block_step_   (a run of whole quantization blocks)
+    Shampoo             shampoo_step_          (a run of whole tiles: row bands of a matrix)
+    SOAP                soap_step_             (a whole tensor; any slice without factors)
+    Muon                muon_step_             (a whole tensor: momentum, Newton-Schulz per
+                                                block, lr adjustment, decay; 8-bit momentum)
+    NorMuon             normuon_step_
+
+The optimizer classes and the step loop only route data to them: which rank, which
+slice, the exchange. Where batching across blocks is needed for speed, the batched form
+is the same function on each block, bit for bit (tests/test_math_functional.py):
+``adam_foreach_`` (torch's multi-tensor Adam over a bucket) and ``adamw_step_`` over a
+whole flat store; the fused 8-bit kernels inside ``adam8bit_block_step_``; Muon's
+batched Newton-Schulz (``muon_orthogonalise_batched`` in _muon.py). Muon runs its step
+in three phases on different ranks ([Note: Muon's phases] in _muon.py here), each a
+function that ``muon_step_`` composes.
+
+Also here: Newton-Schulz (with Polar Express's coefficients), NorMuon's normalization,
+block-wise 8-bit quantization with a dynamic code map, Shampoo's inverse roots and
+tiles, SOAP's factors, eigenbases and rotations; each tested in one process against
+torch.optim, scipy or a float64 reference.
 """
 
 from ._adam import adam_foreach_, adamw_step_, check_adam_hparams
 from ._matrix_root import matrix_inverse_root, shampoo_tiles
+from ._muon import (
+    Int8Momentum,
+    MuonBlock,
+    muon_apply_,
+    muon_lr_runs,
+    muon_momentum_,
+    muon_orthogonalise,
+    muon_step_,
+    normuon_normalize_blocks,
+    normuon_step_,
+)
 from ._newton_schulz import (
     NS_COEFFICIENTS,
     NS_EPS,
@@ -51,6 +81,8 @@ from ._soap import (
 )
 
 __all__ = [
+    "Int8Momentum",
+    "MuonBlock",
     "NORMUON_EPS",
     "NS_COEFFICIENTS",
     "NS_EPS",
@@ -74,9 +106,16 @@ __all__ = [
     "dynamic_code_map",
     "matrix_inverse_root",
     "muon_adjust_lr",
+    "muon_apply_",
     "muon_cost",
+    "muon_lr_runs",
     "muon_matrix_view",
+    "muon_momentum_",
+    "muon_orthogonalise",
+    "muon_step_",
     "normuon_normalize_",
+    "normuon_normalize_blocks",
+    "normuon_step_",
     "num_blocks",
     "polar_express_coefficients",
     "quantize_blockwise",
