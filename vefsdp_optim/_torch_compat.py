@@ -44,7 +44,7 @@ __all__ = [
     "StridedShard", "dtensor_local", "mesh_flatten", "mesh_concatenate",
     "device_dtype_check_for_fused", "to_scalar",
     "tree_flatten", "tree_map", "tree_unflatten",
-    "make_wrapper_subclass", "op_schema", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
+    "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
     "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
@@ -89,6 +89,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.nn.Module._parameters": TESTED,
     "torch.nn.Module._buffers": TESTED,
     "torch.nn.Module._apply": TESTED,
+    # SOAP's rotations (_math._soap): torch.tensordot without its Python wrapper
+    "torch._VF.tensordot": TESTED,
 }
 
 # Private names the library *defines*, on its subclass of torch's FSDPModule
@@ -110,6 +112,10 @@ ATEN_TO_COPY = torch.ops.aten._to_copy.default
 ATEN_FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
 foreach_copy_ = torch._foreach_copy_
 unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+# torch.tensordot(a, b, dims=(dims_a, dims_b)) is a Python wrapper (argument parsing, then
+# this call): the same aten op, so the same bits, with a fraction of the Python time of a
+# small tensor's call (SOAP rotates every gradient through several per step)
+tensordot = torch._VF.tensordot
 
 
 def dtensor_local(dt: Any) -> torch.Tensor:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._torch_compat import tensordot
+
 __all__ = [
     "SOAP_DATA_FORMATS",
     "SoapGeometry",
@@ -197,7 +199,7 @@ def _rotate(x: Tensor, bases: Sequence[Tensor | None], back: bool) -> Tensor:
     order = (*range(1, x.ndim), 0)
     side = [1 if back else 0]
     for q in bases:
-        x = x.permute(order) if q is None else torch.tensordot(x, q, dims=([0], side))
+        x = x.permute(order) if q is None else tensordot(x, q, [0], side)
     return x
 
 
@@ -210,7 +212,7 @@ def soap_update_factors_(factors: Sequence[Tensor | None], grad: Tensor, beta: f
         if f is None:
             continue
         others = [d for d in range(grad.ndim) if d != i]
-        f.lerp_(torch.tensordot(grad, grad, dims=(others, others)), 1 - beta)
+        f.lerp_(tensordot(grad, grad, others, others), 1 - beta)
 
 
 def soap_eigenbasis(factor: Tensor) -> Tensor:
