@@ -87,6 +87,15 @@ def test_declared_range_is_the_pyproject_pin():
     assert (a, b) == lo[:2] and (c, d) == (hi[0], hi[1] + 1), (compat.TORCH_RANGE, compat.TESTED)
 
 
+def test_make_test_runs_both_ends_of_the_range():
+    makefile = (ROOT / "Makefile").read_text()
+    lo_pin = re.search(r"^TORCH_PIN\s*\?=\s*torch==(\S+)", makefile, re.M)
+    hi_pin = re.search(r"^TORCH_HI_PIN\s*\?=\s*torch==(\S+)", makefile, re.M)
+    assert lo_pin and hi_pin, "Makefile: TORCH_PIN / TORCH_HI_PIN"
+    assert (lo_pin.group(1), hi_pin.group(1)) == compat.TESTED
+    assert re.search(r"^test: test-lo test-hi$", makefile, re.M), "make test runs both"
+
+
 # -- the source scan ----------------------------------------------------------------------
 
 
