@@ -68,7 +68,7 @@ class NorMuon(Muon):
     (``ns_coefficients="polar_express"``: the paper's table, where Dion's
     ``use_polar_express`` uses modded-nanogpt's) and ``adjust_lr_fn="spectral_norm"``
     (``lr * sqrt(rows / cols)``; also ``"rms_norm"``, and torch's ``None`` /
-    ``"original"`` / ``"match_rms_adamw"``). The momentum is torch's average
+    ``"original"`` / ``"match_rms_adamw"`` / ``"spectral_unclamped"``). The momentum is torch's average
     (``m <- momentum m + (1 - momentum) g``) where Dion sums (``m <- mu m + g``): the
     same direction, a constant factor that Newton-Schulz's normalization removes.
     ``eps`` is Newton-Schulz's (torch's and the Polar Express paper's 1e-7).
