@@ -117,21 +117,21 @@ static inline uint8_t code_of(float normed, const uint32_t* tab) {
 }
 
 #if defined(__AVX512F__)
-/* code_of for 16 values q: a gather from the packed table; near (within NEAR bit
-   patterns of) the bucket's midpoint or the bucket's ends, in *near */
+/* code_of for 16 values q: a gather from the packed table; near (within NEAR = 8 bit
+   patterns of) the bucket's midpoint or the bucket's ends, in *near. The bucket's
+   midpoint as a float (q's high 16 bits, the table's low 16) compares with q as code_of
+   compares the low bits; a bucket without one holds its largest value there, which no
+   value of the bucket exceeds */
 static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
-    const __m512i u = _mm512_castps_si512(q), lo16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i u = _mm512_castps_si512(q);
     const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), (const void*)tab, 4);
-    const __m512i xl = _mm512_and_si512(u, lo16), t = _mm512_and_si512(e, lo16);
-    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-    const __mmask16 up = (__mmask16)((neg & _mm512_cmplt_epu32_mask(xl, t)) |
-                                     (~neg & _mm512_cmpgt_epu32_mask(xl, t)));
-    const int NEAR = 8;
+    const __m512i mid = _mm512_ternarylogic_epi32(u, e, _mm512_set1_epi32(0xFFFF), 0xD8);  // c ? e : u
+    const __mmask16 up = _mm512_cmp_ps_mask(q, _mm512_castsi512_ps(mid), _CMP_GT_OQ);
     *near = (__mmask16)(
-        _mm512_cmple_epu32_mask(_mm512_abs_epi32(_mm512_sub_epi32(xl, t)), _mm512_set1_epi32(NEAR)) |
-        _mm512_cmple_epu32_mask(_mm512_and_si512(_mm512_add_epi32(xl, _mm512_set1_epi32(NEAR)), lo16),
-                                _mm512_set1_epi32(2 * NEAR - 1)));
-    return _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), up, _mm512_srli_epi32(e, 16), _mm512_set1_epi32(1));
+        _mm512_cmple_epu32_mask(_mm512_abs_epi32(_mm512_sub_epi32(u, mid)), _mm512_set1_epi32(8)) |
+        _mm512_testn_epi32_mask(_mm512_add_epi32(u, _mm512_set1_epi32(8)), _mm512_set1_epi32(0xFFF0)));
+    const __m512i lo8 = _mm512_srli_epi32(e, 16);
+    return _mm512_mask_add_epi32(lo8, up, lo8, _mm512_set1_epi32(1));
 }
 #endif
 
