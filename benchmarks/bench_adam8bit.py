@@ -12,6 +12,7 @@
    state tensors (the shared 256-value code maps left out). A bandwidth probe (a large
    ``copy_``) gives the limit; each row reports the bytes a step must move per second
    as a fraction of it. Our kernel's build time (cold and warm cache) is reported.
+   Then AdamW8bit against torch.optim.AdamW (foreach) at 2 intra-op threads, likewise.
 2. Final loss after N steps of each optimizer on one toy regression (an MLP whose
    weights are above the 8-bit threshold, the same seed and data for all).
 3. FSDP2 ``fully_shard`` at W = 2 (spawned ranks: gloo on the CPU, NCCL with one CUDA
@@ -152,6 +153,54 @@ def kernel_build_time() -> dict:
     return dict(cold_s=cold, warm_s=warm)
 
 
+def _time_steps(runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer]], steps: int,
+                warmup: int, device: str) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Seconds per timed step of each optimizer, and of its first step: the same random
+    gradients fed to all, in alternating order, after ``warmup`` untimed steps."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    first: dict[str, float] = {}
+    g = torch.Generator().manual_seed(1)
+    ref = next(iter(runs.values()))[0]
+    for step in range(warmup + steps):
+        grads = [(torch.randn(p.shape, generator=g) * 1e-3).to(device) for p in ref]
+        names = list(runs) if step % 2 == 0 else list(runs)[::-1]  # alternating order
+        for name in names:
+            ps, opt = runs[name]
+            for p, gr in zip(ps, grads, strict=True):
+                p.grad = gr
+            synchronize(device)
+            t0 = time.perf_counter()
+            opt.step()
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            if step == 0:
+                first[name] = dt
+            if step >= warmup:
+                times[name].append(dt)
+    return times, first
+
+
+def bench_threads(steps: int, warmup: int, threads: int = 2) -> list[dict]:
+    """AdamW8bit and torch.optim.AdamW (foreach) at ``threads`` intra-op threads (our
+    kernel takes runs of blocks on each, [Note: threads over blocks])."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        device = current_device()
+        runs = {}
+        for name, make in (("torch.optim.AdamW", lambda ps: torch.optim.AdamW(ps, foreach=True)),
+                           ("vefsdp_optim.AdamW8bit", lambda ps: AdamW8bit(ps))):
+            ps = _params(device=device)
+            runs[name] = (ps, make(ps))
+        times, _ = _time_steps(runs, steps, warmup, device)
+    finally:
+        torch.set_num_threads(saved)
+    return [dict(optimizer=f"{name}, {threads} threads", device=device, step_ms=stats(t, 1e3),
+                 ratio_vs_torch=paired_ratio(t, times["torch.optim.AdamW"]),
+                 torch_baseline=f"torch.optim.AdamW, {threads} threads")
+            for name, t in times.items()]
+
+
 def bench_step(steps: int, warmup: int) -> dict:
     from vefsdp_optim._adam8bit import Adam8bit
 
@@ -176,26 +225,7 @@ def bench_step(steps: int, warmup: int) -> dict:
         ps = _params(device=device)
         runs[name] = (ps, make(ps))
     numel = sum(p.numel() for p in _params())
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    first: dict[str, float] = {}
-    g = torch.Generator().manual_seed(1)
-    for step in range(warmup + steps):
-        grads = [(torch.randn(p.shape, generator=g) * 1e-3).to(device)
-                 for p in runs["torch.optim.AdamW"][0]]
-        names = list(runs) if step % 2 == 0 else list(runs)[::-1]  # alternating order
-        for name in names:
-            ps, opt = runs[name]
-            for p, gr in zip(ps, grads, strict=True):
-                p.grad = gr
-            synchronize(device)
-            t0 = time.perf_counter()
-            opt.step()
-            synchronize(device)
-            dt = time.perf_counter() - t0
-            if step == 0:
-                first[name] = dt
-            if step >= warmup:
-                times[name].append(dt)
+    times, first = _time_steps(runs, steps, warmup, device)
     probe = bandwidth_probe()
     limit = probe["gb_per_s"]["median"] * 1e9
     base_b = state_bytes(runs["torch.optim.AdamW"][1])
@@ -351,6 +381,7 @@ def run(quick: bool = True) -> dict:
     steps, warmup, reg_steps = (7, 2, 80) if quick else (15, 3, 300)
     torch.set_num_threads(1)
     step = bench_step(steps, warmup)
+    threaded = bench_threads(steps, warmup, 2)
     regression = bench_regression(reg_steps)
     fsdp = [bench_fsdp2(2, steps)]
     if (nr := not_run_row(2)) is not None:
@@ -366,6 +397,8 @@ def run(quick: bool = True) -> dict:
             if key in by:
                 headline.append({"comparison": f"{ours} step / {kind} {ours} step, 1 thread",
                                  "ratio": by[key]["ratio"]})
+    headline.append({"comparison": "AdamW8bit step / torch.optim.AdamW (foreach) step, 2 threads",
+                     "ratio": threaded[-1]["ratio_vs_torch"]})  # the AdamW8bit row
     headline.append({"comparison": "AdamW8bit bytes moved per second / copy_ bandwidth (1 thread)",
                      "ratio": by["vefsdp_optim.AdamW8bit"]["fraction_of_copy_bandwidth"]})
     headline.append({"comparison": "AdamW8bit state bytes / torch.optim.AdamW",
@@ -389,7 +422,7 @@ def run(quick: bool = True) -> dict:
              "bytes moved: 16 B/element for 8-bit tensors (param r/w, grad, 2 codes r/w), 28 for "
              "fp32 moments; fraction = those bytes per second / a 256 MiB copy_'s (read + write)",
              f"toy regression: final loss after {reg_steps} steps, ratio to torch AdamW's"]
-    return result("adam8bit", step["rows"], notes, headline=headline, regression=regression,
+    return result("adam8bit", step["rows"] + threaded, notes, headline=headline, regression=regression,
                   fsdp2=fsdp, shapes=SHAPES, wall_s=time.perf_counter() - t0)
 
 
