@@ -524,8 +524,8 @@ def _result(results: list[torch.Tensor | None], i: int, x: torch.Tensor) -> torc
 def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``batch`` (k, rows, cols) in flat row-major order, into ``out`` (1-D) when given.
     A tall batch's Newton-Schulz result is a transposed view: on the CPU, torch copies
-    it ~2.5x faster one matrix at a time than as one strided batch (measured on
-    [8, 512, 256] bf16), so it is copied per matrix there; the bits are the same."""
+    it faster one matrix at a time than as one strided batch (docs/performance.md), so
+    it is copied per matrix there; the bits are the same."""
     if out is None:
         if batch.is_contiguous():
             return batch.reshape(-1)

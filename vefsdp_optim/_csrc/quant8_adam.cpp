@@ -49,7 +49,7 @@ static void map_init(Map* m, const float* code, const uint32_t* tab) {
 
 #if defined(__AVX512F__)
 /* code[ix] for 16 indices in [0, 256): permutes over the 256-value table in 16 registers
-   (a gather costs ~3x more here); exact, as a load */
+   (cheaper than a gather); exact, as a load */
 static inline __m512 lut256(const __m512* t, __m512i ix) {
     const __mmask16 b5 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(32));
     const __mmask16 b6 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(64));

@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kGrain = 1 << 16;  // elements a thread takes at least (~0.1 ms of work)
+constexpr int64_t kGrain = 1 << 16;  // elements a thread takes at least (enough work to repay its start)
 
 void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
     TORCH_CHECK(t.device().is_cpu(), "adam8bit_step_: ", name, " must be a CPU tensor, got ",

@@ -153,9 +153,9 @@ def dequantize_blockwise(
 
 # [Note: table quantizer]
 # quantize_blockwise (the reference) finds each code with a binary search over the 255 midpoints of the
-# code map (torch.searchsorted), which on the CPU costs ~70 ns per element, 10x an
-# AdamW step. TableQuantizer gives the same codes, bit for bit, with a lookup: the top
-# 16 bits of a float32 (sign, exponent, 7 mantissa bits) name a bucket of consecutive
+# code map (torch.searchsorted), which on the CPU costs many times an AdamW step
+# (docs/performance.md). TableQuantizer gives the same codes, bit for bit, with a
+# lookup: the top 16 bits of a float32 (sign, exponent, 7 mantissa bits) name a bucket of consecutive
 # floats; ``lo[bucket]`` counts the midpoints below the bucket, and the few midpoints
 # inside it (at most ``k``: 1 for both dynamic maps) are compared one by one. The code
 # is the number of midpoints strictly below the value, exactly searchsorted's answer

@@ -12,13 +12,12 @@ the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam
 with two blocks' new moments in a cache-resident scratch of 4 * block_size floats. The
 data are read once and written once. Runs of whole blocks go to torch's intra-op threads
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
-count. Measured on 4.0 M elements, one thread, Intel Xeon with AVX-512 (VBMI): ~10 ms a
-kernel step before these changes (the binary search below ~35% of it, the per-block
-setup of the dequantization's byte planes ~10%), ~6.9 ms with the requantization by
-gather, ~6.1 ms with it one block behind the update ([Note: requantization one block
-behind] in ``quant8_adam.cpp``: the update waits on its two divisions and square root,
-~2.5 ns per 16 lanes each, the requantization on its gathers; interleaved, they overlap).
-The same on a 100 K-element problem that stays in cache: the step is compute-bound.
+count. The requantization runs one block behind the update ([Note: requantization one
+block behind] in ``quant8_adam.cpp``): the update waits on its two divisions and square
+root, the requantization on its gathers; interleaved, they overlap. The same holds on a
+problem that stays in cache: the step is compute-bound. The kernel's measured history
+(each change's step time, on one machine) is in docs/performance.md; its current speed
+against torch's AdamW, in benchmarks/REPORT.md (``adam8bit``).
 
 Bits. The kernel computes exactly the sequence of float32 operations that the eager
 path runs as torch ops ([Note: 8-bit Adam op order] in ``_quant8.py``): each is one
@@ -28,24 +27,23 @@ the same bits, and so do the kernel and the eager fallback. Blocks never interac
 a run of whole blocks gives the bits of that part of the whole-tensor step at any world
 size. ``tests/test_adam8bit_fused.py`` checks both.
 
-Why not torch.compile: inductor's CPU code for this step (measured on torch 2.13) gathers
-the table lookups element by element through int64 indices with bounds checks and
-writes the float moments back to memory between its loops: ~45 ms for 4 M elements on
-one thread against ~5 ms for this kernel, after ~11 s of compilation. Where AVX-512
-is there, the 256-value code maps are read with register permutes (a vector gather cost
-~1 ms more per 4 M elements; with AVX-512 VBMI, byte permutes of the map's four byte
-planes, 64 codes at a time, the planes built once per call). The requantization's code is
-the number of the map's 255 midpoints below the value (searchsorted's, so ``code_of``'s
-for every finite float: checked on all 2^32 bit patterns). It was found by a branch-free
-binary search whose 8 levels read the midpoints with register permutes (on AMD EPYC a
-gather from the 65536-entry table cost ~20 cycles for 16 lanes, the search ~15; on an
-Intel Xeon the search's ~20 permutes and compares per 16 lanes on one port cost more
-than a gather, ~2.5 ns); it is now one gather from the packed table per 16 values, with
-the division by the scale replaced by a product with its reciprocal and redone exactly
-for the ~1% of vectors near a midpoint. Tried and dropped: the absmax folded into the
-update loop as scalar C (gcc then vectorizes neither: 15 ms), both moments'
-requantizations in one loop (slower, also with one moment by gather and one by search),
-software prefetch (slower), the table lookups as scalar loads (1.4x slower). The kernel is
+Why not torch.compile: inductor's CPU code for this step (torch 2.13) gathers the table
+lookups element by element through int64 indices with bounds checks and writes the float
+moments back to memory between its loops, several times slower than this kernel, after
+seconds of compilation. Where AVX-512 is there, the 256-value code maps are read with
+register permutes (cheaper than a vector gather; with AVX-512 VBMI, byte permutes of the
+map's four byte planes, 64 codes at a time, the planes built once per call). The
+requantization's code is the number of the map's 255 midpoints below the value
+(searchsorted's, so ``code_of``'s for every finite float: checked on all 2^32 bit
+patterns). It was found by a branch-free binary search whose 8 levels read the midpoints
+with register permutes (cheaper than a gather on some CPUs, dearer on others: the
+search's permutes and compares share one port); it is now one gather from the packed
+table per 16 values, with the division by the scale replaced by a product with its
+reciprocal and redone exactly for the ~1% of vectors near a midpoint. Tried and dropped
+(slower, figures in docs/performance.md): the absmax folded into the update loop as
+scalar C (gcc then vectorizes neither), both moments' requantizations in one loop (also
+with one moment by gather and one by search), software prefetch, the table lookups as
+scalar loads. The kernel is
 C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
 pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
 ``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
