@@ -105,8 +105,8 @@ def _unsharded_ours(model: nn.Module) -> list[torch.Tensor]:
 
     out = []
     for m in model.modules():
-        if isinstance(m, FSDPModule) and state_of(m).group is not None:
-            for st in state_of(m).group.stores:
+        if isinstance(m, FSDPModule) and state_of(m).shard_group is not None:
+            for st in state_of(m).shard_group.stores:
                 for buf in {id(b): b for b in (st.master, st.compute, st.reduce)}.values():
                     out += [buf._global, buf._grad_global]
                 out += [t for t in (st._kept,) if t is not None]
@@ -149,8 +149,8 @@ def _shard_grads_ours(model: nn.Module) -> list[torch.Tensor]:
     from vefsdp_optim._fsdp._module import FSDPModule, state_of
 
     return [st.master.local_grad for m in model.modules()
-            if isinstance(m, FSDPModule) and state_of(m).group is not None
-            for st in state_of(m).group.stores]
+            if isinstance(m, FSDPModule) and state_of(m).shard_group is not None
+            for st in state_of(m).shard_group.stores]
 
 
 def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: list):  # noqa: ANN202

@@ -50,7 +50,7 @@ def _sharded_net():
     return model, init
 
 
-def _buckets(ps):
+def _flat_stores(ps):
     from vefsdp_optim._flat_store import flat_store
 
     return {id(flat_store(p)): flat_store(p) for p in ps}.values()
@@ -58,15 +58,15 @@ def _buckets(ps):
 
 def _padding_zero(ps, opt):
     """Every element of the local buffers that belongs to no parameter is still zero."""
-    for b in _buckets(ps):
-        m = b.master
-        used = torch.zeros(m.local.numel(), dtype=torch.bool)
-        for mp in b.params:
-            v = m.local_view(mp.fqn)
-            a = v.storage_offset() - m.local.storage_offset()
+    for binding in _flat_stores(ps):  # fully_shard's StoreBinding: the optimizer's key
+        master = binding.store.master
+        used = torch.zeros(master.local.numel(), dtype=torch.bool)
+        for mp in binding.store.params:
+            v = master.local_view(mp.fqn)
+            a = v.storage_offset() - master.local.storage_offset()
             used[a:a + v.numel()] = True
-        flat = opt._flat.get(b)
-        tensors = [m.local, m.local_grad] + ([] if flat is None else [flat.exp_avg, flat.exp_avg_sq])
+        flat = opt._flat.get(binding)
+        tensors = [master.local, master.local_grad] + ([] if flat is None else [flat.exp_avg, flat.exp_avg_sq])
         for t in tensors:
             if t[~used].count_nonzero():
                 return False

@@ -112,7 +112,7 @@ def _api() -> dict[str, object]:
         _backward(m, 3)
     from vefsdp_optim._fsdp._module import state_of
 
-    out["kept_gathered"] = state_of(ours.blocks).group.gathered
+    out["kept_gathered"] = state_of(ours.blocks).shard_group.gathered
     for m in (ours, theirs):
         m.blocks.reshard()  # FSDP2 registers the sharded parameters (and their grads) again
     out["knobs_vs_fsdp2"] = _rel(_grads(ours), _grads(theirs))

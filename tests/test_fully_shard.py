@@ -698,7 +698,7 @@ def _async_reduce() -> dict[str, object]:
     import torch.distributed as dist
 
     from vefsdp_optim._fsdp import fully_shard
-    from vefsdp_optim._fsdp._group import ShardGroup as ParamGroup
+    from vefsdp_optim._fsdp._group import ShardGroup
 
     w = dist.get_world_size()
     model, blocks, data = _build("transformer")
@@ -708,7 +708,7 @@ def _async_reduce() -> dict[str, object]:
     fully_shard(model)
     log: list[tuple[str, int]] = []
     launches: list[bool] = []
-    orig_rs, orig_attach = dist.reduce_scatter_single, ParamGroup.attach_grads
+    orig_rs, orig_attach = dist.reduce_scatter_single, ShardGroup.attach_grads
 
     def rs(*args: object, async_op: bool = False, **kwargs: object) -> object:
         launches.append(async_op)
@@ -716,15 +716,15 @@ def _async_reduce() -> dict[str, object]:
         work = orig_rs(*args, async_op=async_op, **kwargs)
         return _LoggedWork(work, log, len(launches)) if async_op else work
 
-    def attach(self: ParamGroup) -> None:
+    def attach(self: ShardGroup) -> None:
         log.append(("attach", 0))
         orig_attach(self)
 
     out: dict[str, object] = {}
     from vefsdp_optim._fsdp._module import FSDPModule, state_of
 
-    groups = [state_of(m).group for m in model.modules() if isinstance(m, FSDPModule)]
-    dist.reduce_scatter_single, ParamGroup.attach_grads = rs, attach
+    shard_groups = [state_of(m).shard_group for m in model.modules() if isinstance(m, FSDPModule)]
+    dist.reduce_scatter_single, ShardGroup.attach_grads = rs, attach
     try:
         errs: list[float] = []
         for step in range(2):  # the second step also covers the grads kept from the first
@@ -733,7 +733,7 @@ def _async_reduce() -> dict[str, object]:
             _loss(ref, data[step]).backward()
             if step == 0:
                 out["log"] = list(log)
-                out["pending_after_backward"] = [g.reducing for g in groups]
+                out["pending_after_backward"] = [shard_group.reducing for shard_group in shard_groups]
             ref_grads = [p.grad.clone() for p in ref.parameters()]
             _average_like_ranks(ref, w)
             errs += _close([p.grad.full_tensor() for p in model.parameters()],
@@ -742,7 +742,7 @@ def _async_reduce() -> dict[str, object]:
                 p.grad = g  # keep the raw sum for the next step's accumulation
         out["errs"] = errs
     finally:
-        dist.reduce_scatter_single, ParamGroup.attach_grads = orig_rs, orig_attach
+        dist.reduce_scatter_single, ShardGroup.attach_grads = orig_rs, orig_attach
     out["launches"] = launches
     return out
 

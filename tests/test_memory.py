@@ -90,7 +90,7 @@ class _Net(nn.Module):
 def _store(m: nn.Module):  # noqa: ANN202
     from vefsdp_optim._fsdp._module import state_of
 
-    return state_of(m).group.stores[0]
+    return state_of(m).shard_group.stores[0]
 
 
 def _grad_bytes(m: nn.Module) -> int:

@@ -31,7 +31,7 @@ from vefsdp_optim._torch_compat import (
 )
 from vefsdp_optim.comm import dtensor_boxes
 
-from ._group import ShardGroup, check_group_consistent
+from ._group import ShardGroup, check_shard_group_consistent
 from ._module import FSDPModule, state_of
 from ._param import ManagedParam, TensorParallel
 from ._sharded_tensor import ShardedParameter
@@ -149,9 +149,9 @@ def fully_shard(
     if dp_mesh_dims is not None:
         mesh = _dp_submesh(mesh, dp_mesh_dims, modules)
     if mesh.ndim == 1:
-        shard_pg, replicate_pg = mesh.get_group(0), None
+        shard_process_group, replicate_process_group = mesh.get_group(0), None
     elif mesh.ndim == 2:
-        shard_pg, replicate_pg = mesh.get_group(1), mesh.get_group(0)
+        shard_process_group, replicate_process_group = mesh.get_group(1), mesh.get_group(0)
     else:
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
     device = _default_device(mesh)
@@ -174,16 +174,18 @@ def fully_shard(
             src = src.to_local()
         data[mp.fqn] = src
         del mp.sharded_src  # type: ignore[attr-defined]
-    group = ShardGroup(params, shard_pg=shard_pg, replicate_pg=replicate_pg, device=device,
-                       mp_policy=mp_policy, data=data) if params else None
-    if group is not None:
-        group.register(sharded=True)
+    shard_group = ShardGroup(params, shard_process_group=shard_process_group,
+                             replicate_process_group=replicate_process_group, device=device,
+                             mp_policy=mp_policy, data=data) if params else None
+    if shard_group is not None:
+        shard_group.register(sharded=True)
     else:  # ranks that do hold parameters here check their signature against this one
-        check_group_consistent([], shard_pg, replicate_pg if replicate_pg is not None and
-                               replicate_pg.size() > 1 else None)
+        check_shard_group_consistent(
+            [], shard_process_group, replicate_process_group if replicate_process_group is not None
+            and replicate_process_group.size() > 1 else None)
     for m in modules:
         _move_buffers(m, device)
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, shard_group, reshard_after_forward, mp_policy)
     state.originals.update({id(mp.original): mp.original for mp in params})
     _REPLACED.update({id(mp.original): mp.original for mp in params})
     for mp in params:

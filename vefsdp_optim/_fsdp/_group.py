@@ -1,72 +1,115 @@
 """A shard group: the parameters one fully_shard call manages, which communicate together.
 
-Per original dtype the group has one :class:`DtypeStore`: one plan and one master
-DistributedBuffer (the sharded parameters' storage; the ``FlatStore`` of
-[Note: flat store contract]), plus, under mixed precision, a compute buffer in
-``param_dtype`` (same plan; one cast of the local shard per all-gather) and a reduce
-buffer in ``reduce_dtype``. The hooks that fully_shard installs call into
-:class:`ShardGroup`: unshard before forward and backward, reshard after, one
-reduce-scatter when the group's gradients are complete. Where the group is in its step
-is two explicit states (``GatherState``, ``GradState`` in _lifecycle.py). See
+Per original dtype the shard group has one :class:`DtypeStore` (a *store*): one plan
+and one master DistributedBuffer (the sharded parameters' storage), plus, under mixed
+precision, a compute buffer in ``param_dtype`` (same plan; one cast of the local shard
+per all-gather) and a reduce buffer in ``reduce_dtype``. The hooks that fully_shard
+installs call into :class:`ShardGroup`: unshard before forward and backward, reshard
+after, one reduce-scatter when the shard group's gradients are complete. Where the
+shard group is in its step is two explicit states (``GatherState``, ``GradState`` in
+_lifecycle.py), which only the shard group changes; its stores hold no reference to it
+([Note: store and shard group] in _store.py). The optimizers see each store through a
+:class:`StoreBinding` (the ``FlatStore`` of [Note: flat store contract]). See
 [Note: grads into the buffer] in _param.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from vefsdp_optim._flat_store import StoreReplan
 from vefsdp_optim._torch_compat import tensor_version, unsafe_set_version_counter
 
 from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
-from ._store import DtypeStore, PendingReduce
+from ._replan import move_store, plan_replan
+from ._store import DtypeStore, GradSettings, PendingReduce, StoreSettings
 
-__all__ = ["ShardGroup", "DtypeStore", "check_group_consistent"]
+__all__ = ["ShardGroup", "StoreBinding", "DtypeStore", "check_shard_group_consistent"]
 
-def check_group_consistent(signature: list, shard_pg: dist.ProcessGroup,
-                           replicate_pg: dist.ProcessGroup | None) -> None:
-    """Raise ValueError on every rank unless all ranks hold the same group signature.
+def check_shard_group_consistent(signature: list, shard_process_group: dist.ProcessGroup,
+                                 replicate_process_group: dist.ProcessGroup | None) -> None:
+    """Raise ValueError on every rank unless all ranks hold the same shard group signature.
 
     One ``all_gather_object`` per process group before the first collective on the
-    group's buffers: dtypes, plans and frozen flags that differ (or a module with
+    shard group's buffers: dtypes, plans and frozen flags that differ (or a module with
     parameters on some ranks only) raise instead of hanging or mixing buffers.
     """
-    for pg in (shard_pg, replicate_pg):
-        if pg is None or pg.size() == 1:
+    for process_group in (shard_process_group, replicate_process_group):
+        if process_group is None or process_group.size() == 1:
             continue
-        gathered: list[Any] = [None] * pg.size()
-        dist.all_gather_object(gathered, signature, group=pg)
-        bad = [r for r, g in enumerate(gathered) if g != gathered[0]]
+        gathered: list[Any] = [None] * process_group.size()
+        dist.all_gather_object(gathered, signature, group=process_group)
+        bad = [r for r, sig in enumerate(gathered) if sig != gathered[0]]
         if bad:
             raise ValueError(
-                f"fully_shard: ranks {bad} of a group of {pg.size()} hold parameters different from "
-                f"rank 0's (dtype, plan fingerprint, requires_grad per bucket): {gathered[bad[0]]} vs "
-                f"{gathered[0]}; every rank must shard the same module structure")
+                f"fully_shard: ranks {bad} of a process group of {process_group.size()} hold parameters "
+                f"different from rank 0's (dtype, plan fingerprint, requires_grad per store): "
+                f"{gathered[bad[0]]} vs {gathered[0]}; every rank must shard the same module structure")
+
+
+class StoreBinding:
+    """The ``FlatStore`` ([Note: flat store contract]) a sharded parameter is bound to: one
+    store of a shard group. The data questions go to the store; a re-plan goes to the
+    shard group, which owns the lifecycle transition it needs ([Note: store and shard
+    group] in _store.py)."""
+
+    __slots__ = ("shard_group", "store", "__weakref__")  # optimizers cache per store, weakly
+
+    def __init__(self, shard_group: ShardGroup, store: DtypeStore) -> None:
+        self.shard_group = shard_group
+        self.store = store
+
+    def members(self) -> Sequence[torch.Tensor]:
+        return self.store.members()
+
+    def flat_param(self) -> torch.Tensor:
+        return self.store.flat_param()
+
+    def flat_grad(self) -> torch.Tensor:
+        return self.store.flat_grad()
+
+    def segment(self, p: torch.Tensor) -> tuple[int, int]:
+        return self.store.segment(p)
+
+    def grads_in_place(self) -> bool:
+        return self.store.grads_in_place()
+
+    def add_state_holder(self, holder: torch.optim.Optimizer) -> None:
+        self.store.add_state_holder(holder)
+
+    def replan(self, units: Mapping[torch.Tensor, int]) -> StoreReplan | None:
+        return self.shard_group.replan(self.store, units)
 
 
 class ShardGroup:
     """The parameters one ``fully_shard(module)`` call manages, by dtype in DtypeStores."""
 
-    def __init__(self, params: list[ManagedParam], *, shard_pg: dist.ProcessGroup,
-                 replicate_pg: dist.ProcessGroup | None, device: torch.device,
+    def __init__(self, params: list[ManagedParam], *, shard_process_group: dist.ProcessGroup,
+                 replicate_process_group: dist.ProcessGroup | None, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor]) -> None:
-        self.shard_pg = shard_pg
-        self.shard_world = shard_pg.size()
-        self.shard_rank = shard_pg.rank()
-        self.replicate_pg = replicate_pg if replicate_pg is not None and replicate_pg.size() > 1 else None
-        self.device = device
-        self.mp_policy = mp_policy
+        replicate = (replicate_process_group if replicate_process_group is not None
+                     and replicate_process_group.size() > 1 else None)
+        #: fixed at construction, and given to every store ([Note: store and shard group])
+        self.settings = StoreSettings(
+            shard_process_group, shard_process_group.size(), shard_process_group.rank(), replicate,
+            replicate.size() if replicate is not None else 1, device, mp_policy)
         self.params = params
         by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
         for p in params:
             by_dtype.setdefault(data[p.fqn].dtype, []).append(p)
-        self.stores = [DtypeStore(ps, {}, self, dt, data, validate=False) for dt, ps in by_dtype.items()]
-        check_group_consistent(self.signature(), shard_pg, self.replicate_pg)
+        self.stores = [DtypeStore(ps, {}, self.settings, dt, data, validate=False)
+                       for dt, ps in by_dtype.items()]
+        for store in self.stores:
+            binding = StoreBinding(self, store)
+            for p in store.params:
+                p.sharded.bind_store(binding)
+        check_shard_group_consistent(self.signature(), shard_process_group, replicate)
         self.requires_gradient_sync = True
         # [Note: gradient reduction policy] FSDP2's knobs (FSDPModule.set_*): by default the
         # gradients are averaged over every data-parallel rank (the backend's AVG where it
@@ -90,25 +133,21 @@ class ShardGroup:
         self._reductions: list[tuple[DtypeStore, PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
         # called before a store allocates its gradient buffer: finishes completed reductions
-        # of earlier groups (set by the root's FSDPState; [Note: lazy gradient buffer])
+        # of earlier shard groups (set by the root's FSDPState; [Note: lazy gradient buffer])
         self.before_grad_alloc: Callable[[], None] = lambda: None
 
-    @property
-    def replicate_world(self) -> int:
-        return self.replicate_pg.size() if self.replicate_pg is not None else 1
-
-    @property
-    def native_average(self) -> bool:
-        """Reduce with the default average ([Note: gradient reduction policy])."""
-        return self.gradient_divide_factor is None and not self.force_sum_reduction
+    def grad_settings(self) -> GradSettings:
+        """The gradient knobs as they are now, for the stores ([Note: store and shard group])."""
+        return GradSettings(self.grad_copy_in, self.gradient_divide_factor, self.force_sum_reduction,
+                            self.requires_all_reduce, self.all_reduce_hook, self.before_grad_alloc)
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
         """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
-        return [(str(b.dtype), b.plan.fingerprint()[:16], tuple(p.requires_grad for p in b.params))
-                for b in self.stores]
+        return [(str(store.dtype), store.plan.fingerprint()[:16], tuple(p.requires_grad for p in store.params))
+                for store in self.stores]
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(tensor_version(b.master.local) for b in self.stores)
+        return tuple(tensor_version(store.master.local) for store in self.stores)
 
     def _set_gather(self, new: GatherState) -> None:
         self.gather_state = advance(self.gather_state, new, "ShardGroup.gather_state")
@@ -133,7 +172,7 @@ class ShardGroup:
         if self.fresh:
             return
         self._gathered_versions = self._versions()
-        works = [b.unshard(async_op) for b in self.stores]
+        works = [store.unshard(async_op) for store in self.stores]
         self._gathers = [w for w in works if w is not None] if async_op else []
         self._set_gather(GatherState.GATHERING if self._gathers else GatherState.GATHERED)
 
@@ -153,8 +192,8 @@ class ShardGroup:
     def free(self) -> None:
         """Free the global (unsharded) buffers; waits for a pending gather first."""
         self.wait_unshard()
-        for b in self.stores:
-            b.free()
+        for store in self.stores:
+            store.free()
         self._set_gather(GatherState.SHARDED)
 
     def reshard(self) -> None:
@@ -163,8 +202,8 @@ class ShardGroup:
         self.register(sharded=True)
 
     def register(self, sharded: bool) -> None:
-        for b in self.stores:
-            for p in b.params:
+        for store in self.stores:
+            for p in store.params:
                 p.register(sharded)
 
     @property
@@ -177,31 +216,34 @@ class ShardGroup:
         """Give back the shard gradients' bytes where no ``.grad`` refers to them any more
         ([Note: gradient memory]); the root calls it before each forward."""
         if self.grad_state is GradState.IDLE:
-            for b in self.stores:
-                b.release_grads()
+            for store in self.stores:
+                store.release_grads()
 
     def attach_grads(self) -> None:
         self.wait_reduce()  # the gradient buffer is the pending collective's input
-        for b in self.stores:
-            b.attach_grads(fresh=self.grad_state is GradState.IDLE)
+        grad_settings = self.grad_settings()
+        for store in self.stores:
+            store.attach_grads(fresh=self.grad_state is GradState.IDLE, grad_settings=grad_settings)
         self._set_grad(GradState.ACCUMULATING)
 
     def reduce_grads(self) -> None:
-        """End of this group's backward: launch the reduction unless accumulating without sync.
+        """End of this shard group's backward: launch the reduction unless accumulating without sync.
 
         The reduce-scatters run asynchronously ([Note: async reduce-scatter]);
-        ``wait_reduce`` completes them (the next group's post-backward, the root's final
-        callback, or anything here that touches the gradients, whichever comes first).
+        ``wait_reduce`` completes them (the next shard group's post-backward, the root's
+        final callback, or anything here that touches the gradients, whichever comes first).
         """
         if not self.requires_gradient_sync:
-            for b in self.stores:
-                b.complete_grads()
+            grad_settings = self.grad_settings()
+            for store in self.stores:
+                store.complete_grads(grad_settings)
             return
         self.wait_reduce()
         if self.grad_state is GradState.IDLE:
             return  # nothing accumulated since the last reduction
-        pending = [(b, b.launch_reduce()) for b in self.stores]
-        self._reductions = [(b, pr) for b, pr in pending if pr is not None]
+        grad_settings = self.grad_settings()
+        pending = [(store, store.launch_reduce(grad_settings)) for store in self.stores]
+        self._reductions = [(store, pr) for store, pr in pending if pr is not None]
         self._set_grad(GradState.REDUCING if self._reductions else GradState.IDLE)
 
     def reset(self) -> None:
@@ -213,11 +255,11 @@ class ShardGroup:
             if pr.work is not None:
                 pr.work.wait()
         self._reductions = []
-        for b in self.stores:
-            b.free()
-            if self.shard_world > 1:
-                b.reduce.free_grad_global()
-                b.compute.free_grad_global()
+        for store in self.stores:
+            store.free()
+            if self.settings.world_size > 1:
+                store.reduce.free_grad_global()
+                store.compute.free_grad_global()
         self.gather_state, self.grad_state = GatherState.SHARDED, GradState.IDLE
         self.register(sharded=True)
 
@@ -228,7 +270,7 @@ class ShardGroup:
 
     @property
     def reduce_done(self) -> bool:
-        """Every launched collective of this group has completed (asked without waiting; a
+        """Every launched collective of this shard group has completed (asked without waiting; a
         handle that cannot tell counts as not completed)."""
         return all(pr.work is None or getattr(pr.work.work, "is_completed", lambda: False)()
                    for _, pr in self._reductions)
@@ -238,6 +280,26 @@ class ShardGroup:
         if self.grad_state is not GradState.REDUCING:
             return
         pending, self._reductions = self._reductions, []
-        for b, pr in pending:
-            b.finish_reduce(pr)
+        grad_settings = self.grad_settings()
+        for store, pr in pending:
+            store.finish_reduce(pr, grad_settings)
         self._set_grad(GradState.IDLE)
+
+    # -- re-plan -------------------------------------------------------------------------
+
+    def replan(self, store: DtypeStore, units: Mapping[torch.Tensor, int]) -> StoreReplan | None:
+        """``FlatStore.replan`` of one of this shard group's stores: the new plan (pure),
+        then the lifecycle transition a move needs, then the move (a collective over the
+        store's process group)."""
+        decision = plan_replan(store, units, store.state_holders())
+        if decision.plan is None:
+            return decision.report
+        if self.grad_state is GradState.ACCUMULATING:
+            raise RuntimeError(
+                "re-plan during a gradient accumulation without sync (unreduced gradients in the "
+                "buffer); build the optimizer before that backward, or after a synced one")
+        if self.gathered:  # the unsharded views of the old buffers would go stale
+            self.free()
+            self.register(sharded=True)
+        move_store(store, decision.units, decision.plan)
+        return decision.report

@@ -25,14 +25,14 @@ class UnshardHandle:
     module; calling it again does nothing. Forward waits by itself when not called.
     """
 
-    def __init__(self, group: ShardGroup | None) -> None:
-        self._group = group
+    def __init__(self, shard_group: ShardGroup | None) -> None:
+        self._shard_group = shard_group
 
     def wait(self) -> None:
-        g, self._group = self._group, None
-        if g is not None:
-            g.wait_unshard()
-            g.register(sharded=False)
+        shard_group, self._shard_group = self._shard_group, None
+        if shard_group is not None:
+            shard_group.wait_unshard()
+            shard_group.register(sharded=False)
 
 
 class FSDPModule(_TorchFSDPModule):
@@ -54,10 +54,10 @@ class FSDPModule(_TorchFSDPModule):
         """
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
-        handle = UnshardHandle(self._vefsdp_state.group)
-        g = self._vefsdp_state.group
-        if g is not None:
-            g.unshard(async_op=async_op)
+        handle = UnshardHandle(self._vefsdp_state.shard_group)
+        shard_group = self._vefsdp_state.shard_group
+        if shard_group is not None:
+            shard_group.unshard(async_op=async_op)
         if async_op:
             return handle
         handle.wait()
@@ -65,9 +65,9 @@ class FSDPModule(_TorchFSDPModule):
 
     def reshard(self) -> None:
         """Free the all-gathered parameters and register the sharded ones (not recursive)."""
-        g = self._vefsdp_state.group
-        if g is not None:
-            g.reshard()
+        shard_group = self._vefsdp_state.shard_group
+        if shard_group is not None:
+            shard_group.reshard()
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: wait for in-flight
@@ -84,8 +84,8 @@ class FSDPModule(_TorchFSDPModule):
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         return [m._vefsdp_state for m in mods if isinstance(m, FSDPModule)]
 
-    def _groups(self, recurse: bool = False) -> list[ShardGroup]:
-        return [s.group for s in self._states(recurse) if s.group is not None]
+    def _shard_groups(self, recurse: bool = False) -> list[ShardGroup]:
+        return [s.shard_group for s in self._states(recurse) if s.shard_group is not None]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: every backward completes its reductions in
@@ -96,16 +96,16 @@ class FSDPModule(_TorchFSDPModule):
         """Off: backward accumulates unreduced gradients; the next synced backward reduces
         (FSDP1's ``no_sync``). Controls reduce-scatter and HSDP's all-reduce together."""
         _check_bool("requires_gradient_sync", requires_gradient_sync)
-        for g in self._groups(recurse):
-            g.requires_gradient_sync = requires_gradient_sync
-            g.requires_all_reduce = requires_gradient_sync
+        for shard_group in self._shard_groups(recurse):
+            shard_group.requires_gradient_sync = requires_gradient_sync
+            shard_group.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: off skips the replicate all-reduce (the reduce-scatter still runs); the
         partial result joins the next all-reduce ([Note: gradient reduction policy])."""
         _check_bool("requires_all_reduce", requires_all_reduce)
-        for g in self._groups(recurse):
-            g.requires_all_reduce = requires_all_reduce
+        for shard_group in self._shard_groups(recurse):
+            shard_group.requires_all_reduce = requires_all_reduce
 
     def set_gradient_copy_in(self, enabled: bool, *, recurse: bool = True) -> None:
         """True (the default): autograd makes gradients one parameter at a time and the
@@ -114,8 +114,8 @@ class FSDPModule(_TorchFSDPModule):
         the group's first gradient (no copy at all; one block's buffer more memory).
         [Note: lazy gradient buffer]; not a FSDP2 method."""
         _check_bool("enabled", enabled)
-        for g in self._groups(recurse):
-            g.grad_copy_in = enabled
+        for shard_group in self._shard_groups(recurse):
+            shard_group.grad_copy_in = enabled
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _check_bool("reshard_after_forward", reshard_after_forward)
@@ -156,8 +156,8 @@ class FSDPModule(_TorchFSDPModule):
         if stream is not None:
             raise NotImplementedError("set_all_reduce_hook(stream=...): fully_shard runs the hook "
                                       "on the current stream")
-        for g in self._groups():
-            g.all_reduce_hook = hook
+        for shard_group in self._shard_groups():
+            shard_group.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: object) -> None:
         """Accepted for FSDP2 compatibility: fully_shard's all-gathers run on the current
@@ -172,14 +172,14 @@ class FSDPModule(_TorchFSDPModule):
         data-parallel ranks ([Note: gradient reduction policy]); 1.0 gives sums."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
-        for g in self._groups():
-            g.gradient_divide_factor = float(factor)
+        for shard_group in self._shard_groups():
+            shard_group.gradient_divide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only SUM collectives, with the division done separately."""
         _check_bool("enable", enable)
-        for g in self._groups():
-            g.force_sum_reduction = enable
+        for shard_group in self._shard_groups():
+            shard_group.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -222,8 +222,8 @@ class FSDPModule(_TorchFSDPModule):
         and the optimizers share), so ``to_empty(device=...)`` after a meta-device
         construction keeps them. A change of dtype raises (use MixedPrecisionPolicy)."""
         self.reshard()
-        slots = [(m, a, module_parameters(m)[a]) for s in self._states(recurse=True) if s.group is not None
-                 for mp in s.group.params for m, a in mp.slots]
+        slots = [(m, a, module_parameters(m)[a]) for s in self._states(recurse=True) if s.shard_group is not None
+                 for mp in s.shard_group.params for m, a in mp.slots]
         dtypes = {id(p): p.dtype for _, _, p in slots}
         for m, a, _ in slots:
             module_parameters(m)[a] = None  # nn.Module._apply skips None entries

@@ -11,7 +11,7 @@ accumulates straight into the gradient buffer ([Note: grads into the buffer]).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,9 +21,6 @@ from vefsdp_optim._torch_compat import module_parameters
 from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
 
 from ._sharded_tensor import ShardedParameter
-
-if TYPE_CHECKING:
-    from vefsdp_optim._flat_store import FlatStore
 
 __all__ = ["ManagedParam", "TensorParallel"]
 
@@ -114,28 +111,29 @@ class ManagedParam:
         self.unsharded = None
         self.tp = None
 
-    def _sharded_args(self, layout: RaggedShard, group: ProcessGroup | None, rank: int,
+    def _sharded_args(self, layout: RaggedShard, process_group: ProcessGroup | None, rank: int,
                       runs: list[RaggedShard] | None) -> tuple:
-        """(layout, group, rank, global shape) of the sharded face."""
+        """(layout, process group, rank, global shape) of the sharded face."""
         tp = self.tp
         if tp is None or tp.boxes is None:
-            return layout, group, rank, (tp.shape if tp is not None else self.shape)
+            return layout, process_group, rank, (tp.shape if tp is not None else self.shape)
         if runs is None:
             raise AssertionError(f"{self.fqn}: a tensor-parallel parameter needs every tp coordinate's layout")
         return (tp.sharded_layout(runs), tp.flat_group, rank * tp.boxes.world_size + tp.tp_rank, tp.shape)
 
-    def make_sharded(self, local: torch.Tensor, layout: RaggedShard, group: ProcessGroup | None,
-                     rank: int, store: FlatStore, runs: list[RaggedShard] | None = None) -> None:
-        layout, group, rank, shape = self._sharded_args(layout, group, rank, runs)
-        t = ShardedParameter(local, layout, group, shape, rank)
+    def make_sharded(self, local: torch.Tensor, layout: RaggedShard, process_group: ProcessGroup | None,
+                     rank: int, runs: list[RaggedShard] | None = None) -> None:
+        """Create the sharded Parameter over ``local``; its shard group binds it to its
+        store's ``FlatStore`` (``StoreBinding``)."""
+        layout, process_group, rank, shape = self._sharded_args(layout, process_group, rank, runs)
+        t = ShardedParameter(local, layout, process_group, shape, rank)
         self.sharded = nn.Parameter(t, requires_grad=self.requires_grad)
-        self.sharded.bind_store(store)
 
-    def repoint(self, local: torch.Tensor, layout: RaggedShard, group: ProcessGroup | None,
+    def repoint(self, local: torch.Tensor, layout: RaggedShard, process_group: ProcessGroup | None,
                 rank: int, runs: list[RaggedShard] | None = None) -> None:
         """Point the same sharded Parameter object at new local data and layout."""
-        layout, group, rank, _ = self._sharded_args(layout, group, rank, runs)
-        self.sharded.rebind_(local, layout, group, rank)
+        layout, process_group, rank, _ = self._sharded_args(layout, process_group, rank, runs)
+        self.sharded.rebind_(local, layout, process_group, rank)
         self.sharded.grad = None
 
     def unsharded_face(self, full: torch.Tensor) -> torch.Tensor:

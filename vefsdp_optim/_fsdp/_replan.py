@@ -1,16 +1,19 @@
 """The re-plan of one DtypeStore for the optimizers' block units.
 
-``DtypeStore.replan`` (the ``FlatStore`` protocol, [Note: flat store contract]) calls
-:func:`replan_store`: the plan is redone with the new units when the padding stays
-acceptable, the data moves into the new layout with one all-gather of the old buffer,
-and the same Parameter objects are re-pointed.
+A re-plan (the ``FlatStore`` protocol's ``replan``, [Note: flat store contract]) reaches
+the store's shard group (``StoreBinding`` in _group.py), which calls two functions of
+this file around the lifecycle transition it owns ([Note: store and shard group]):
+:func:`plan_replan` redoes the plan with the new units when the padding stays
+acceptable (pure: every rank takes the same decision), and :func:`move_store` moves the
+data into the new layout with one all-gather of the old buffer and re-points the same
+Parameter objects.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -18,24 +21,23 @@ from vefsdp_optim._flat_store import StoreReplan, state_holders_with
 from vefsdp_optim.comm import all_gather_flat
 from vefsdp_optim.sharding import GroupPlan, plan_group
 
-from ._lifecycle import GradState
 from ._sharded_tensor import ShardedParameter
 
 if TYPE_CHECKING:
     from ._store import DtypeStore
 
-__all__ = ["replan_store"]
+__all__ = ["ReplanDecision", "plan_replan", "move_store"]
 
 
 def _acceptable(new: GroupPlan, old: GroupPlan) -> bool:
-    """Padding rule: new <= max(1% of the group's numel, old padding + W * align)."""
+    """Padding rule: new <= max(1% of the store's numel, old padding + W * align)."""
     return new.padding <= max(new.total_numel // 100, old.padding + old.world_size * old.align)
 
 
 def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[GroupPlan, dict[str, int], list[tuple[str, int]]]:
     """The plan with as many wanted units as the padding rule allows (largest dropped first)."""
     old = store.plan
-    w = store.group.shard_world
+    w = store.settings.world_size
     units = {**store.units, **wanted}
     refused: list[tuple[str, int]] = []
     order = sorted(wanted, key=lambda n: (-wanted[n], n))  # deterministic on every rank
@@ -50,12 +52,20 @@ def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[GroupPlan, dic
         units[name] = store.units.get(name, 1)
 
 
-def replan_store(store: DtypeStore, units: Mapping[torch.Tensor, int],
-                 holders: Iterable[torch.optim.Optimizer]) -> StoreReplan | None:
-    """``DtypeStore.replan``: the plan with as many of the wanted ``units`` (by member)
-    as the padding rule allows, then the data moved into it. Pure until the move, so
-    every rank takes the same decision; raises ValueError before any communication when
-    a moved member has state in one of ``holders``."""
+class ReplanDecision(NamedTuple):
+    """What :func:`plan_replan` decided: the report, and the plan (with its units) to move
+    the store into, None when nothing moves."""
+
+    report: StoreReplan | None
+    plan: GroupPlan | None
+    units: dict[str, int]
+
+
+def plan_replan(store: DtypeStore, units: Mapping[torch.Tensor, int],
+                holders: Iterable[torch.optim.Optimizer]) -> ReplanDecision:
+    """The plan with as many of the wanted ``units`` (by member) as the padding rule
+    allows. Pure, so every rank takes the same decision; raises ValueError, before any
+    communication, when a member the new plan moves has state in one of ``holders``."""
     names = {id(p.sharded): p.fqn for p in store.params}
     wanted = {}
     for t, u in units.items():
@@ -65,13 +75,15 @@ def replan_store(store: DtypeStore, units: Mapping[torch.Tensor, int],
         if u != store.units.get(name, 1):
             wanted[name] = u
     if not wanted:
-        return None
+        return ReplanDecision(None, None, {})
     old = store.plan
     if store.tensor_parallel:  # [Note: fully_shard over tensor parallel]: the exchange keeps them
-        return StoreReplan((), tuple(sorted(wanted.items())), old.padding, old.padding, replanned=False)
+        return ReplanDecision(StoreReplan((), tuple(sorted(wanted.items())), old.padding, old.padding,
+                                          replanned=False), None, {})
     plan, new_units, refused = _plan_for(store, wanted)
     if plan.fingerprint() == old.fingerprint():
-        return StoreReplan((), tuple(refused), old.padding, old.padding, replanned=False) if refused else None
+        report = StoreReplan((), tuple(refused), old.padding, old.padding, replanned=False) if refused else None
+        return ReplanDecision(report, None, {})
     moved = [p for p in store.params if plan.layout(p.fqn) != old.layout(p.fqn)
              or plan.offsets[p.fqn] != old.offsets[p.fqn]]
     busy = state_holders_with(holders, [p.sharded for p in moved])
@@ -80,26 +92,20 @@ def replan_store(store: DtypeStore, units: Mapping[torch.Tensor, int],
             f"re-planning would move parameters {[p.fqn for p in moved][:8]} whose optimizer state "
             f"already exists in {busy}; that state would no longer match. Build every optimizer "
             "of a fully_shard model before the first step (each re-plans once, at construction)")
-    if store.group.grad_state is GradState.ACCUMULATING:
-        raise RuntimeError(
-            "re-plan during a gradient accumulation without sync (unreduced gradients in the "
-            "buffer); build the optimizer before that backward, or after a synced one")
-    if store.group.gathered:  # the unsharded views of the old buffers would go stale
-        store.group.free()
-        store.group.register(sharded=True)
-    _move(store, new_units, plan)
-    return StoreReplan(tuple(p.fqn for p in moved), tuple(refused), old.padding, plan.padding)
+    return ReplanDecision(StoreReplan(tuple(p.fqn for p in moved), tuple(refused), old.padding, plan.padding),
+                          plan, new_units)
 
 
-def _move(store: DtypeStore, units: dict[str, int], plan: GroupPlan) -> None:
-    """Gather the old master buffer (and gradients) once; rebuild the stores on ``plan``."""
-    g = store.group
+def move_store(store: DtypeStore, units: dict[str, int], plan: GroupPlan) -> None:
+    """Gather the old master buffer (and gradients) once; rebuild the store's buffers on
+    ``plan``. Collective over the store's process group; the store must be resharded,
+    with no unreduced gradients (its shard group sees to it)."""
     old = store.master
-    w = g.shard_world
+    w = store.settings.world_size
     has_grad = [p.sharded.grad is not None for p in store.params]
     if w > 1:
         old.all_gather()
-        _check_same_grads(has_grad, g.shard_pg)
+        _check_same_grads(has_grad, store.settings.process_group)
     data = {p.fqn: old.full_view(p.fqn) for p in store.params}
     grads = _gather_grads(store, has_grad) if any(has_grad) else {}
     store.build(units, data, validate=True, plan=plan)
@@ -119,11 +125,11 @@ def _move(store: DtypeStore, units: dict[str, int], plan: GroupPlan) -> None:
         p.sharded.grad = p.sharded.with_local(view)
 
 
-def _check_same_grads(has_grad: list[bool], pg: torch.distributed.ProcessGroup) -> None:
+def _check_same_grads(has_grad: list[bool], process_group: torch.distributed.ProcessGroup) -> None:
     mine = torch.tensor(has_grad, dtype=torch.uint8)
-    allg = mine.new_empty(pg.size() * mine.numel())
-    all_gather_flat(allg, mine, pg)
-    rows = allg.view(pg.size(), -1)
+    every = mine.new_empty(process_group.size() * mine.numel())
+    all_gather_flat(every, mine, process_group)
+    rows = every.view(process_group.size(), -1)
     if not bool((rows == rows[0]).all()):
         raise ValueError(
             f"request_requirements: ranks disagree on which parameters have a .grad "
@@ -142,10 +148,10 @@ def _gather_grads(store: DtypeStore, has_grad: list[bool]) -> dict[str, torch.Te
                 raise AssertionError(f"{p.fqn}: .grad is not a ShardedParameter of the parameter's layout")
             a = view.storage_offset() - old.local_grad.storage_offset()
             flat[a:a + view.numel()] = local
-    w = store.group.shard_world
+    w = store.settings.world_size
     if w > 1:
         full = flat.new_empty(w * flat.numel())  # 1-D, W * m
-        all_gather_flat(full, flat, store.group.shard_pg)
+        all_gather_flat(full, flat, store.settings.process_group)
     else:
         full = flat
     return {p.fqn: full[old.plan.offsets[p.fqn]:old.plan.offsets[p.fqn] + math.prod(p.shape)]

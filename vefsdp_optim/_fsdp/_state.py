@@ -54,11 +54,11 @@ class _RootContext:
 class FSDPState:
     """Hooks and flags of one fully_shard'd module."""
 
-    def __init__(self, modules: list[nn.Module], group: ShardGroup | None, reshard_after_forward: bool,
+    def __init__(self, modules: list[nn.Module], shard_group: ShardGroup | None, reshard_after_forward: bool,
                  mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules  # one, or FSDP2's list of modules sharing one group
         self.module = modules[0]
-        self.group = group
+        self.shard_group = shard_group
         self._not_run: set[int] = set()  # ids of this forward round's modules yet to finish
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -91,8 +91,8 @@ class FSDPState:
         results discarded, parameters resharded."""
         self.training_state = TrainingState.IDLE
         self.uses, self.untracked = 0, False
-        if self.group is not None:
-            self.group.reset()
+        if self.shard_group is not None:
+            self.shard_group.reset()
 
     def _set_training(self, new: TrainingState) -> None:
         self.training_state = advance(self.training_state, new, "FSDPState.training_state")
@@ -114,8 +114,8 @@ class FSDPState:
             if s is not self and s.role is Role.UNSET:
                 s.role = advance(s.role, Role.NON_ROOT, "FSDPState.role")
             s.ctx = ctx
-            if s.group is not None:
-                s.group.before_grad_alloc = lambda: finish_completed_reductions(ctx)
+            if s.shard_group is not None:
+                s.shard_group.before_grad_alloc = lambda: finish_completed_reductions(ctx)
 
     # -- forward -----------------------------------------------------------------------
 
@@ -126,24 +126,24 @@ class FSDPState:
             if torch.is_grad_enabled():
                 self.ctx.fwd_order.clear()
             for s in self.ctx.states:  # here, not in each group's hook: blocks get compiled
-                if s.group is not None:
-                    s.group.release_grads()
+                if s.shard_group is not None:
+                    s.shard_group.release_grads()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
                 lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                 (args, kwargs))
-        g = self.group
-        if g is None:
+        shard_group = self.shard_group
+        if shard_group is None:
             return args, kwargs
         if not self._not_run:  # a new round: every module of the group is to run
             self._not_run = {id(m) for m in self.modules}
-        g.unshard()
-        g.wait_unshard()
+        shard_group.unshard()
+        shard_group.wait_unshard()
         for s in self.fwd_prefetch:
-            if s.group is not None:
-                s.group.unshard(async_op=True)
-        g.register(sharded=False)
+            if s.shard_group is not None:
+                s.shard_group.unshard(async_op=True)
+        shard_group.register(sharded=False)
         if torch.is_grad_enabled():
             args, kwargs, hooked = self._register_post_backward(args, kwargs)
             if hooked:
@@ -153,15 +153,15 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        g = self.group
-        if g is not None and torch.is_grad_enabled():
+        shard_group = self.shard_group
+        if shard_group is not None and torch.is_grad_enabled():
             self.ctx.fwd_order.append(self)
-        if g is not None:
-            g.register(sharded=True)
+        if shard_group is not None:
+            shard_group.register(sharded=True)
             self._not_run.discard(id(module))
             # as FSDP2: root keeps its params for backward; a list group reshards once all ran
             if self.reshard_after_forward and not self.is_root and not self._not_run:
-                g.free()
+                shard_group.free()
         if self.mp_policy.output_dtype is not None:
             dt = self.mp_policy.output_dtype
             output = tree_map(
@@ -194,18 +194,18 @@ class FSDPState:
         if self.in_backward:
             return grad
         self._set_training(TrainingState.BACKWARD)
-        g = self.group
-        if g is not None:
-            if g.unsharding:
-                g.wait_unshard()
-            elif not g.gathered and self.unshard_in_backward:
-                g.unshard()
-            if g.gathered:  # as FSDP2: activation checkpointing recomputes with these
-                g.register(sharded=False)
-            g.attach_grads()
+        shard_group = self.shard_group
+        if shard_group is not None:
+            if shard_group.unsharding:
+                shard_group.wait_unshard()
+            elif not shard_group.gathered and self.unshard_in_backward:
+                shard_group.unshard()
+            if shard_group.gathered:  # as FSDP2: activation checkpointing recomputes with these
+                shard_group.register(sharded=False)
+            shard_group.attach_grads()
         for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
-            if s.group is not None and not s.group.gathered:
-                s.group.unshard(async_op=True)
+            if s.shard_group is not None and not s.shard_group.gathered:
+                s.shard_group.unshard(async_op=True)
         return grad
 
     def _implicit_bwd_prefetch(self) -> list[FSDPState]:
@@ -230,23 +230,23 @@ class FSDPState:
         if not self.in_backward:
             return
         self._set_training(TrainingState.IDLE)
-        g = self.group
-        if g is None:
+        shard_group = self.shard_group
+        if shard_group is None:
             return
         if self.reshard_after_backward:
-            g.free()
+            shard_group.free()
         else:
-            g.wait_unshard()
-        g.register(sharded=True)
+            shard_group.wait_unshard()
+        shard_group.register(sharded=True)
         ctx = self.ctx
         if ctx is not None:
             wait_reductions(ctx)
-        g.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
-        if g.reducing:
+        shard_group.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
+        if shard_group.reducing:
             if ctx is not None:
-                ctx.reducing.append(g)
+                ctx.reducing.append(shard_group)
             else:
-                g.wait_reduce()
+                shard_group.wait_reduce()
 
 
 def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
@@ -254,11 +254,11 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
         for s in ctx.states:
             s.post_backward(final=True)
             s.uses, s.untracked = 0, False
-            if s.group is not None:
-                s.group.wait_unshard()
+            if s.shard_group is not None:
+                s.shard_group.wait_unshard()
                 if (s.reshard_after_forward and s.reshard_after_backward and not s.is_root
-                        and s.group.gathered):
-                    s.group.free()  # prefetched, but its backward did not run
+                        and s.shard_group.gathered):
+                    s.shard_group.free()  # prefetched, but its backward did not run
         wait_reductions(ctx)  # the optimizer reads the sharded .grad next
         ctx.fwd_order.clear()
         ctx.callback_queued = False
@@ -276,8 +276,8 @@ def finish_completed_reductions(ctx: _RootContext) -> None:
 def wait_reductions(ctx: _RootContext) -> None:
     """Complete every launched reduce-scatter under this root, in launch order."""
     pending, ctx.reducing = ctx.reducing, []
-    for g in pending:
-        g.wait_reduce()
+    for shard_group in pending:
+        shard_group.wait_reduce()
 
 
 class _PostBackward(torch.autograd.Function):

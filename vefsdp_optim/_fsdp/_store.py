@@ -4,19 +4,22 @@ A :class:`DtypeStore` holds one plan and one master DistributedBuffer (the shard
 parameters' storage; the ``FlatStore`` of [Note: flat store contract]), plus, under
 mixed precision, a compute buffer in ``param_dtype`` (same plan; one cast of the local
 shard per all-gather) and a reduce buffer in ``reduce_dtype``. Its shard group
-(_group.py) drives it: all-gather, gradient attachment, reduce-scatter.
+(_group.py) drives it: all-gather, gradient attachment, reduce-scatter, re-plan. The
+store holds no reference to its shard group ([Note: store and shard group]).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from vefsdp_optim._flat_store import StoreReplan, dense_offset
+from vefsdp_optim._flat_store import dense_offset
 from vefsdp_optim._torch_compat import (
     foreach_copy_,
     storage_use_count,
@@ -27,14 +30,61 @@ from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
 from vefsdp_optim.sharding import GroupPlan, RaggedShard, TensorSpec, plan_group
 
 from ._param import ManagedParam
-from ._replan import replan_store
 
-if TYPE_CHECKING:
-    from ._group import ShardGroup
-
-__all__ = ["DtypeStore", "PendingReduce", "ALIGN"]
+__all__ = ["DtypeStore", "GradSettings", "PendingReduce", "StoreSettings", "ALIGN"]
 
 ALIGN = 16
+
+# [Note: store and shard group]
+# As FSDP2's ``FSDPParam`` knows nothing of its ``FSDPParamGroup``, a DtypeStore holds no
+# reference to its shard group. What it needs arrives as values: the fixed settings
+# (process groups, device, mixed precision) once, at construction (:class:`StoreSettings`),
+# and the gradient knobs a user may change between steps ([Note: gradient reduction
+# policy], ``set_gradient_copy_in``) with every call that reads them
+# (:class:`GradSettings`). The shard group owns every lifecycle transition
+# (``GatherState``, ``GradState``): the store only moves data when told to, and a re-plan
+# reaches the store through the shard group (``StoreBinding`` in _group.py), which first
+# checks and changes the gather and gradient states.
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """A shard group's fixed settings, given to each of its stores at construction."""
+
+    process_group: dist.ProcessGroup  # the shard process group (W ranks)
+    world_size: int  # W
+    rank: int  # this rank's index in process_group
+    replicate_process_group: dist.ProcessGroup | None  # HSDP's; None without one (or of size 1)
+    replicate_world_size: int  # 1 without a replicate process group
+    device: torch.device
+    mp_policy: MixedPrecisionPolicy
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"StoreSettings: rank {self.rank} of world size {self.world_size}")
+        if (self.replicate_process_group is None) != (self.replicate_world_size == 1):
+            raise ValueError(f"StoreSettings: replicate world size {self.replicate_world_size} with "
+                             f"replicate process group {self.replicate_process_group}")
+
+
+@dataclass(frozen=True, slots=True)
+class GradSettings:
+    """A shard group's gradient knobs at one call ([Note: gradient reduction policy],
+    [Note: lazy gradient buffer]); the FSDPModule ``set_*`` methods change them."""
+
+    copy_in: bool  # copy autograd's gradients into the buffer at the end of backward
+    gradient_divide_factor: float | None
+    force_sum_reduction: bool
+    requires_all_reduce: bool
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    # called before a store allocates its gradient buffer: finishes completed reductions
+    # of earlier shard groups
+    before_grad_alloc: Callable[[], None]
+
+    @property
+    def native_average(self) -> bool:
+        """Reduce with the default average ([Note: gradient reduction policy])."""
+        return self.gradient_divide_factor is None and not self.force_sum_reduction
 
 # [Note: gradient memory]
 # At W > 1 no gradient bytes outlive their use. The m-element shard gradient
@@ -51,22 +101,22 @@ ALIGN = 16
 # [Note: lazy gradient buffer]
 # At W > 1 the W*m gradient buffer gets its bytes (zero-filled) late, not at
 # pre-backward: a backward that starts a reduction round leaves each unsharded
-# ``.grad`` None. Then, by the group's policy (``FSDPModule.set_gradient_copy_in``):
+# ``.grad`` None. Then, by the shard group's policy (``FSDPModule.set_gradient_copy_in``):
 #   - copy-in (the default): autograd makes each parameter's gradient as usual, and
-#     the group's end of backward allocates the buffer and copies them in (one copy of
-#     the group's gradients, FSDP2's copy-in; FSDP2 also copies parameters in and out).
+#     the shard group's end of backward allocates the buffer and copies them in (one copy of the
+#     shard group's gradients, FSDP2's copy-in; FSDP2 also copies parameters in and out).
 #     A block's gradients then take memory one parameter at a time, as FSDP2's do, and
 #     the peak is FSDP2's (benchmarks/bench_memory.py: 1.00x at W = 2 and 4, AC off and
 #     on, where in place gave 1.04-1.08x: a whole block's buffer from its first gradient);
 #   - in place (``set_gradient_copy_in(False)``): a hook on the gradients of the unsharded parameters (run before
-#     AccumulateGrad) allocates the buffer at the group's first gradient and points
+#     AccumulateGrad) allocates the buffer at the store's first gradient and points
 #     every ``.grad`` at its view, so autograd adds into it as [Note: grads into the
 #     buffer] says: no copy at all, one block's buffer of memory more.
 # Later backwards of an accumulation without sync add into the buffer in place either way. Under activation checkpointing the recomputation runs first, so the buffer and
-# the recomputed activations no longer overlap with an earlier group's reduce-scatter
-# input: just before allocating, completed reduce-scatters of earlier groups are
+# the recomputed activations no longer overlap with an earlier shard group's reduce-scatter
+# input: just before allocating, completed reduce-scatters of earlier shard groups are
 # finished, which frees their inputs ([Note: async reduce-scatter]). A round in which
-# no gradient reached the group still reduces zeros. (A copy of the first gradient into
+# no gradient reached the store still reduces zeros. (A copy of the first gradient into
 # the buffer would spare the zero-fill, but it is a copy per parameter, which
 # [Note: grads into the buffer] rules out.)
 
@@ -96,9 +146,10 @@ def _uses(t: torch.Tensor) -> int:
 class DtypeStore:
     """One dtype's parameters of a shard group: plan, master / compute / reduce buffers.
 
-    Implements the ``FlatStore`` protocol ([Note: flat store contract]) over the master
-    buffer: members' local data are its segments, their reduced grads the same
-    segments of ``master.local_grad``.
+    Answers the data questions of the ``FlatStore`` protocol ([Note: flat store
+    contract]) over the master buffer: members' local data are its segments, their
+    reduced grads the same segments of ``master.local_grad``. Its shard group answers the
+    re-plan (``StoreBinding``, [Note: store and shard group]).
     """
 
     plan: GroupPlan
@@ -107,16 +158,18 @@ class DtypeStore:
     compute: DistributedBuffer  # param_dtype (is master without mixed precision)
     reduce: DistributedBuffer  # reduce_dtype (is master or compute when dtypes agree)
 
-    def __init__(self, params: list[ManagedParam], units: dict[str, int], group: ShardGroup,
+    def __init__(self, params: list[ManagedParam], units: dict[str, int], settings: StoreSettings,
                  dtype: torch.dtype, data: dict[str, torch.Tensor], validate: bool = True) -> None:
         self.params = params
         self.dtype = dtype
-        self.group = group
+        self.settings = settings
         self.units: dict[str, int] = dict(units)  # fqn -> unit; absent: 1
         # optimizers whose state of the members a re-plan must not invalidate
         self._holders: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._partial = False  # the kept .grad is reduce-scattered but not all-reduced (HSDP)
         self._kept: torch.Tensor | None = None  # 1-D, m: kept grads set aside at W = 1
+        # the settings of the round a lazy gradient buffer awaits ([Note: lazy gradient buffer])
+        self._round: GradSettings | None = None
         self.build(units, data, validate=validate)
 
     def specs(self, units: dict[str, int]) -> list[TensorSpec]:
@@ -129,24 +182,26 @@ class DtypeStore:
         ``data[fqn]`` is the whole tensor (any shape, flattened here). The same
         sharded Parameter objects are re-pointed when they already exist.
         """
-        g = self.group
-        w = g.shard_world
+        settings = self.settings
+        w = settings.world_size
         self.units = dict(units)
         self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
-        pg = g.shard_pg if w > 1 else None
-        self.master = DistributedBuffer(self.plan, pg, dtype=self.dtype, device=g.device,
-                                        rank=g.shard_rank if pg is None else None, validate=validate)
-        mp = g.mp_policy
-        pdt = mp.param_dtype or self.dtype
-        rdt = mp.reduce_dtype or pdt
-        self.compute = self.master if pdt == self.dtype else DistributedBuffer(
-            self.plan, pg, dtype=pdt, device=g.device, validate=False)
-        if rdt == self.dtype:
+        process_group = settings.process_group if w > 1 else None
+        rank = settings.rank if process_group is not None else 0
+        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype, device=settings.device,
+                                        rank=settings.rank if process_group is None else None,
+                                        validate=validate)
+        param_dtype = settings.mp_policy.param_dtype or self.dtype
+        reduce_dtype = settings.mp_policy.reduce_dtype or param_dtype
+        self.compute = self.master if param_dtype == self.dtype else DistributedBuffer(
+            self.plan, process_group, dtype=param_dtype, device=settings.device, validate=False)
+        if reduce_dtype == self.dtype:
             self.reduce = self.master
-        elif rdt == pdt:
+        elif reduce_dtype == param_dtype:
             self.reduce = self.compute
         else:
-            self.reduce = DistributedBuffer(self.plan, pg, dtype=rdt, device=g.device, validate=False)
+            self.reduce = DistributedBuffer(self.plan, process_group, dtype=reduce_dtype,
+                                            device=settings.device, validate=False)
         tp_runs = self._tp_runs(units)
         for p in self.params:
             a, n = self.master.local_extent(p.fqn)
@@ -158,18 +213,17 @@ class DtypeStore:
             layout = self.plan.layout(p.fqn)
             runs = tp_runs.get(p.fqn)
             if hasattr(p, "sharded"):
-                p.repoint(local, layout, pg, g.shard_rank if pg is not None else 0, runs)
-            else:
-                p.make_sharded(local, layout, pg, g.shard_rank if pg is not None else 0, store=self,
-                               runs=runs)
+                p.repoint(local, layout, process_group, rank, runs)
+            else:  # bound to its FlatStore by the shard group ([Note: store and shard group])
+                p.make_sharded(local, layout, process_group, rank, runs=runs)
             p.unsharded = None
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
         self._lazy = w > 1  # [Note: gradient memory], [Note: lazy gradient buffer]
         self._gbuf: torch.Tensor | None = None  # compute's W*m gradient buffer, once allocated
         self._awaiting = False  # a lazy round whose first gradient has not arrived yet
         if self._lazy:
-            for b in (self.master, self.compute, self.reduce):
-                _release_storage(b.local_grad)
+            for buffer in (self.master, self.compute, self.reduce):
+                _release_storage(buffer.local_grad)
             self._grad_uses = _uses(self.master.local_grad)
 
     @property
@@ -186,14 +240,14 @@ class DtypeStore:
         meshes = {id(p.tp.mesh) for p in tps}
         tp_world = tps[0].tp.boxes.world_size
         if len(meshes) > 1 or any(p.tp.boxes.world_size != tp_world for p in tps):
-            raise NotImplementedError("fully_shard: the tensor-parallel parameters of one group must share "
+            raise NotImplementedError("fully_shard: the tensor-parallel parameters of one shard group must share "
                                       "one tp mesh")
         runs: dict[str, list[RaggedShard]] = {p.fqn: [] for p in tps}
         for j in range(tp_world):
             specs = [TensorSpec(p.fqn, (p.tp.boxes.boxes[j].sizes if p.tp is not None and p.tp.boxes is not None
                                         else tuple(p.shape)) or (1,), units.get(p.fqn, 1))
                      for p in self.params]
-            plan = plan_group(specs, self.group.shard_world, align=ALIGN)
+            plan = plan_group(specs, self.settings.world_size, align=ALIGN)
             if j == tps[0].tp.tp_rank and plan.fingerprint() != self.plan.fingerprint():
                 raise AssertionError("the plan of this tp coordinate differs from the store's plan")
             for p in tps:
@@ -252,28 +306,31 @@ class DtypeStore:
     def add_state_holder(self, holder: torch.optim.Optimizer) -> None:
         self._holders.add(holder)
 
-    def replan(self, units: Mapping[torch.Tensor, int]) -> StoreReplan | None:
-        return replan_store(self, units, list(self._holders))
+    def state_holders(self) -> list[torch.optim.Optimizer]:
+        """The registered optimizers whose state of the members a re-plan must not invalidate."""
+        return list(self._holders)
+
+    # (``replan``, the protocol's last method, is the shard group's: ``StoreBinding``)
 
     # -- all-gather / free -------------------------------------------------------------
 
     def unshard(self, async_op: bool) -> Any:
-        c = self.compute
-        if c is not self.master:
+        compute = self.compute
+        if compute is not self.master:
             with torch.no_grad():
-                c.local.copy_(self.master.local)  # the one cast per all-gather
-        c.alloc_global()
+                compute.local.copy_(self.master.local)  # the one cast per all-gather
+        compute.alloc_global()
         # [Note: version counter] the unsharded params (saved for backward) alias the
         # global buffer; re-gathering the same values must not bump their version, and
         # gloo's async work writes the output from its own thread, so the version is
         # restored after wait() too, as FSDP2 does around its all-gather copy-out.
-        out = c.global_buffer
+        out = compute.global_buffer
         with unsafe_preserve_version_counter(out):
             version = tensor_version(out)
-            work = c.all_gather(async_op=async_op)
+            work = compute.all_gather(async_op=async_op)
         for p in self.params:
             if p.unsharded is None:
-                p.make_unsharded(c.full_view(p.fqn))
+                p.make_unsharded(compute.full_view(p.fqn))
                 if self._lazy and p.requires_grad:
                     p.unsharded.register_hook(self._on_grad)  # [Note: lazy gradient buffer]
         return None if work is None else (work, out, version)
@@ -287,80 +344,81 @@ class DtypeStore:
 
     # -- gradients ---------------------------------------------------------------------
 
-    @property
-    def direct(self) -> bool:
+    def direct(self, grad_settings: GradSettings) -> bool:
         """W == 1 without mixed precision nor a division: autograd accumulates into
         master.local_grad."""
-        g = self.group
-        return (g.shard_world == 1 and self.compute is self.master and self.reduce is self.master
-                and g.replicate_pg is None and g.all_reduce_hook is None
-                and (g.native_average or (g.gradient_divide_factor or 1.0) == 1.0))
+        settings = self.settings
+        return (settings.world_size == 1 and self.compute is self.master and self.reduce is self.master
+                and settings.replicate_process_group is None and grad_settings.all_reduce_hook is None
+                and (grad_settings.native_average or (grad_settings.gradient_divide_factor or 1.0) == 1.0))
 
-    def attach_grads(self, fresh: bool) -> None:
+    def attach_grads(self, fresh: bool, grad_settings: GradSettings) -> None:
         """Point each unsharded param's .grad at the compute gradient buffer.
 
         ``fresh``: first backward since the last reduction, so the buffer starts at zero
-        (for ``direct`` buckets: except where a kept sharded .grad is accumulated).
+        (for ``direct`` stores: except where a kept sharded .grad is accumulated).
         """
-        c = self.compute
+        compute = self.compute
         if self._lazy:
             if fresh:  # [Note: lazy gradient buffer]
                 self._awaiting = True
+                self._round = grad_settings
                 for p in self.params:
                     if p.unsharded is not None:
                         p.unsharded.grad = None
                 return
             self._alloc_grad_buffer()  # holds the gradients accumulated without a sync
-        c.alloc_grad_global()
-        if fresh and self.group.shard_world == 1:
+        compute.alloc_grad_global()
+        if fresh and self.settings.world_size == 1:
             with torch.no_grad():
-                if self.direct:
+                if self.direct(grad_settings):
                     for p in self.params:
                         if p.requires_grad and p.sharded.grad is None:
                             self.master.local_grad_view(p.fqn).zero_()
                 else:
-                    if c is self.master:  # the buffer holds the kept grads: set them aside
+                    if compute is self.master:  # the buffer holds the kept grads: set them aside
                         self._kept = self._kept_grads()
-                    c.grad_global.zero_()
+                    compute.grad_global.zero_()
         for p in self.params:
             if p.requires_grad and p.unsharded is not None:
-                p.unsharded.grad = p.unsharded_face(c.grad_full_view(p.fqn))
+                p.unsharded.grad = p.unsharded_face(compute.grad_full_view(p.fqn))
 
     def _alloc_grad_buffer(self) -> None:
         """Give the compute gradient buffer its bytes, zero-filled."""
-        c = self.compute
-        if c.grad_global_allocated:
+        compute = self.compute
+        if compute.grad_global_allocated:
             return
         if self._gbuf is None:  # first time: the buffer sizes itself and makes its views
-            c.alloc_grad_global()
-            self._gbuf = c.grad_global
+            compute.alloc_grad_global()
+            self._gbuf = compute.grad_global
             return
         _ensure_storage(self._gbuf)
         with torch.no_grad():
             self._gbuf.zero_()
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        """Hook on an unsharded parameter's gradient, before AccumulateGrad: the group's
-        first gradient allocates the buffer ([Note: lazy gradient buffer])."""
-        if not self._awaiting or self.group.grad_copy_in:
+        """Hook on an unsharded parameter's gradient, before AccumulateGrad: the store's
+        first gradient allocates the buffer ([Note: lazy gradient buffer]), under the
+        settings of the round that ``attach_grads`` began."""
+        if not self._awaiting or self._round.copy_in:
             return
         self._awaiting = False
-        self.group.before_grad_alloc()
+        self._round.before_grad_alloc()
         self._alloc_grad_buffer()
         for p in self.params:
             if p.requires_grad and p.unsharded is not None:
                 p.unsharded.grad = p.unsharded_face(self.compute.grad_full_view(p.fqn))
 
-    def complete_grads(self) -> None:
+    def complete_grads(self, grad_settings: GradSettings) -> None:
         """End of a backward: a lazy round gets its buffer now (zero where no gradient
         came), with the gradients autograd made copied in ([Note: lazy gradient buffer])."""
         if not self._awaiting:
             return
         self._awaiting = False
-        if not self.group.grad_copy_in:
+        if not grad_settings.copy_in:
             self._alloc_grad_buffer()
             return
-        self.group.before_grad_alloc()
+        grad_settings.before_grad_alloc()
         self._alloc_grad_buffer()
         views, grads = [], []
         for p in self.params:
@@ -372,96 +430,99 @@ class DtypeStore:
                 p.unsharded.grad = None
         if views:
             with torch.no_grad():
-                foreach_copy_(views, grads)  # one copy-in of the group's gradients
+                foreach_copy_(views, grads)  # one copy-in of the store's gradients
 
     def _kept_grads(self) -> torch.Tensor | None:
         """A copy of the kept sharded .grad (1-D, m elements), or None when none is kept."""
-        m = self.master
+        master = self.master
         kept = [p for p in self.params if p.requires_grad and p.sharded.grad is not None]
         if not kept:
             return None
-        out = torch.zeros_like(m.local_grad)
+        out = torch.zeros_like(master.local_grad)
         for p in kept:
-            v = m.local_grad_view(p.fqn)
-            a = v.storage_offset() - m.local_grad.storage_offset()
+            v = master.local_grad_view(p.fqn)
+            a = v.storage_offset() - master.local_grad.storage_offset()
             out[a:a + v.numel()] = v
         return out
 
-    def launch_reduce(self) -> PendingReduce | None:
+    def launch_reduce(self, grad_settings: GradSettings) -> PendingReduce | None:
         """Start the reduce-scatter (avg) of the accumulated gradients; ``finish_reduce`` ends it.
 
         [Note: async reduce-scatter] The collective is launched with ``async_op=True`` so
-        that it runs while autograd computes the previous group's gradients; everything
+        that it runs while autograd computes the previous shard group's gradients; everything
         that reads its output (the division of gloo's SUM-as-AVG, HSDP's replicate
         all-reduce, the cast into the master's dtype, kept-gradient accumulation, the
         sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
         gradient buffer (the collective's input) stays allocated until then.
         """
-        g, c, r, m = self.group, self.compute, self.reduce, self.master
+        compute, reduce, master = self.compute, self.reduce, self.master
+        world_size = self.settings.world_size
         if not any(p.requires_grad for p in self.params):
             return None
-        self.complete_grads()
-        if not c.grad_global_allocated:
+        self.complete_grads(grad_settings)
+        if not compute.grad_global_allocated:
             return None
-        if self.direct:
+        if self.direct(grad_settings):
             prev = None
-        elif self._kept is not None or (g.shard_world == 1 and c is m):
+        elif self._kept is not None or (world_size == 1 and compute is master):
             prev, self._kept = self._kept, None  # set aside by attach_grads
         else:  # the user kept last step's grads: add the new ones to them
             prev = self._kept_grads()
-        if r is not c:
-            r.alloc_grad_global()
+        if reduce is not compute:
+            reduce.alloc_grad_global()
             with torch.no_grad():
-                r.grad_global.copy_(c.grad_global)
-            c.free_grad_global()
-        op = "avg" if g.native_average else "sum"
+                reduce.grad_global.copy_(compute.grad_global)
+            compute.free_grad_global()
+        op = "avg" if grad_settings.native_average else "sum"
         if self._lazy:
-            _ensure_storage(r.local_grad)  # the collective's output
-        work = r.reduce_scatter(op=op, async_op=True) if g.shard_world > 1 else None
+            _ensure_storage(reduce.local_grad)  # the collective's output
+        work = reduce.reduce_scatter(op=op, async_op=True) if world_size > 1 else None
         return PendingReduce(work, prev)
 
-    def finish_reduce(self, pending: PendingReduce) -> None:
+    def finish_reduce(self, pending: PendingReduce, grad_settings: GradSettings) -> None:
         """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note
         and [Note: gradient reduction policy])."""
-        g, c, r, m = self.group, self.compute, self.reduce, self.master
+        compute, reduce, master = self.compute, self.reduce, self.master
+        settings = self.settings
+        replicate = settings.replicate_process_group
         if pending.work is not None:
             pending.work.wait()
         with torch.no_grad():
-            if not g.native_average:
-                factor = g.gradient_divide_factor or float(g.shard_world * g.replicate_world)
+            if not grad_settings.native_average:
+                factor = grad_settings.gradient_divide_factor or float(settings.world_size * settings.replicate_world_size)
                 if factor != 1.0:
-                    r.local_grad.div_(factor)
+                    reduce.local_grad.div_(factor)
             prev = pending.prev
             if prev is not None and self._partial:  # the kept grads were never all-reduced
-                r.local_grad.add_(prev.to(r.local_grad.dtype))
+                reduce.local_grad.add_(prev.to(reduce.local_grad.dtype))
                 prev = None
-            if g.replicate_pg is not None and g.requires_all_reduce:
-                if g.native_average:
-                    all_reduce_avg(r.local_grad, g.replicate_pg)
+            if replicate is not None and grad_settings.requires_all_reduce:
+                if grad_settings.native_average:
+                    all_reduce_avg(reduce.local_grad, replicate)
                 else:
-                    dist.all_reduce(r.local_grad, op=dist.ReduceOp.SUM, group=g.replicate_pg)
-            self._partial = g.replicate_pg is not None and not g.requires_all_reduce
-            if g.all_reduce_hook is not None:
-                g.all_reduce_hook(r.local_grad)
-            if r is not m:
-                self.grad_shard().copy_(r.local_grad)
+                    dist.all_reduce(reduce.local_grad, op=dist.ReduceOp.SUM, group=replicate)
+            self._partial = replicate is not None and not grad_settings.requires_all_reduce
+            if grad_settings.all_reduce_hook is not None:
+                grad_settings.all_reduce_hook(reduce.local_grad)
+            if reduce is not master:
+                self.grad_shard().copy_(reduce.local_grad)
             if prev is not None:
-                m.local_grad.add_(prev)
-        if g.shard_world > 1:
-            r.free_grad_global()
-            c.free_grad_global()
-            if r is not m:
-                _release_storage(r.local_grad)
+                master.local_grad.add_(prev)
+        if settings.world_size > 1:
+            reduce.free_grad_global()
+            compute.free_grad_global()
+            if reduce is not master:
+                _release_storage(reduce.local_grad)
         for p in self.params:
             if p.requires_grad:
                 if p.sharded.grad is None:  # a fresh alias: the use count sees who holds it
-                    p.sharded.grad = p.sharded.with_local(m.local_grad_view(p.fqn).view(-1))
+                    p.sharded.grad = p.sharded.with_local(master.local_grad_view(p.fqn).view(-1))
                 if p.unsharded is not None:
                     p.unsharded.grad = None
 
 
 class PendingReduce(NamedTuple):
-    """A bucket's launched reduce-scatter: its handle (None: no collective) and kept grads."""
+    """A store's launched reduce-scatter: its handle (None: no collective) and kept grads."""
 
     work: FlatWork | None
     prev: torch.Tensor | None  # 1-D, m elements: the kept local grad to add back; None: none kept
