@@ -45,5 +45,5 @@ def _compiled() -> dict[str, object]:
 def test_compiled_blocks_train_as_eager(world_size: int) -> None:
     for res in run_distributed(_compiled, world_size, timeout=300):
         assert res["frames"] and res["diff"] < 1e-6, res
-        # the breaks are in fully_shard's hooks (README: "In a training framework")
+        # the breaks are in fully_shard's hooks (docs/fully_shard.md: "Using it in a training framework")
         assert all("resize_" in k or "nbytes" in k or "Parameter" in k for k in res["graph_breaks"]), res
