@@ -3,11 +3,11 @@
 # vefsdp_optim/_torch_compat.py), each in its own venv, with exact pins (an unpinned
 # `torch` resolves to a newer release with several GB of CUDA packages on these machines):
 #   test-lo: .venv, torch 2.13.0 (the CPU wheel, triton 3.9; the dev venv that lint, toy
-#            and the benchmarks use), the suite without the slow cases: 5.6 min
+#            and the benchmarks use), the suite without the slow cases
 #   test-hi: .venv-torch-hi, torch 2.14.1 (a CUDA build, run on the CPU, with the triton
-#            it pins, 3.8), the whole suite: 6.0 min
-# Setting up each venv: 40 s and 60 s (wheels on disk or in pip's cache). Measured on a
-# fresh clone on 2 shared cores (1-minute load up to 170): make test 13.4 min in all.
+#            it pins, 3.8), the whole suite
+# Each venv is set up once (wheels on disk or in pip's cache); run times:
+# docs/performance.md.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
