@@ -145,7 +145,9 @@ static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
    1 in the subnormal range), so no midpoint between q and d unless one lies within
    NEAR = 8 bit patterns of q: for the table's one midpoint per bucket that is
    |low 16 bits of q - those of the midpoint| <= 8, and q within 8 patterns of its
-   bucket's ends for a neighbour's. Those vectors (~1%) are redone with the division.
+   bucket's ends for a neighbour's. Those vectors (~7% in blocks of 256, nearly all for
+   the block's absmax, whose normed value 1.0 sits at a bucket's end) are listed and
+   redone with the division after the block's other vectors.
    So every code is the division's, which the tests check against the eager ops. */
 struct QPlan {  // the requantization of one moment of one block
     const float* x;       // the block's new moment (len)
@@ -156,11 +158,13 @@ struct QPlan {  // the requantization of one moment of one block
 #if defined(__AVX512F__)
     __m512 vr, vs;  // 1 / scale, scale
     bool fast;      // scale and 1 / scale normal: the product's bound holds
+    int32_t* redo;  // the vectors near a midpoint, redone with the division at the end
+    int64_t nredo;  // (len / 16 + 1 slots: one is written for every vector)
 #endif
 };
 
 static inline void qplan_init(QPlan* q, const float* x, int64_t len, float scale, const uint32_t* tab,
-                              uint8_t* out) {
+                              uint8_t* out, int32_t* redo) {
     q->x = x;
     q->out = out;
     q->tab = tab;
@@ -171,25 +175,40 @@ static inline void qplan_init(QPlan* q, const float* x, int64_t len, float scale
     q->vr = _mm512_set1_ps(r);
     q->vs = _mm512_set1_ps(scale);
     q->fast = scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX;
+    q->redo = redo;
+    q->nredo = 0;
+#else
+    (void)redo;
 #endif
 }
 
 #if defined(__AVX512F__)
-/* the 16 codes at i (i + 16 <= len) */
-static inline void qvec(const QPlan& q, int64_t i) {
-    const __m512 xv = _mm512_loadu_ps(q.x + i);
-    __mmask16 near = 1;
-    __m512i c = _mm512_setzero_si512();
-    if (q.fast) c = codes16(_mm512_mul_ps(xv, q.vr), q.tab, &near);
-    if (near) c = codes16(_mm512_div_ps(xv, q.vs), q.tab, &near);
+/* the 16 codes at i (i + 16 <= len) by the division */
+static inline void qvec_exact(const QPlan& q, int64_t i) {
+    __mmask16 unused;
+    const __m512i c = codes16(_mm512_div_ps(_mm512_loadu_ps(q.x + i), q.vs), q.tab, &unused);
     _mm_storeu_si128((__m128i*)(q.out + i), _mm512_cvtepi32_epi8(c));
 }
+
+/* the 16 codes at i (i + 16 <= len); near a midpoint, the vector is listed to be redone
+   (appended without a branch: a branch per vector mispredicts on every block's absmax,
+   whose normed value 1.0 sits at a bucket's end) */
+static inline void qvec(QPlan& q, int64_t i) {
+    if (!q.fast) return qvec_exact(q, i);
+    __mmask16 near;
+    const __m512i c = codes16(_mm512_mul_ps(_mm512_loadu_ps(q.x + i), q.vr), q.tab, &near);
+    _mm_storeu_si128((__m128i*)(q.out + i), _mm512_cvtepi32_epi8(c));
+    q.redo[q.nredo] = (int32_t)i;
+    q.nredo += near != 0;
+}
 #endif
 
-/* the codes from element i (a multiple of 16) on */
-static void qrest(const QPlan& q, int64_t i) {
+/* the codes from element i (a multiple of 16) on, then the listed vectors again */
+static void qrest(QPlan& q, int64_t i) {
 #if defined(__AVX512F__)
     for (; i + 16 <= q.len; i += 16) qvec(q, i);
+    for (int64_t j = 0; j < q.nredo; ++j) qvec_exact(q, q.redo[j]);
+    q.nredo = 0;
 #endif
     for (; i < q.len; ++i) q.out[i] = code_of(q.x[i] / q.scale, q.tab);
 }
@@ -204,7 +223,7 @@ struct Hp {
 template <int WD>
 static void update(float* __restrict__ pb, const float* __restrict__ gb, float* __restrict__ sm,
                    float* __restrict__ sv, int64_t len, const Hp& h, uint32_t* um_out,
-                   uint32_t* uv_out, const QPlan* qm, const QPlan* qv, int64_t qn) {
+                   uint32_t* uv_out, QPlan* qm, QPlan* qv, int64_t qn) {
     int64_t i = 0;
     uint32_t um = 0, uv = 0;
 #if defined(__AVX512F__)
@@ -277,7 +296,7 @@ template <int WD>
 static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8_t* __restrict__ mc,
                        float* __restrict__ ma, uint8_t* __restrict__ vc, float* __restrict__ va,
                        int64_t n, int64_t bs, const Hp& h, const Map* sm_map, const Map* sv_map,
-                       float* __restrict__ scratch) {
+                       float* __restrict__ scratch, int32_t* __restrict__ redo) {
     QPlan qm = {}, qv = {};  // the previous block's requantization (len 0: none)
     for (int64_t lo = 0, k = 0; lo < n; lo += bs, ++k) {
         const int64_t len = n - lo < bs ? n - lo : bs;
@@ -297,8 +316,8 @@ static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8
         qrest(qm, qn);
         qrest(qv, qn);
         const float amax_m = float_of(um), amax_v = float_of(uv);
-        qplan_init(&qm, sm, len, amax_m > 0.0f ? amax_m : 1.0f, sm_map->tab, mb);
-        qplan_init(&qv, sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb);
+        qplan_init(&qm, sm, len, amax_m > 0.0f ? amax_m : 1.0f, sm_map->tab, mb, redo);
+        qplan_init(&qv, sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb, redo + bs / 16 + 1);
         ma[k] = amax_m;
         va[k] = amax_v;
     }
@@ -318,11 +337,13 @@ int adam8bit_step(float* __restrict__ p, const float* __restrict__ g, uint8_t* _
     Map smap, umap;
     map_init(&smap, scode, stab);
     map_init(&umap, ucode, utab);
-    float* scratch = (float*)malloc((size_t)(4 * bs) * sizeof(float));  // 2 blocks' moments
+    /* 2 blocks' moments, then 2 lists of vectors to redo */
+    float* scratch = (float*)malloc((size_t)(4 * bs + 2 * (bs / 16 + 1)) * sizeof(float));
     if (scratch == NULL) return -1;
-    if (wd_mode == 1) run_blocks<1>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch);
-    else if (wd_mode == 2) run_blocks<2>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch);
-    else run_blocks<0>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch);
+    int32_t* redo = (int32_t*)(scratch + 4 * bs);
+    if (wd_mode == 1) run_blocks<1>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch, redo);
+    else if (wd_mode == 2) run_blocks<2>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch, redo);
+    else run_blocks<0>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch, redo);
     free(scratch);
     return 0;
 }

@@ -13,7 +13,7 @@ namespace vefsdp {
 // flags: 1 maximize, 2 weight decay on, 4 decoupled (AdamW).
 // scode, ucode: the signed and unsigned 256-value code maps; stab, utab: their
 // TableQuantizer.packed tables (65536 words, [Note: packed bucket table]).
-// Returns 0, or -1 if the scratch (4 * bs floats) cannot be allocated.
+// Returns 0, or -1 if the scratch (4 * bs + 2 * (bs / 16 + 1) floats) cannot be allocated.
 int adam8bit_step(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
                   int64_t n, int64_t bs, const float* hp, int flags, const float* scode,
                   const float* ucode, const uint32_t* stab, const uint32_t* utab);

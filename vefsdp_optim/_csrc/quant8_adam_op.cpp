@@ -71,7 +71,7 @@ void adam8bit_step_cpu(const at::Tensor& p, const at::Tensor& g, const at::Tenso
                                   block_size, h.data(), static_cast<int>(flags), sc, uc, st, ut) != 0)
             rc = -1;
     });
-    TORCH_CHECK(rc == 0, "adam8bit_step_: no memory for a scratch of 4 * ", block_size, " floats");
+    TORCH_CHECK(rc == 0, "adam8bit_step_: no memory for a scratch of ~4 * ", block_size, " floats");
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ kernel below does the whole step block by block: dequantize both moments through
 and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
 packed bucket table]; with AVX-512 a gather from it by a product with the reciprocal of
 the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
-with two blocks' new moments in a cache-resident scratch of 4 * block_size floats. The
+with two blocks' new moments in a cache-resident scratch of ~4 * block_size floats. The
 data are read once and written once. Runs of whole blocks go to torch's intra-op threads
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
 count. The requantization runs one block behind the update ([Note: requantization one
@@ -39,11 +39,12 @@ patterns). It was found by a branch-free binary search whose 8 levels read the m
 with register permutes (cheaper than a gather on some CPUs, dearer on others: the
 search's permutes and compares share one port); it is now one gather from the packed
 table per 16 values, with the division by the scale replaced by a product with its
-reciprocal and redone exactly for the ~1% of vectors near a midpoint. Tried and dropped
-(slower, figures in docs/performance.md): the absmax folded into the update loop as
-scalar C (gcc then vectorizes neither), both moments' requantizations in one loop (also
-with one moment by gather and one by search), software prefetch, the table lookups as
-scalar loads. The kernel is
+reciprocal and redone exactly for the vectors near a midpoint (listed without a branch and
+redone after the block: a branch per vector mispredicts on every block's absmax). Tried
+and dropped (slower, figures in docs/performance.md): the absmax folded into the update
+loop as scalar C (gcc then vectorizes neither), both moments' requantizations in one loop
+(also with one moment by gather and one by search), software prefetch, the table lookups
+as scalar loads, the dequantization by a gather from the code map. The kernel is
 C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
 pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
 ``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
