@@ -1,4 +1,4 @@
-"""DistributedBuffer: one group's tensors of one dtype in one flat sharded buffer.
+"""DistributedBuffer: a set of tensors of one dtype in one flat sharded buffer.
 
 The layout comes from a ``GroupPlan``: rank r holds elements ``[r*m, (r+1)*m)`` of a
 W * m buffer. Parameters are all-gathered and gradients reduce-scattered with one
@@ -31,14 +31,14 @@ __all__ = ["DistributedBuffer"]
 # Per-tensor views (local_view, full_view, ...) are made once and cached. Global views
 # are made on the first alloc and survive free/alloc: freeing resizes the one global
 # tensor's storage to 0 bytes and allocating resizes it back (FSDP2's free_storage /
-# alloc_storage), so the view objects see the new storage. With W == 1 (or no group)
+# alloc_storage), so the view objects see the new storage. With W == 1 (or no process group)
 # the global buffers *are* the local ones and no collective runs.
 
 
 class DistributedBuffer:
-    """Flat sharded storage for one group's tensors of one dtype, laid out by ``plan``.
+    """Flat sharded storage for tensors of one dtype planned together, laid out by ``plan``.
 
-    ``group=None`` means a single process: the plan must be for W = 1, unless ``rank``
+    ``process_group=None`` means a single process: the plan must be for W = 1, unless ``rank``
     is given, which makes a *detached* buffer of that rank's shard (local storage and
     views only; the global buffers and collectives then raise RuntimeError).
     ``validate`` runs ``check_plan_consistent`` (one all_gather_object) so that ranks
@@ -46,7 +46,7 @@ class DistributedBuffer:
     """
 
     plan: GroupPlan
-    group: dist.ProcessGroup | None
+    process_group: dist.ProcessGroup | None
     rank: int
     world_size: int
     dtype: torch.dtype
@@ -57,7 +57,7 @@ class DistributedBuffer:
     def __init__(
         self,
         plan: GroupPlan,
-        group: dist.ProcessGroup | None,
+        process_group: dist.ProcessGroup | None,
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
@@ -68,36 +68,36 @@ class DistributedBuffer:
             raise TypeError(f"plan must be a GroupPlan, got {type(plan).__name__}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a ProcessGroup or None, got {type(process_group).__name__}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise TypeError(f"rank must be an int or None, got {rank!r}")
         self.plan = plan
         self.dtype = dtype
         self.device = torch.device(device)
-        if group is None:
-            self.group = None
+        if process_group is None:
+            self.process_group = None
             self.world_size = plan.world_size
             if rank is None and plan.world_size != 1:
                 raise ValueError(
-                    f"group=None needs a plan for 1 rank, got one for {plan.world_size} ranks; "
+                    f"process_group=None needs a plan for 1 rank, got one for {plan.world_size} ranks; "
                     "pass the process group, or rank=... for a detached local-only buffer")
             self.rank = 0 if rank is None else rank
             if not 0 <= self.rank < self.world_size:
                 raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         else:
-            self.group = group
-            self.world_size = group.size()
-            self.rank = group.rank()
+            self.process_group = process_group
+            self.world_size = process_group.size()
+            self.rank = process_group.rank()
             if rank is not None and rank != self.rank:
-                raise ValueError(f"rank={rank} but this process is rank {self.rank} of the group")
+                raise ValueError(f"rank={rank} but this process is rank {self.rank} of the process group")
             if validate:
-                check_plan_consistent(plan, group)
+                check_plan_consistent(plan, process_group)
             elif plan.world_size != self.world_size:
                 raise ValueError(
-                    f"plan is for {plan.world_size} ranks but the group has {self.world_size} ranks")
-        self._detached = group is None and self.world_size != 1
-        self._collective = group is not None and self.world_size > 1
+                    f"plan is for {plan.world_size} ranks but the process group has {self.world_size} ranks")
+        self._detached = process_group is None and self.world_size != 1
+        self._collective = process_group is not None and self.world_size > 1
         m = plan.shard_size
         self._offsets = plan.offsets
         self._layouts = {s.name: plan.layout(s.name) for s in plan.specs}
@@ -156,7 +156,7 @@ class DistributedBuffer:
     def _need_global(self, what: str) -> None:
         if self._detached:
             raise RuntimeError(
-                f"{what}: this buffer is detached (group=None, plan for {self.world_size} ranks); "
+                f"{what}: this buffer is detached (process_group=None, plan for {self.world_size} ranks); "
                 f"it holds rank {self.rank}'s shard only")
 
     def _alloc(self, flat: torch.Tensor, zero: bool) -> bool:
@@ -265,7 +265,7 @@ class DistributedBuffer:
         if not self._collective:
             return None
         self.alloc_global()
-        return all_gather_flat(self._global, self.local, self.group, async_op=async_op)
+        return all_gather_flat(self._global, self.local, self.process_group, async_op=async_op)
 
     def reduce_scatter(self, op: str = "avg", async_op: bool = False) -> FlatWork | None:
         """Reduce-scatter ``grad_global`` into ``local_grad`` with one collective.
@@ -281,7 +281,7 @@ class DistributedBuffer:
             return None
         if not self.grad_global_allocated:
             raise RuntimeError("reduce_scatter needs grad_global allocated and filled; call alloc_grad_global()")
-        return reduce_scatter_flat(self.local_grad, self._grad_global, self.group, op=op, async_op=async_op)
+        return reduce_scatter_flat(self.local_grad, self._grad_global, self.process_group, op=op, async_op=async_op)
 
     def __repr__(self) -> str:
         return (f"DistributedBuffer(tensors={len(self.plan.specs)}, W={self.world_size}, rank={self.rank}, "

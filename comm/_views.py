@@ -1,4 +1,4 @@
-"""Reduce any supported parameter to one view: local flat data + layout + shard group.
+"""Reduce any supported parameter to one view: local flat data + layout + process group.
 
 The optimizers accept three kinds of parameter (plain tensors, FSDP2 DTensors, this
 library's own sharded parameters) and see each through a :class:`ShardedView`, so the
@@ -41,16 +41,16 @@ class ShardedView:
     ``local`` is a 1-D view (no copy) of this rank's part of the tensor under ``layout``:
     its slice ``layout.local(rank)`` of the row-major flat storage for a RaggedShard, its
     box (or run of one) in the box's row-major order for a BoxShard ([Note: boxes in flat
-    order]); writing into it writes the tensor. ``group`` is the shard group
-    (``layout.world_size`` ranks: the mesh axes that shard, flattened) or None when the
-    tensor is not sharded.
+    order]); writing into it writes the tensor. ``process_group`` is the shard process
+    group (``layout.world_size`` ranks: the mesh axes that shard, flattened) or None when
+    the tensor is not sharded.
     """
 
     local: torch.Tensor  # 1-D, layout.local_numel(rank) elems; may be empty
-    layout: RaggedShard | BoxShard  # over the shard group
-    group: dist.ProcessGroup | None  # None iff layout.world_size == 1
+    layout: RaggedShard | BoxShard  # over the shard process group
+    process_group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     shape: torch.Size  # the global shape
-    rank: int  # this rank's index in `group` (0 when group is None)
+    rank: int  # this rank's index in `process_group` (0 when it is None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.local, torch.Tensor):
@@ -70,12 +70,12 @@ class ShardedView:
         w = self.layout.world_size
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < w:
             raise ValueError(f"ShardedView.rank must be an int in [0, {w}), got {self.rank!r}")
-        if self.group is None:
+        if self.process_group is None:
             if w != 1:
                 raise ValueError(f"ShardedView over {w} ranks needs a process group, got None")
-        elif self.group.size() != w:
+        elif self.process_group.size() != w:
             raise ValueError(
-                f"ShardedView layout has {w} ranks but its group has {self.group.size()}"
+                f"ShardedView layout has {w} ranks but its process group has {self.process_group.size()}"
             )
         n = self.layout.local_numel(self.rank)
         if self.local.numel() != n:
@@ -122,28 +122,28 @@ def sharded_view(t: object) -> ShardedView:
     return ShardedView(
         local=t.detach().view(-1),
         layout=RaggedShard.whole(t.numel(), 1, 0),
-        group=None,
+        process_group=None,
         shape=t.shape,
         rank=0,
     )
 
 
 def _dtensor_view(dt: torch.Tensor) -> ShardedView:
-    # layout, group and rank depend only on (mesh, placements, shape): computed once
+    # layout, process group and rank depend only on (mesh, placements, shape): computed once
     mesh = dt.device_mesh
     key = (tuple(dt.placements), tuple(dt.shape))
     # cached on the mesh object itself: meshes built again after a process group is
-    # re-initialised compare equal to the old ones but hold new groups
+    # re-initialised compare equal to the old ones but hold new process groups
     cache = mesh.__dict__.setdefault("_vefsdp_view_meta", {})
     meta = cache.get(key)
     checked = meta is not None
     if meta is None:
         if len(cache) > 4096:
             cache.clear()
-        layout, group, rank = _dtensor_meta(mesh, *key)
-        meta = cache[key] = (layout, group, rank, layout.local_shape(rank) if isinstance(layout, BoxShard)
+        layout, process_group, rank = _dtensor_meta(mesh, *key)
+        meta = cache[key] = (layout, process_group, rank, layout.local_shape(rank) if isinstance(layout, BoxShard)
                              else None, layout.local_numel(rank), torch.Size(key[1]))
-    layout, group, rank, want, n, shape = meta
+    layout, process_group, rank, want, n, shape = meta
     local = dtensor_local(dt)
     if local.numel() != n or (want is not None and tuple(local.shape) != want):
         raise NotImplementedError(
@@ -156,11 +156,12 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
             f"{local.stride()}); supported: contiguous local tensors, as FSDP2 and tensor "
             "parallelism store them")
     if not checked:  # the first view of this placement: every check of ShardedView
-        return ShardedView(local=local.detach().view(-1), layout=layout, group=group, shape=shape, rank=rank)
+        return ShardedView(local=local.detach().view(-1), layout=layout, process_group=process_group,
+                           shape=shape, rank=rank)
     # the fields were checked when the meta was built: skip ShardedView's checks (a step
     # asks for two views of every parameter)
     view = object.__new__(ShardedView)
-    for name, value in (("local", local.detach().view(-1)), ("layout", layout), ("group", group),
+    for name, value in (("local", local.detach().view(-1)), ("layout", layout), ("process_group", process_group),
                         ("shape", shape), ("rank", rank)):
         object.__setattr__(view, name, value)
     return view
@@ -168,7 +169,7 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
 
 # [Note: N-D placements]
 # A DTensor's placements say, per mesh axis, Shard(d) / _StridedShard(d, sf) /
-# Replicate(). The axes that shard form the shard group (flattened in mesh order when
+# Replicate(). The axes that shard form the shard process group (flattened in mesh order when
 # there are several, rank = row-major coordinate over them); Replicate axes hold
 # copies that compute alike, as HSDP's replicas do. Each tensor dim is split by its
 # axes in nesting order, outermost first, each with torch.chunk semantics: DTensor's
@@ -182,7 +183,7 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
 
 def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple[
         RaggedShard | BoxShard, dist.ProcessGroup | None, int]:
-    """(layout, shard group or None, rank in it) of a DTensor's placement on ``mesh``."""
+    """(layout, shard process group or None, rank in it) of a DTensor's placement on ``mesh``."""
     from torch.distributed.tensor import Replicate, Shard
 
     if len(placements) != mesh.ndim:
@@ -208,11 +209,11 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
     layout = boxes.as_ragged() or boxes
     if layout.world_size == 1:
         return RaggedShard.whole(math.prod(shape), 1, 0), None, 0
-    group = _shard_group(mesh, tuple(axes), placements)
-    if dist.get_rank(group) != rank:
-        raise AssertionError(f"rank {dist.get_rank(group)} in the shard group of mesh axes {axes}, "
-                             f"expected the row-major coordinate {rank}")
-    return layout, group, rank
+    process_group = _shard_process_group(mesh, tuple(axes), placements)
+    if dist.get_rank(process_group) != rank:
+        raise AssertionError(f"rank {dist.get_rank(process_group)} in the shard process group of mesh "
+                             f"axes {axes}, expected the row-major coordinate {rank}")
+    return layout, process_group, rank
 
 
 def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
@@ -256,19 +257,19 @@ def _nesting(entries: list[tuple[int, int | None]], mesh: Any, placements: tuple
     return [*_nesting(rest[:k], mesh, placements, shape), axis, *_nesting(rest[k:], mesh, placements, shape)]
 
 
-def _shard_group(mesh: Any, axes: tuple[int, ...], placements: tuple) -> dist.ProcessGroup:
+def _shard_process_group(mesh: Any, axes: tuple[int, ...], placements: tuple) -> dist.ProcessGroup:
     """The process group over ``axes`` of ``mesh`` (flattened, in mesh order)."""
     if len(axes) == 1:
         return mesh.get_group(axes[0])
-    groups = mesh.__dict__.setdefault("_vefsdp_shard_groups", {})
-    group = groups.get(axes)
-    if group is None:
+    cache = mesh.__dict__.setdefault("_vefsdp_shard_process_groups", {})
+    process_group = cache.get(axes)
+    if process_group is None:
         names = mesh.mesh_dim_names
         if not names:
             raise ValueError(
                 f"DTensor placements {placements} shard over mesh axes {list(axes)} of a mesh without "
                 "mesh_dim_names; name the mesh dims (init_device_mesh(..., mesh_dim_names=...)) so "
-                "the optimizer can flatten them into one shard group")
+                "the optimizer can flatten them into one shard process group")
         sub = mesh[tuple(names[a] for a in axes)]
-        group = groups[axes] = mesh_flatten(sub).get_group(0)
-    return group
+        process_group = cache[axes] = mesh_flatten(sub).get_group(0)
+    return process_group

@@ -37,9 +37,9 @@ def _check_module(model: nn.Module, ref: nn.Module, shard_w: int, shard_rank: in
         v = sharded_view(p)
         assert v.layout == RaggedShard.shard0(tuple(p.shape), shard_w)
         assert v.shape == ref_params[name].shape and v.rank == shard_rank
-        assert (v.group is None) == (shard_w == 1)
+        assert (v.process_group is None) == (shard_w == 1)
         if group is not None and shard_w > 1:
-            assert dist.get_process_group_ranks(v.group) == dist.get_process_group_ranks(group)
+            assert dist.get_process_group_ranks(v.process_group) == dist.get_process_group_ranks(group)
         a, n = v.layout.local(shard_rank)
         assert v.local.numel() == n
         assert torch.equal(v.local, full_ref[a : a + n]), name
@@ -74,7 +74,7 @@ def _fsdp_1d() -> list[str]:
     views = [sharded_view(p) for p in model.parameters()]
     if w > 1:
         dst = [RaggedShard.whole(v.layout.numel, w, 0) for v in views]
-        out = redistribute([v.local for v in views], [v.layout for v in views], dst, views[0].group)
+        out = redistribute([v.local for v in views], [v.layout for v in views], dst, views[0].process_group)
         for o, p in zip(out, model.parameters(), strict=True):
             full = p.full_tensor().reshape(-1)  # a collective: every rank calls it
             if rank == 0:

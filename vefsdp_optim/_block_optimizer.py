@@ -268,7 +268,7 @@ class BlockOptimizer(Optimizer):
                 view = sharded_view(p)
                 compute = self._compute_layout(self.requirement(view.shape, group), view)
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
-                                         compute is None or compute != view.layout, view.group))
+                                         compute is None or compute != view.layout, view.process_group))
                 continue
             if p.device.type == "meta":
                 raise NotImplementedError(
@@ -292,7 +292,8 @@ class BlockOptimizer(Optimizer):
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
             items.append(StepItem(p, view, gview.local, req, compute, group))
-            entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move, view.group))
+            entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
+                                     view.process_group))
         if whole:
             self._assign_owners([items[i] for i in whole])
         return items
@@ -314,10 +315,10 @@ class BlockOptimizer(Optimizer):
         return compute
 
     def _assign_owners(self, items: list[StepItem]) -> None:
-        by_group: dict[int, list[StepItem]] = {}
+        by_process_group: dict[int, list[StepItem]] = {}
         for it in items:
-            by_group.setdefault(id(it.view.group), []).append(it)
-        for its in by_group.values():
+            by_process_group.setdefault(id(it.view.process_group), []).append(it)
+        for its in by_process_group.values():
             layouts = [it.view.layout for it in its]
             for it in its:
                 it.cost = self.cost(it.view.shape, it.group)

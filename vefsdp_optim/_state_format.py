@@ -285,7 +285,7 @@ def _sharded_entry(local: torch.Tensor, layout: RaggedShard | BoxShard, view: Sh
         return local.view(shape)
     from vefsdp_optim._fsdp import ShardedParameter
 
-    return ShardedParameter(local, layout, view.group, shape, view.rank)
+    return ShardedParameter(local, layout, view.process_group, shape, view.rank)
 
 
 def _copy_slice(live: torch.Tensor, v: Any, layout: RaggedShard | BoxShard, rank: int, name: str) -> None:

@@ -1,7 +1,7 @@
 """The pieces of the step loop: items, exchange buckets, the batched exchange.
 
 ``BlockOptimizer.step`` ([Note: one step loop] in _block_optimizer.py) turns each
-parameter with a gradient into a :class:`StepItem`, groups items into exchange buckets
+parameter with a gradient into a :class:`StepItem`, puts items into exchange buckets
 (:func:`make_buckets`), and moves the inputs of items whose compute layout differs from
 their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dtype
 (asynchronous: see [Note: owner rounds]).
@@ -105,7 +105,7 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
     sizes: dict[tuple, int] = {}
     owned: dict[tuple, dict[int, list[StepItem]]] = {}
     for it in items:
-        key = (id(it.group), id(it.view.group), it.view.local.dtype, it.view.local.device)
+        key = (id(it.group), id(it.view.process_group), it.view.local.dtype, it.view.local.device)
         owner = _owner(it)
         if owner is not None and min_round_numel > 0:
             owned.setdefault(key, {}).setdefault(owner, []).append(it)
@@ -138,10 +138,10 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # leave the all_to_all waiting forever. So before the first exchange of every step,
 # each process group that exchanges anything all-gathers one 64-bit fingerprint per
 # rank of (parameter position, has a gradient, shape, storage and compute layouts)
-# over all its parameters: one tiny collective per group and step. Only on a mismatch
-# does a second gather name the parameters and the ranks that differ. Which groups
-# check depends only on the global layouts, never on gradients, so every rank checks
-# the same groups and the check itself cannot hang.
+# over all its parameters: one tiny collective per process group and step. Only on a
+# mismatch does a second gather name the parameters and the ranks that differ. Which
+# process groups check depends only on the global layouts, never on gradients, so
+# every rank checks the same process groups and the check itself cannot hang.
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,34 +153,34 @@ class StepEntry:
     layout: RaggedShard | BoxShard  # storage layout
     compute: RaggedShard | BoxShard | None  # compute layout; None: no gradient on this rank
     may_move: bool  # the requirement is not met by the storage layout
-    group: Any  # the shard process group (None at W = 1)
+    process_group: Any  # the shard process group (None at W = 1)
 
 
 def check_consistent(entries: list[StepEntry]) -> None:
     """Raise ValueError, the same on every rank, unless every rank of each exchanging
     process group steps the same parameters alike ([Note: consistent steps])."""
-    by_group: dict[int, list[StepEntry]] = {}
+    by_process_group: dict[int, list[StepEntry]] = {}
     moving: set[int] = set()
     for e in entries:
-        if e.group is None:
+        if e.process_group is None:
             continue
-        by_group.setdefault(id(e.group), []).append(e)
+        by_process_group.setdefault(id(e.process_group), []).append(e)
         if e.may_move:
-            moving.add(id(e.group))
+            moving.add(id(e.process_group))
     for key in moving:
-        es = by_group[key]
-        group = es[0].group
+        es = by_process_group[key]
+        process_group = es[0].process_group
         # ints only: hash(None) and str hashes differ between processes
         mine = torch.tensor([hash(tuple((e.position, e.shape, _layout_key(e.layout),
                                          _layout_key(e.compute) if e.compute is not None else ())
                                         for e in es))], dtype=torch.int64)
-        every = mine.new_empty(group.size())
-        all_gather_flat(every, mine, group)
+        every = mine.new_empty(process_group.size())
+        all_gather_flat(every, mine, process_group)
         if bool((every == every[0]).all()):
             continue
-        seen: list[Any] = [None] * group.size()
+        seen: list[Any] = [None] * process_group.size()
         dist.all_gather_object(seen, {e.position: (e.shape, e.compute is not None, e.compute)
-                                      for e in es}, group=group)
+                                      for e in es}, group=process_group)
         diffs = []
         for pos in sorted({p for d in seen for p in d}):
             per_rank = [d.get(pos) for d in seen]
@@ -222,13 +222,13 @@ def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forwa
     pending = PendingExchange(out)
     if not sends:
         return pending
-    group = bucket[0].view.group
+    process_group = bucket[0].view.process_group
     by_dtype: dict[torch.dtype, list[int]] = {}
     for k, t in enumerate(sends):
         by_dtype.setdefault(t.dtype, []).append(k)
     for ks in by_dtype.values():  # one all_to_all per dtype (usually one)
         handle = redistribute([sends[k] for k in ks], [src[k] for k in ks],
-                              [dst[k] for k in ks], group, async_op=True)
+                              [dst[k] for k in ks], process_group, async_op=True)
         pending.handles.append((handle, [where[k] for k in ks]))
     return pending
 

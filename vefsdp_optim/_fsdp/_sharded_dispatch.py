@@ -35,7 +35,7 @@ aten = torch.ops.aten
 #    *_like / clone / copy_ / detach / _to_copy, their in-place, out= and _foreach_
 #    forms, and torch's fused optimizer kernels (_FUSED: _fused_adam_, _fused_adamw_,
 #    _fused_sgd_, _fused_adagrad_: per element). All sharded operands must have the same
-#    shape, layout and group (else ValueError). A plain operand is broadcast to the
+#    shape, layout and process group (else ValueError). A plain operand is broadcast to the
 #    global shape and this rank's slice of it is taken (0-d tensors and Python scalars
 #    as they are), so `param.add_(full_update)` lands in the local slice. A boolean-mask
 #    index_put_ (`t[mask] = v`, Rprop) with a mask of the same layout is local too.
@@ -46,7 +46,7 @@ aten = torch.ops.aten
 # 3. new_zeros / new_ones / new_empty / new_full of another size: a plain tensor
 #    (replicated), no communication.
 # 4. Reductions to a norm (linalg_vector_norm with no dim, _foreach_norm): partial sums
-#    of the slices (in float32 for 16-bit inputs) and one all_reduce per group; a plain
+#    of the slices (in float32 for 16-bit inputs) and one all_reduce per process group; a plain
 #    tensor, equal on every rank (FSDP2's Partial -> Replicate). Within rounding of the
 #    single-device norm, as with DTensor.
 # 5. Everything else (mm, permute / transpose, sums and means over dims, cat, index,
@@ -160,7 +160,7 @@ def _ref(cls: type, func: Any, flat: list) -> Any:
         if isinstance(a, cls):
             if ref is None:
                 ref = a
-            elif a._layout != ref._layout or a._group is not ref._group or a.shape != ref.shape:
+            elif a._layout != ref._layout or a._process_group is not ref._process_group or a.shape != ref.shape:
                 raise ValueError(
                     f"{func}: sharded operands differ in shape or layout: {tuple(ref.shape)} "
                     f"{ref._layout} vs {tuple(a.shape)} {a._layout}")
@@ -251,7 +251,7 @@ def _mask_put(cls: type, args: tuple, kwargs: dict) -> Any:
 
 
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Run a ``_foreach_`` op as its per-element op (its lists may mix groups)."""
+    """Run a ``_foreach_`` op as its per-element op (its lists may mix process groups)."""
     name = func.overloadpacket.__name__
     inplace = name.endswith("_")
     base = name[len("_foreach_"):]
@@ -288,7 +288,7 @@ def _flat_view(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     if (not isinstance(out, torch.Tensor) or out.dtype != t.dtype or out.numel() != t.numel()
             or out.storage_offset() != 0 or not out.is_contiguous()):
         return NotImplemented
-    return cls(t._local.view(-1), t._layout, t._group, out.shape, t._rank)
+    return cls(t._local.view(-1), t._layout, t._process_group, out.shape, t._rank)
 
 
 # -- rule 3: new tensors of another size -----------------------------------------------
@@ -331,19 +331,19 @@ def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         else:
             part = local.abs().pow(ord_).sum() if local.numel() else local.new_zeros(())
         outs.append((t, part, out_dtype))
-    # one all_reduce per (group, kind) of partials
+    # one all_reduce per (process group, kind) of partials
     results: list[torch.Tensor | None] = [None] * len(outs)
-    by_group: dict[int, list[int]] = {}
+    by_process_group: dict[int, list[int]] = {}
     for i, (t, _, _) in enumerate(outs):
-        g = t._group if isinstance(t, cls) else None
-        by_group.setdefault(id(g), []).append(i)
-    for idx in by_group.values():
+        process_group = t._process_group if isinstance(t, cls) else None
+        by_process_group.setdefault(id(process_group), []).append(i)
+    for idx in by_process_group.values():
         t0 = outs[idx[0]][0]
-        g = t0._group if isinstance(t0, cls) else None
+        process_group = t0._process_group if isinstance(t0, cls) else None
         parts = torch.stack([outs[i][1] for i in idx])
-        if g is not None:
+        if process_group is not None:
             op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord_, dist.ReduceOp.SUM)
-            dist.all_reduce(parts, op=op, group=g)
+            dist.all_reduce(parts, op=op, group=process_group)
         for j, i in enumerate(idx):
             v = parts[j]
             if ord_ not in (math.inf, -math.inf, 0.0):

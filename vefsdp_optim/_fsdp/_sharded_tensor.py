@@ -1,7 +1,7 @@
 """ShardedParameter: a tensor with a global shape whose data is one rank's ragged slice.
 
 Like FSDP2's DTensor, but the placement is a :class:`RaggedShard` of the flattened
-storage and the local data is a 1-D view into the group's DistributedBuffer. Elementwise
+storage and the local data is a 1-D view into its store's DistributedBuffer. Elementwise
 ops (and torch's fused optimizer kernels) run on the local slices; norms are partial
 sums and one all_reduce; any other op gathers its sharded operands and returns a plain
 replicated tensor, as DTensor does. The rules are [Note: sharded dispatch], in
@@ -40,7 +40,7 @@ class ShardedParameter(torch.Tensor):
 
     _local: torch.Tensor  # 1-D, layout.local_numel(rank) elems
     _layout: RaggedShard | BoxShard
-    _group: dist.ProcessGroup | None  # None iff layout.world_size == 1
+    _process_group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     _rank: int
     _store: FlatStore | None = None  # fully_shard's parameters: the store they live in
 
@@ -49,7 +49,7 @@ class ShardedParameter(torch.Tensor):
         cls,
         local: torch.Tensor,
         layout: RaggedShard | BoxShard,
-        group: dist.ProcessGroup | None,
+        process_group: dist.ProcessGroup | None,
         shape: Sequence[int],
         rank: int,
         requires_grad: bool = False,
@@ -65,7 +65,7 @@ class ShardedParameter(torch.Tensor):
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
         t._local = local
         t._layout = layout
-        t._group = group
+        t._process_group = process_group
         t._rank = rank
         return t
 
@@ -76,13 +76,13 @@ class ShardedParameter(torch.Tensor):
 
     @property
     def ragged_layout(self) -> RaggedShard | BoxShard:
-        """The layout of this tensor over its shard group: a :class:`RaggedShard`, or a
+        """The layout of this tensor over its shard process group: a :class:`RaggedShard`, or a
         :class:`BoxShard` for tensor-parallel optimizer state."""
         return self._layout
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        return self._group
+        return self._process_group
 
     @property
     def shard_rank(self) -> int:
@@ -98,13 +98,13 @@ class ShardedParameter(torch.Tensor):
         """Declare the store this parameter lives in (fully_shard, once)."""
         self._store = store
 
-    def rebind_(self, local: torch.Tensor, layout: RaggedShard, group: dist.ProcessGroup | None,
+    def rebind_(self, local: torch.Tensor, layout: RaggedShard, process_group: dist.ProcessGroup | None,
                 rank: int) -> None:
         """Point this same object at new local data and layout (a re-plan)."""
         if local.dim() != 1 or local.numel() != layout.local_numel(rank) or layout.numel != self.numel():
             raise ValueError(f"local data of shape {tuple(local.shape)} is not rank {rank}'s slice of "
                              f"layout {layout.extents} of a tensor of shape {tuple(self.shape)}")
-        self._local, self._layout, self._group, self._rank = local, layout, group, rank
+        self._local, self._layout, self._process_group, self._rank = local, layout, process_group, rank
 
     def with_local(self, local: torch.Tensor) -> ShardedParameter:
         """A new ShardedParameter of this one's shape and layout over ``local`` (e.g. its
@@ -126,7 +126,7 @@ class ShardedParameter(torch.Tensor):
         padded = local.new_zeros(n)
         padded[: local.numel()] = local
         out = local.new_empty(w * n)
-        all_gather_flat(out, padded, self._group)
+        all_gather_flat(out, padded, self._process_group)
         parts = [out[r * n: r * n + lay.local_numel(r)] for r in range(w)]
         if isinstance(lay, RaggedShard):
             return torch.cat(parts).view(self.shape)
@@ -136,7 +136,7 @@ class ShardedParameter(torch.Tensor):
         return full.view(self.shape)
 
     def untyped_storage(self) -> torch.UntypedStorage:
-        """The storage of this rank's local data, the group's buffer (no copy).
+        """The storage of this rank's local data, its store's buffer (no copy).
 
         A wrapper tensor has no storage of its own; asking for its data pointer raises
         "invalid python storage". Frameworks that compare storages (torchtitan's
@@ -148,10 +148,10 @@ class ShardedParameter(torch.Tensor):
     def __sharded_view__(self) -> ShardedView:
         return ShardedView(
             local=self._local.detach() if self._local.requires_grad else self._local,
-            layout=self._layout, group=self._group, shape=self.shape, rank=self._rank)
+            layout=self._layout, process_group=self._process_group, shape=self.shape, rank=self._rank)
 
     def _same(self, local: torch.Tensor) -> ShardedParameter:
-        return ShardedParameter(local, self._layout, self._group, self.shape, self._rank)
+        return ShardedParameter(local, self._layout, self._process_group, self.shape, self._rank)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, rank={self._rank}, "
