@@ -4,7 +4,7 @@ with one CUDA device per rank).
 Muon: vefsdp_optim.Muon vs torch.optim.Muon on the same FSDP2 model (DTensor
 dispatch) vs an all-gather-then-every-rank-computes Muon. AdamW: vefsdp_optim.AdamW
 vs torch.optim.AdamW (foreach) on the same FSDP2 parameters, and vefsdp_optim.AdamW on
-the same parameters under vefsdp_optim.fully_shard (one fused update per bucket) vs
+the same parameters under vefsdp_optim.fully_shard (one fused update per store) vs
 torch's on FSDP2. Interleaved, medians;
 collectives per step and bytes moved counted by wrapping torch.distributed.
 

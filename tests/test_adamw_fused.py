@@ -1,9 +1,9 @@
-"""AdamW's fused fully_shard buckets ([Note: fused buckets]) equal torch.optim.AdamW.
+"""AdamW's fused fully_shard stores ([Note: fused stores]) equal torch.optim.AdamW.
 
 Every case runs the library's AdamW on fully_shard parameters at W = 1..3 and
 torch.optim.AdamW on unsharded copies fed the very gradients the sharded run saw, and
 compares parameters and state bit for bit. The fused path is checked to be taken (and
-its op count not to grow with the parameters of a bucket), the fallbacks to be exact.
+its op count not to grow with the parameters of a store), the fallbacks to be exact.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _sharded_net():
     model = _Net()
     init = [p.detach().clone() for p in model.parameters()]
     vefsdp_optim.fully_shard(model.a)
-    vefsdp_optim.fully_shard(model)  # root bucket: b, c, d
+    vefsdp_optim.fully_shard(model)  # root store: b, c, d
     return model, init
 
 
@@ -135,13 +135,13 @@ def _all_cases():
         "amsgrad_maximize": _run_case(dict(amsgrad=True, maximize=True, lr=3e-2)),
         "wd0": _run_case(dict(weight_decay=0.0, lr=1e-2, betas=(0.8, 0.9), eps=1e-6)),
         "scheduler": _run_case(dict(lr=5e-2), sched=True),
-        # one group per fully_shard bucket, different hparams: both buckets fuse
-        "groups_per_bucket": _run_case(groups=[([0, 1], dict(lr=2e-2, weight_decay=0.1)),
+        # one param group per fully_shard store, different hparams: both stores fuse
+        "groups_per_store": _run_case(groups=[([0, 1], dict(lr=2e-2, weight_decay=0.1)),
                                                (list(range(2, n)), dict(lr=4e-3, betas=(0.5, 0.7)))]),
-        # weights vs biases: every bucket spans two groups -> the per-slice fallback
+        # weights vs biases: every store spans two param groups -> the per-slice fallback
         "groups_mixed": _run_case(groups=[([0, 2, 4], dict(lr=2e-2, weight_decay=0.2)),
                                           ([1, 3, 5, 6], dict(lr=1e-3, weight_decay=0.0))]),
-        # b.bias has no grad at step 1: root bucket falls back from then on (unequal steps)
+        # b.bias has no grad at step 1: root store falls back from then on (unequal steps)
         "no_grad_step": _run_case(skip=(3, {1})),
         "state_replaced": _run_case(replace_state_at=2),
     }
@@ -155,11 +155,11 @@ def test_fused_adamw_matches_torch(world_size):
             assert r["state"] is None, (name, r["state"])
             assert r["padding_zero"], name
             assert r["lr"], name
-        two = 2 * STEPS  # two fully_shard buckets per step
-        for name in ("default", "amsgrad_maximize", "wd0", "scheduler", "groups_per_bucket", "state_replaced"):
+        two = 2 * STEPS  # two fully_shard stores per step
+        for name in ("default", "amsgrad_maximize", "wd0", "scheduler", "groups_per_store", "state_replaced"):
             assert res[name]["fused"] == two, (name, res[name]["fused"])
         assert res["groups_mixed"]["fused"] == 0
-        # step 0 both fused; step 1 bucket a fused, root falls back; then root's steps differ
+        # step 0 both fused; step 1 store a fused, root falls back; then root's steps differ
         assert res["no_grad_step"]["fused"] == 1 + STEPS
 
 
@@ -176,9 +176,9 @@ class _OpCounter(TorchDispatchMode):
 def _ops_per_step(n_layers, fuse):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4 + i, 5 + i) for i in range(n_layers)])
-    vefsdp_optim.fully_shard(model)  # one bucket, 2 * n_layers params
+    vefsdp_optim.fully_shard(model)  # one store, 2 * n_layers params
     opt = vefsdp_optim.AdamW(model.parameters(), amsgrad=True)
-    opt.fuse_buckets = fuse
+    opt.fuse_stores = fuse
     x = torch.randn(3, 4)
     counts = []
     for _ in range(3):

@@ -649,7 +649,7 @@ def _gaps() -> dict[str, object]:
     except RuntimeError as e:
         out["replan_live_raises"] = "without sync" in str(e)
     ours.set_requires_gradient_sync(True)
-    # parameters of two dtypes in one module: one bucket each, single-device results
+    # parameters of two dtypes in one module: one store each, single-device results
     torch.manual_seed(8)
     ref = TwoDtypes()
     ours = copy.deepcopy(ref)

@@ -73,7 +73,7 @@ def test_adamw_step_equals_torch_functional_adamw(amsgrad: bool, maximize: bool)
 def test_adamw_batched_forms_equal_the_pure_function_per_tensor() -> None:
     """The two batched forms of adamw_step_ the step loop runs: adam_foreach_ (torch's
     multi-tensor Adam over a bucket of slices) and adamw_step_ on one flat store holding
-    several parameters end to end ([Note: fused buckets]): each is adamw_step_ on every
+    several parameters end to end ([Note: fused stores]): each is adamw_step_ on every
     tensor alone, bit for bit."""
     gen = torch.Generator().manual_seed(1)
     shapes = [(64, 33), (7,), (1, 129), (300,)]

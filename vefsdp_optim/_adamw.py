@@ -24,9 +24,9 @@ from ._torch_compat import device_dtype_check_for_fused, to_scalar
 __all__ = ["AdamW"]
 
 
-# [Note: fused buckets]
+# [Note: fused stores]
 # A fully_shard store ([Note: flat store contract]) keeps this rank's shard of every
-# parameter of one group and dtype in one flat buffer (flat_param(), m elements), and
+# parameter of one shard group and dtype in one flat buffer (flat_param(), m elements), and
 # after the reduce-scatter every .grad is the same segment of one flat gradient buffer
 # (flat_grad()). When the whole store steps together (every member in one param group,
 # grads in place, one step count), AdamW runs ONCE on the flat buffers: about ten
@@ -65,14 +65,14 @@ class AdamW(BlockOptimizer):
     """``torch.optim.AdamW`` on plain, FSDP2 and fully_shard parameters.
 
     Same signature, defaults and results (elementwise math on each rank's slice). On
-    fully_shard parameters each bucket's whole local buffer is updated in one set of
-    fused ops ([Note: fused buckets]); elsewhere each step-loop bucket's slices are
+    fully_shard parameters each store's whole local buffer is updated in one set of
+    fused ops ([Note: fused stores]); elsewhere each step-loop bucket's slices are
     updated in one foreach call. No communication either way.
     """
 
     decoupled = True
-    #: update whole fully_shard buckets in fused ops where possible
-    fuse_buckets: bool = True
+    #: update whole fully_shard stores in fused ops where possible
+    fuse_stores: bool = True
 
     def __init__(
         self,
@@ -125,12 +125,12 @@ class AdamW(BlockOptimizer):
                      maximize=group["maximize"], decoupled=self.decoupled)
         return [[ins[0]] for ins in inputs]
 
-    # -- fused fully_shard buckets ([Note: fused buckets]) ---------------------------------
+    # -- fused fully_shard stores ([Note: fused stores]) ---------------------------------
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Update the whole fully_shard stores of ``group`` fused; the rest go to the loop."""
         params = group["params"]
-        if not self.fuse_buckets:
+        if not self.fuse_stores:
             return params
         by_store: dict[int, tuple[FlatStore, list[Any]]] = {}
         for p in params:

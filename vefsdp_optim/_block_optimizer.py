@@ -250,7 +250,7 @@ class BlockOptimizer(Optimizer):
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Hook: the parameters of ``group`` left to the step loop. A subclass may first
         update, itself, parameters that need no exchange (AdamW's fused fully_shard
-        buckets, [Note: fused buckets]) and leave out those it updated."""
+        stores, [Note: fused stores]) and leave out those it updated."""
         return group["params"]
 
     def _collect(self, group: dict[str, Any], gi: int, entries: list[StepEntry]) -> list[StepItem]:
