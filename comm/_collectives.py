@@ -1,7 +1,7 @@
-"""Stateless flat collectives for one group's buffer, and the plan consistency check.
+"""Stateless flat collectives for one store's buffer, and the plan consistency check.
 
 Every function takes its process group explicitly (never the implicit global group),
-so a mesh axis of a 2-D DeviceMesh works the same as a plain group.
+so a mesh axis of a 2-D DeviceMesh works the same as a plain process group.
 """
 
 from __future__ import annotations

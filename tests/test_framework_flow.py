@@ -1,7 +1,7 @@
 """A training script written the way frameworks write them, with our fully_shard.
 
 Meta-device construction, to_empty and a full state-dict load; blocks under activation
-checkpointing, each a group, and [final norm, head] as one group; summed gradients
+checkpointing, each a shard group, and [final norm, head] as one shard group; summed gradients
 (set_gradient_divide_factor(1.0)) with a loss normalised by the global token count;
 clip_grad_norm_; an LR scheduler; a state-dict hook that reshapes a parameter; a DCP
 save and load through get_state_dict / set_state_dict in the middle. Every rank feeds

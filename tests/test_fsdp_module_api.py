@@ -160,7 +160,7 @@ def _module_list() -> dict[str, object]:
     for kind, m in models.items():
         shard = vefsdp_optim.fully_shard if kind == "ours" else fsdp2
         shard(m.blocks)
-        got = shard([m.emb, m.out])  # one group of two modules, as frameworks group norm + output
+        got = shard([m.emb, m.out])  # one shard group of two modules, as frameworks shard norm + output together
         shard(m)
         out[f"{kind}_returns_list"] = isinstance(got, list) and len(got) == 2
     out["is_fsdp"] = isinstance(models["ours"].emb, TorchFSDPModule) and isinstance(models["ours"].out, TorchFSDPModule)

@@ -373,7 +373,7 @@ def _features() -> dict[str, float]:
     out: dict[str, float] = {}
     torch.manual_seed(2)
     data = torch.randn(4, 3, 7)
-    # frozen + tied within one group, prefetch between groups
+    # frozen + tied within one shard group, prefetch between shard groups
     ref = TiedMLP()
     ours = copy.deepcopy(ref)
     fully_shard(ours.l2)

@@ -1,6 +1,6 @@
-"""A Parameter tied across fully_shard calls ([Note: tied parameters across groups]):
+"""A Parameter tied across fully_shard calls ([Note: tied parameters across shard groups]):
 refused on every rank, in either order and by the root call after one child, naming
-both modules; the fix the error names (one group for both) keeps the tie and trains as
+both modules; the fix the error names (one shard group for both) keeps the tie and trains as
 one device with torch.optim.AdamW, bit for bit."""
 
 from __future__ import annotations

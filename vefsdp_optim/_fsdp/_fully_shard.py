@@ -43,7 +43,7 @@ _CLS_CACHE: dict[type, type] = {}
 # every Parameter object fully_shard replaced by a sharded one (weak: id -> object)
 _REPLACED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
 # id of a replaced Parameter -> the (module, attribute) slots it was registered in, for
-# the error on a tie across groups (dropped when the Parameter dies)
+# the error on a tie across shard groups (dropped when the Parameter dies)
 _REPLACED_IN: dict[int, list[tuple[weakref.ref[nn.Module], str]]] = {}
 
 
@@ -108,17 +108,17 @@ def fully_shard(
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s own parameters (not those of fully_shard'd descendants).
 
-    ``module`` may be a list of modules (FSDP2's form): their parameters form one group
+    ``module`` may be a list of modules (FSDP2's form): their parameters form one shard group
     that communicates together; it is gathered at the first of them to run forward and
     resharded when all have. ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D
-    (replicate, shard) HSDP mesh; default: every rank of the default group on the current
+    (replicate, shard) HSDP mesh; default: every rank of the default process group on the current
     device type. ``shard_placement_fn``: FSDP2's per-parameter placement; ``None`` or
     ``Shard(0)`` is this library's layout (a RaggedShard of the flattened parameter, cut
     where the optimizers' blocks allow), any other placement raises NotImplementedError.
     ``offload_policy``: ``OffloadPolicy()`` (none) or, where the mesh is on the CPU
-    already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the group, as FSDP2.
+    already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the shard group, as FSDP2.
     ``dp_mesh_dims``: FSDP2's names of the data-parallel dims of a larger SPMD ``mesh``
-    (``shard=`` and optionally ``replicate=``); the group shards over that submesh.
+    (``shard=`` and optionally ``replicate=``); the shard group shards over that submesh.
     Parameters are plain tensors or DTensors of tensor parallelism on a 1-D tp mesh
     (``parallelize_module`` first): each is sharded by its TP-local tensor over ``mesh``,
     model code sees DTensors on the tp mesh, the optimizers see the global tensor
@@ -229,11 +229,11 @@ def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorPa
     else:
         if not (tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names):
             raise ValueError(f"parameter {mp.fqn}: fully_shard over tensor parallel needs named meshes "
-                             "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to form the dp x tp group")
+                             "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to form the dp x tp process group")
         flat = mesh_flatten(mesh_concatenate([shard_mesh, tp_mesh])).get_group(0)
     want = shard_mesh.get_local_rank(0) * tp_mesh.size() + tp_rank
     if dist.get_rank(flat) != want:
-        raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp group, expected {want}")
+        raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp process group, expected {want}")
     return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), boxes, flat, tp_rank)
 
 
@@ -266,20 +266,20 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 module_buffers(sub)[name] = b.to(device)
 
 
-# [Note: tied parameters across groups]
+# [Note: tied parameters across shard groups]
 # A Parameter held by two modules that two sibling fully_shard calls shard (an embedding
 # tied to the output head in another group) would become two sharded parameters, each
 # trained on its own half of the gradient: FSDP2 does this silently (3 parameters become
 # 4). The second call finds the module still holding the original Parameter that the
 # first call replaced, and raises before any collective, naming both modules and the fix
-# (one group for both). Every rank sees the same module structure, so all raise alike.
+# (one shard group for both). Every rank sees the same module structure, so all raise alike.
 
 
 def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
                named: list[tuple[str, nn.Module]]) -> ValueError:
     """The error for ``sub.attr`` (at ``mname`` in this call), a Parameter an earlier call
     replaced: both modules by their paths in this call's module ``m`` where it holds both
-    (the root call), else by class ([Note: tied parameters across groups])."""
+    (the root call), else by class ([Note: tied parameters across shard groups])."""
     def where(path: str, m: nn.Module, a: str) -> str:
         cls = type(m)
         if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:  # the user's class
@@ -294,7 +294,7 @@ def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
     return ValueError(
         f"fully_shard: parameter {where(mname, sub, attr)} is the same Parameter as {there}, which "
         "another fully_shard call has already sharded: the tied weight (e.g. an embedding and its "
-        "output head) would be untied, each copy trained apart. Shard both modules in one group, "
+        "output head) would be untied, each copy trained apart. Shard both modules in one shard group, "
         f"one call with a list (fully_shard([embed_module, head_module]){pair}), or apply "
         "fully_shard to their lowest common ancestor only")
 
@@ -319,12 +319,12 @@ def _collect(modules: list[nn.Module], device: torch.device,
         for attr, p in list(module_parameters(sub).items()):
             if p is None or id(p) in ignored:
                 continue
-            if replaced_by_fully_shard(p):  # [Note: tied parameters across groups]
+            if replaced_by_fully_shard(p):  # [Note: tied parameters across shard groups]
                 raise _tie_error(mname, sub, attr, p, named)
             if isinstance(p, ShardedParameter):
                 raise ValueError(
                     f"parameter {mname + '.' if mname else ''}{attr} is shared with a module already "
-                    "managed by a nested fully_shard; tied parameters must be managed by one group: "
+                    "managed by a nested fully_shard; tied parameters must be managed by one shard group: "
                     "apply fully_shard to their lowest common ancestor only")
             fqn = f"{mname}.{attr}" if mname else attr
             mp = managed.get(id(p))
@@ -346,6 +346,6 @@ def _collect(modules: list[nn.Module], device: torch.device,
             if orig.get(id(mp.original)) is mp.original:
                 raise ValueError(
                     f"parameter {mp.fqn} is shared with a nested fully_shard'd module; tied "
-                    "parameters must be managed by one group: apply fully_shard to their lowest "
+                    "parameters must be managed by one shard group: apply fully_shard to their lowest "
                     "common ancestor only")
     return order

@@ -109,9 +109,9 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_gradient_copy_in(self, enabled: bool, *, recurse: bool = True) -> None:
         """True (the default): autograd makes gradients one parameter at a time and the
-        group's end of backward copies them into its flat reduce-scatter buffer (FSDP2's
+        shard group's end of backward copies them into its flat reduce-scatter buffer (FSDP2's
         peak memory). False: backward adds them straight into the buffer, allocated at
-        the group's first gradient (no copy at all; one block's buffer more memory).
+        store's first gradient (no copy at all; one shard group's buffer more memory).
         [Note: lazy gradient buffer]; not a FSDP2 method."""
         _check_bool("enabled", enabled)
         for shard_group in self._shard_groups(recurse):
@@ -129,27 +129,27 @@ class FSDPModule(_TorchFSDPModule):
             s.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' groups (async) at this module's forward start."""
+        """All-gather these modules' shard groups (async) at this module's forward start."""
         self._vefsdp_state.fwd_prefetch = [state_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' groups (async) at this module's backward start."""
+        """All-gather these modules' shard groups (async) at this module's backward start."""
         self._vefsdp_state.bwd_prefetch = [state_of(m) for m in modules]
 
     def set_custom_all_gather(self, comm: object) -> None:
         raise NotImplementedError(
-            "set_custom_all_gather is not supported: fully_shard all-gathers each group's flat "
+            "set_custom_all_gather is not supported: fully_shard all-gathers each store's flat "
             "buffer with one all_gather_single into its global buffer (zero copy)")
 
     def set_custom_reduce_scatter(self, comm: object) -> None:
         raise NotImplementedError(
-            "set_custom_reduce_scatter is not supported: fully_shard reduce-scatters each group's "
+            "set_custom_reduce_scatter is not supported: fully_shard reduce-scatters each store's "
             "flat gradient buffer with one reduce_scatter_single; see set_gradient_divide_factor "
             "and set_all_reduce_hook")
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: object | None = None) -> None:
-        """``hook(reduce_output)`` runs on each group's reduced gradient shard (after HSDP's
+        """``hook(reduce_output)`` runs on each store's reduced gradient shard (after HSDP's
         all-reduce), before it becomes the sharded ``.grad``."""
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
@@ -188,8 +188,8 @@ class FSDPModule(_TorchFSDPModule):
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Accepted: fully_shard's reduce-scatter input is the group's own gradient buffer
-        (no copy-in buffer), at most one group's in flight."""
+        """Accepted: fully_shard's reduce-scatter input is the store's own gradient buffer
+        (no copy-in buffer), at most one shard group's in flight."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
 
@@ -205,7 +205,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         raise NotImplementedError("set_allocate_memory_from_process_group_for_comm: fully_shard's "
-                                  "collectives use the groups' own buffers, with no staging copies")
+                                  "collectives use the stores' own buffers, with no staging copies")
 
     def set_symm_mem_for_comm(self, *args: object, **kwargs: object) -> None:
         raise NotImplementedError("set_symm_mem_for_comm is not supported by vefsdp_optim.fully_shard")

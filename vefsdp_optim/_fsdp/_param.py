@@ -35,9 +35,9 @@ __all__ = ["ManagedParam", "TensorParallel"]
 #   - the sharded parameter (optimizer, state dict) is a ShardedParameter of the global
 #     shape whose layout is a BoxShard over dp x tp flattened: rank (i, j) holds the run
 #     of TP box j that dp rank i holds in tp coordinate j's plan ([Note: boxes in flat
-#     order]). Every rank plans every tp coordinate's group (pure), so it knows every
+#     order]). Every rank plans every tp coordinate's store (pure), so it knows every
 #     run. Parameters replicated over tp are sharded over dp alone, as plain ones.
-# A group with tensor-parallel parameters keeps its first plan (an optimizer's
+# A store with tensor-parallel parameters keeps its first plan (an optimizer's
 # requirements are met by the step loop's exchange instead): a re-plan would depend on
 # local shapes that differ between tp coordinates.
 
@@ -94,7 +94,7 @@ class TensorParallel:
 class ManagedParam:
     """Bookkeeping for one parameter object (possibly registered under several names)."""
 
-    fqn: str  # unique name within the group (first name it was found under)
+    fqn: str  # unique name within the shard group (first name it was found under)
     slots: list[tuple[nn.Module, str]]  # every (module, attribute) that holds it
     shape: torch.Size  # global shape
     requires_grad: bool

@@ -3,7 +3,7 @@
 Hooks: forward pre-hook (unshard, register unsharded params, post-backward hook on
 the inputs), forward hook (register sharded params, reshard, pre-backward hooks on the
 outputs), and, for the root, a final callback on the autograd engine that finishes
-every group whose post-backward did not run (inputs without grad). Where a module is
+every shard group whose post-backward did not run (inputs without grad). Where a module is
 in its step is explicit (``Role``, ``TrainingState`` in _lifecycle.py).
 """
 
@@ -36,11 +36,11 @@ class _RootContext:
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states
         self.callback_queued = False
-        # groups in the order their forward ran with grad enabled (with repeats); the
+        # shard groups in the order their forward ran with grad enabled (with repeats); the
         # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
         self.fwd_order: list[FSDPState] = []
-        # groups whose reduce-scatter was launched and not yet waited for; the next
-        # post-backward waits for them before launching its own (at most one group's
+        # shard groups whose reduce-scatter was launched and not yet waited for; the next
+        # post-backward waits for them before launching its own (at most one shard group's
         # gradient buffer in flight), the final callback for the last
         self.reducing: list[ShardGroup] = []
 
@@ -56,7 +56,7 @@ class FSDPState:
 
     def __init__(self, modules: list[nn.Module], shard_group: ShardGroup | None, reshard_after_forward: bool,
                  mp_policy: MixedPrecisionPolicy) -> None:
-        self.modules = modules  # one, or FSDP2's list of modules sharing one group
+        self.modules = modules  # one, or FSDP2's list of modules sharing one shard group
         self.module = modules[0]
         self.shard_group = shard_group
         self._not_run: set[int] = set()  # ids of this forward round's modules yet to finish
@@ -70,11 +70,11 @@ class FSDPState:
         self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
         self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
         # [Note: repeated use] forward calls (grad enabled) since the last backward whose
-        # inputs carry a post-backward hook; the group is reduced when the last of them
+        # inputs carry a post-backward hook; the shard group is reduced when the last of them
         # has run backward, or by the root's final callback when some call had no hook.
         self.uses = 0
         self.untracked = False  # a forward call with grad whose inputs need no grad
-        # id -> original Parameter this group replaced (weak: tensors compare elementwise)
+        # id -> original Parameter this shard group replaced (weak: tensors compare elementwise)
         self.originals: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
 
     @property
@@ -125,7 +125,7 @@ class FSDPState:
             self.ctx.callback_queued = False
             if torch.is_grad_enabled():
                 self.ctx.fwd_order.clear()
-            for s in self.ctx.states:  # here, not in each group's hook: blocks get compiled
+            for s in self.ctx.states:  # here, not in each shard group's hook: modules get compiled
                 if s.shard_group is not None:
                     s.shard_group.release_grads()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
@@ -136,7 +136,7 @@ class FSDPState:
         shard_group = self.shard_group
         if shard_group is None:
             return args, kwargs
-        if not self._not_run:  # a new round: every module of the group is to run
+        if not self._not_run:  # a new round: every module of the shard group is to run
             self._not_run = {id(m) for m in self.modules}
         shard_group.unshard()
         shard_group.wait_unshard()
@@ -159,7 +159,7 @@ class FSDPState:
         if shard_group is not None:
             shard_group.register(sharded=True)
             self._not_run.discard(id(module))
-            # as FSDP2: root keeps its params for backward; a list group reshards once all ran
+            # as FSDP2: root keeps its params for backward; a list of modules reshards once all ran
             if self.reshard_after_forward and not self.is_root and not self._not_run:
                 shard_group.free()
         if self.mp_policy.output_dtype is not None:
@@ -209,7 +209,7 @@ class FSDPState:
         return grad
 
     def _implicit_bwd_prefetch(self) -> list[FSDPState]:
-        """The group whose forward ran just before this one's last forward: next in backward."""
+        """The shard group whose forward ran just before this one's last forward: next in backward."""
         order = self.ctx.fwd_order if self.ctx is not None else []
         for i in range(len(order) - 1, 0, -1):
             if order[i] is self:
@@ -221,7 +221,7 @@ class FSDPState:
         """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
 
         From a use's post-backward hook (``final=False``) only the last outstanding use
-        finishes the group; the root's final callback (``final=True``) finishes it always.
+        finishes the shard group; the root's final callback (``final=True``) finishes it always.
         """
         if not final:
             self.uses -= 1

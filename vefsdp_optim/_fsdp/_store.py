@@ -100,23 +100,23 @@ class GradSettings:
 #
 # [Note: lazy gradient buffer]
 # At W > 1 the W*m gradient buffer gets its bytes (zero-filled) late, not at
-# pre-backward: a backward that starts a reduction round leaves each unsharded
+# pre-backward: the first backward after a reduction leaves each unsharded
 # ``.grad`` None. Then, by the shard group's policy (``FSDPModule.set_gradient_copy_in``):
 #   - copy-in (the default): autograd makes each parameter's gradient as usual, and
 #     the shard group's end of backward allocates the buffer and copies them in (one copy of the
 #     shard group's gradients, FSDP2's copy-in; FSDP2 also copies parameters in and out).
-#     A block's gradients then take memory one parameter at a time, as FSDP2's do, and
+#     A module's gradients then take memory one parameter at a time, as FSDP2's do, and
 #     the peak is FSDP2's (benchmarks/bench_memory.py: 1.00x at W = 2 and 4, AC off and
-#     on, where in place gave 1.04-1.08x: a whole block's buffer from its first gradient);
+#     on, where in place gave 1.04-1.08x: a whole store's buffer from its first gradient);
 #   - in place (``set_gradient_copy_in(False)``): a hook on the gradients of the unsharded parameters (run before
 #     AccumulateGrad) allocates the buffer at the store's first gradient and points
 #     every ``.grad`` at its view, so autograd adds into it as [Note: grads into the
-#     buffer] says: no copy at all, one block's buffer of memory more.
+#     buffer] says: no copy at all, one store's buffer of memory more.
 # Later backwards of an accumulation without sync add into the buffer in place either way. Under activation checkpointing the recomputation runs first, so the buffer and
 # the recomputed activations no longer overlap with an earlier shard group's reduce-scatter
 # input: just before allocating, completed reduce-scatters of earlier shard groups are
-# finished, which frees their inputs ([Note: async reduce-scatter]). A round in which
-# no gradient reached the store still reduces zeros. (A copy of the first gradient into
+# finished, which frees their inputs ([Note: async reduce-scatter]). A backward in
+# which no gradient reached the store still reduces zeros. (A copy of the first gradient into
 # the buffer would spare the zero-fill, but it is a copy per parameter, which
 # [Note: grads into the buffer] rules out.)
 
@@ -168,8 +168,9 @@ class DtypeStore:
         self._holders: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._partial = False  # the kept .grad is reduce-scattered but not all-reduced (HSDP)
         self._kept: torch.Tensor | None = None  # 1-D, m: kept grads set aside at W = 1
-        # the settings of the round a lazy gradient buffer awaits ([Note: lazy gradient buffer])
-        self._round: GradSettings | None = None
+        # the settings of the backward whose first gradient the lazy gradient buffer awaits
+        # ([Note: lazy gradient buffer])
+        self._awaited_settings: GradSettings | None = None
         self.build(units, data, validate=validate)
 
     def specs(self, units: dict[str, int]) -> list[TensorSpec]:
@@ -362,7 +363,7 @@ class DtypeStore:
         if self._lazy:
             if fresh:  # [Note: lazy gradient buffer]
                 self._awaiting = True
-                self._round = grad_settings
+                self._awaited_settings = grad_settings
                 for p in self.params:
                     if p.unsharded is not None:
                         p.unsharded.grad = None
@@ -399,18 +400,18 @@ class DtypeStore:
     def _on_grad(self, grad: torch.Tensor) -> None:
         """Hook on an unsharded parameter's gradient, before AccumulateGrad: the store's
         first gradient allocates the buffer ([Note: lazy gradient buffer]), under the
-        settings of the round that ``attach_grads`` began."""
-        if not self._awaiting or self._round.copy_in:
+        settings of the backward that ``attach_grads`` began."""
+        if not self._awaiting or self._awaited_settings.copy_in:
             return
         self._awaiting = False
-        self._round.before_grad_alloc()
+        self._awaited_settings.before_grad_alloc()
         self._alloc_grad_buffer()
         for p in self.params:
             if p.requires_grad and p.unsharded is not None:
                 p.unsharded.grad = p.unsharded_face(self.compute.grad_full_view(p.fqn))
 
     def complete_grads(self, grad_settings: GradSettings) -> None:
-        """End of a backward: a lazy round gets its buffer now (zero where no gradient
+        """End of a backward: a lazy buffer gets its bytes now (zero where no gradient
         came), with the gradients autograd made copied in ([Note: lazy gradient buffer])."""
         if not self._awaiting:
             return
