@@ -141,26 +141,26 @@ def _setup_fsdp(w: int, rank: int, full: dict[str, torch.Tensor], device: str):
     fully_shard(module, mesh=mesh)
     state = module._get_fsdp_state()
     state._lazy_init()  # what the first forward does: comm context, root state
-    pg = state._fsdp_param_group
+    fsdp_param_group = state._fsdp_param_group
     names = [n for n, _ in module.named_parameters()]
     grads = [full[n] * (rank + 1) for n in names]
-    return module, pg, grads
+    return module, fsdp_param_group, grads
 
 
-def _fsdp_step(module, pg, grads) -> tuple[float, float, dict[str, int]]:
+def _fsdp_step(module, fsdp_param_group, grads) -> tuple[float, float, dict[str, int]]:
     t0 = time.perf_counter()
     module.unshard()
     t1 = time.perf_counter()
-    w = pg.mesh_info.shard_mesh_size
-    shard = _nbytes([fp._sharded_param_data for fp in pg.fsdp_params])  # padded, persistent
-    unsharded = _nbytes([fp.unsharded_param for fp in pg.fsdp_params])
+    w = fsdp_param_group.mesh_info.shard_mesh_size
+    shard = _nbytes([fp._sharded_param_data for fp in fsdp_param_group.fsdp_params])  # padded, persistent
+    unsharded = _nbytes([fp.unsharded_param for fp in fsdp_param_group.fsdp_params])
     # at copy-out: sharded params + all-gather output (W padded shards) + unsharded params;
     # at reduce-scatter: unsharded grads + reduce-scatter input (W shards) + output (1 shard)
     peak = {"ag": shard + w * shard + unsharded, "rs": _nbytes(grads) + w * shard + shard}
-    for fp, g in zip(pg.fsdp_params, grads, strict=True):
+    for fp, g in zip(fsdp_param_group.fsdp_params, grads, strict=True):
         fp.unsharded_param.grad = g
     t2 = time.perf_counter()
-    pg.post_backward()
+    fsdp_param_group.post_backward()
     t3 = time.perf_counter()
     for p in module.parameters():
         p.grad = None

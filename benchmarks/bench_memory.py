@@ -106,10 +106,11 @@ def _unsharded_ours(model: nn.Module) -> list[torch.Tensor]:
     out = []
     for m in model.modules():
         if isinstance(m, FSDPModule) and state_of(m).shard_group is not None:
-            for st in state_of(m).shard_group.stores:
-                for buf in {id(b): b for b in (st.master, st.compute, st.reduce)}.values():
-                    out += [buf._global, buf._grad_global]
-                out += [t for t in (st._kept,) if t is not None]
+            for store in state_of(m).shard_group.stores:
+                buffers = (store.master, store.compute, store.reduce)
+                for buffer in {id(buffer): buffer for buffer in buffers}.values():
+                    out += [buffer._global, buffer._grad_global]
+                out += [t for t in (store._kept,) if t is not None]
     return out
 
 
@@ -120,10 +121,10 @@ def _unsharded_fsdp2(model: nn.Module) -> list[torch.Tensor]:
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
-        pg = fully_shard.state(m)._fsdp_param_group
-        if pg is None:
+        fsdp_param_group = fully_shard.state(m)._fsdp_param_group
+        if fsdp_param_group is None:
             continue
-        for fp in pg.fsdp_params:
+        for fp in fsdp_param_group.fsdp_params:
             u = getattr(fp, "_unsharded_param", None)
             if u is not None:
                 out.append(u)
@@ -131,16 +132,16 @@ def _unsharded_fsdp2(model: nn.Module) -> list[torch.Tensor]:
                     out.append(u.grad)
             out += list(getattr(fp, "all_gather_outputs", []))
             out += list(_tensors(getattr(fp, "_unsharded_inner_tensors", [])))
-        agr = pg._all_gather_result
+        agr = fsdp_param_group._all_gather_result
         if agr is not None:
             out.append(agr.all_gather_output)
-        for st in getattr(pg.comm_ctx, "reduce_scatter_states", []) or []:
-            out.append(st.reduce_scatter_input)
-        ags = getattr(pg.comm_ctx, "all_gather_state", None)
+        for rs_state in getattr(fsdp_param_group.comm_ctx, "reduce_scatter_states", []) or []:
+            out.append(rs_state.reduce_scatter_input)
+        ags = getattr(fsdp_param_group.comm_ctx, "all_gather_state", None)
         if ags is not None:
             out += list(_tensors(getattr(ags, "all_gather_result", None) and
                                  ags.all_gather_result.all_gather_output))
-        out += [t for t in (getattr(pg, "_partial_reduce_output", None),) if t is not None]
+        out += [t for t in (getattr(fsdp_param_group, "_partial_reduce_output", None),) if t is not None]
     return out
 
 
@@ -148,9 +149,9 @@ def _shard_grads_ours(model: nn.Module) -> list[torch.Tensor]:
     """Our shard gradients, also while a reduce-scatter writes them (no .grad yet)."""
     from vefsdp_optim._fsdp._module import FSDPModule, state_of
 
-    return [st.master.local_grad for m in model.modules()
+    return [store.master.local_grad for m in model.modules()
             if isinstance(m, FSDPModule) and state_of(m).shard_group is not None
-            for st in state_of(m).shard_group.stores]
+            for store in state_of(m).shard_group.stores]
 
 
 def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: list):  # noqa: ANN202

@@ -31,8 +31,8 @@ __all__ = ["RedistributeHandle", "check_same_on_all_ranks", "redistribute", "tra
 # output sorted by peer are also sorted by position: an output is a single view (of an
 # input or of the receive buffer) when one source covers it, else one torch.cat.
 # Nothing crosses ranks iff src[i] == dst[i] for every i: if two boundary lists differ
-# at position k, say b_src[k] < b_dst[k], the element b_src[k] has src owner >= k and
-# dst owner < k. So equal layouts are the only case without a collective.
+# at position k, say b_src[k] < b_dst[k], the element b_src[k] is held by a src rank
+# >= k and by a dst rank < k. So equal layouts are the only case without a collective.
 
 
 class _Piece(NamedTuple):
