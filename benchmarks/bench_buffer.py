@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vefsdp_optim.comm import DistributedBuffer
-from vefsdp_optim.sharding import TensorSpec, plan_group
+from vefsdp_optim.sharding import TensorSpec, plan_buffer
 
 from ._common import (
     cli,
@@ -107,7 +107,7 @@ def _nbytes(tensors) -> int:
 
 
 def _setup_ours(group, rank: int, w: int, full: dict[str, torch.Tensor], device: str):
-    plan = plan_group([TensorSpec(n, s) for n, s in SHAPES.items()], w)
+    plan = plan_buffer([TensorSpec(n, s) for n, s in SHAPES.items()], w)
     buf = DistributedBuffer(plan, group, dtype=torch.float32, device=device)
     for name, t in full.items():
         start, n = buf.local_extent(name)

@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 
-from vefsdp_optim.sharding import TensorSpec, fsdp2_row_padding, plan_group
+from vefsdp_optim.sharding import TensorSpec, fsdp2_row_padding, plan_buffer
 from vefsdp_optim.sharding._planner import _plan_cached
 
 from ._common import cli, result, stats
@@ -37,7 +37,7 @@ def _time_plan(specs: list[TensorSpec], w: int, repeats: int):
     for _ in range(repeats):
         _plan_cached.cache_clear()
         t0 = time.perf_counter()
-        plan = plan_group(specs, w, ALIGN)
+        plan = plan_buffer(specs, w, ALIGN)
         times.append(time.perf_counter() - t0)
     return plan, statistics.median(times)
 
@@ -83,7 +83,7 @@ def bench_model(repeats: int) -> list[dict]:
         for _ in range(repeats):
             _plan_cached.cache_clear()
             t0 = time.perf_counter()
-            plans = [plan_group(s, MODEL_WORLD, ALIGN) for s in spec_groups]
+            plans = [plan_buffer(s, MODEL_WORLD, ALIGN) for s in spec_groups]
             times.append(time.perf_counter() - t0)
             pad = sum(p.padding for p in plans)
             total = sum(p.total_numel for p in plans)

@@ -3,7 +3,7 @@
     python -m benchmarks.scale_model [--quick|--full] [--out benchmarks/out/scale_model.json]
 
 Nothing here runs at scale: per-step bytes, padding and Newton-Schulz flops are counted
-exactly from the plans ``plan_group`` makes for the 82 fully_shard groups of
+exactly from the plans ``plan_buffer`` makes for the 82 fully_shard groups of
 LLaMA-3-70B (``model_shapes.llama3_70b_model``) and from FSDP2's ``Shard(0)`` layout;
 times are those counts divided by per-byte and per-flop rates, either the rates of a
 stated reference cluster (``CLUSTER``: assumptions) or the rates measured on this
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.sharding import RaggedShard, TensorSpec, plan_group
+from vefsdp_optim.sharding import RaggedShard, TensorSpec, plan_buffer
 
 from ._common import cli, current_device, result, spawn, stats, synchronize
 from .model_shapes import ParamShape, llama3_70b_model, unit_for
@@ -87,7 +87,7 @@ def _plan_counts(groups: list[list[ParamShape]], s: int) -> dict[str, Any]:
     for opt, kind in OPTIMIZERS.items():
         m = pad = 0
         for g in groups:
-            plan = plan_group([TensorSpec(p.name, p.shape, unit_for(p, kind)) for p in g], s, ALIGN)
+            plan = plan_buffer([TensorSpec(p.name, p.shape, unit_for(p, kind)) for p in g], s, ALIGN)
             m += plan.shard_size
             pad += plan.padding
         out[opt] = {"m": m, "padding": pad}
@@ -114,7 +114,7 @@ def _exchange_counts(groups: list[list[ParamShape]], s: int) -> dict[str, Any]:
 
     layouts, flops = [], []
     for g in groups:
-        plan = plan_group([TensorSpec(p.name, p.shape, 1) for p in g], s, ALIGN)
+        plan = plan_buffer([TensorSpec(p.name, p.shape, 1) for p in g], s, ALIGN)
         for p in g:
             if p.matrix:
                 layouts.append(plan.layout(p.name))

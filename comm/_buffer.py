@@ -1,6 +1,6 @@
 """DistributedBuffer: a set of tensors of one dtype in one flat sharded buffer.
 
-The layout comes from a ``GroupPlan``: rank r holds elements ``[r*m, (r+1)*m)`` of a
+The layout comes from a ``BufferPlan``: rank r holds elements ``[r*m, (r+1)*m)`` of a
 W * m buffer. Parameters are all-gathered and gradients reduce-scattered with one
 collective each, straight between the flat buffers; every per-tensor tensor handed out
 is a view ([Note: zero-copy views]).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.sharding import GroupPlan
+from vefsdp_optim.sharding import BufferPlan
 
 from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, reduce_scatter_flat
 
@@ -45,7 +45,7 @@ class DistributedBuffer:
     with different plans raise ValueError instead of hanging in the first collective.
     """
 
-    plan: GroupPlan
+    plan: BufferPlan
     process_group: dist.ProcessGroup | None
     rank: int
     world_size: int
@@ -56,7 +56,7 @@ class DistributedBuffer:
 
     def __init__(
         self,
-        plan: GroupPlan,
+        plan: BufferPlan,
         process_group: dist.ProcessGroup | None,
         *,
         dtype: torch.dtype,
@@ -64,8 +64,8 @@ class DistributedBuffer:
         rank: int | None = None,
         validate: bool = True,
     ) -> None:
-        if not isinstance(plan, GroupPlan):
-            raise TypeError(f"plan must be a GroupPlan, got {type(plan).__name__}")
+        if not isinstance(plan, BufferPlan):
+            raise TypeError(f"plan must be a BufferPlan, got {type(plan).__name__}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.sharding import GroupPlan
+from vefsdp_optim.sharding import BufferPlan
 
 __all__ = [
     "FlatWork",
@@ -135,24 +135,24 @@ def reduce_scatter_flat(
 # reference's sum / W, costs one pass over m elements and allocates nothing.
 
 
-def check_plan_consistent(plan: GroupPlan, group: dist.ProcessGroup | None) -> None:
-    """Raise ValueError on every rank if the ranks of ``group`` hold different plans.
+def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | None) -> None:
+    """Raise ValueError on every rank if the ranks of ``process_group`` hold different plans.
 
     Gathers each rank's ``(plan fingerprint, plan.world_size)`` with one
     ``all_gather_object`` and compares on every rank, so that a mismatch raises
     everywhere instead of hanging the first collective on a wrongly sized buffer.
-    ``group=None`` or a single-rank group: only the plan's world size is checked.
+    ``process_group=None`` or a single-rank process group: only the plan's world size is checked.
     """
-    if not isinstance(plan, GroupPlan):
-        raise TypeError(f"plan must be a GroupPlan, got {type(plan).__name__}")
-    w = 1 if group is None else group.size()
+    if not isinstance(plan, BufferPlan):
+        raise TypeError(f"plan must be a BufferPlan, got {type(plan).__name__}")
+    w = 1 if process_group is None else process_group.size()
     if w == 1:
         if plan.world_size != 1:
-            raise ValueError(f"plan is for {plan.world_size} ranks but the group has 1 rank")
+            raise ValueError(f"plan is for {plan.world_size} ranks but the process group has 1 rank")
         return
     mine = (plan.fingerprint()[:16], plan.world_size)
     gathered: list[tuple[str, int] | None] = [None] * w
-    dist.all_gather_object(gathered, mine, group=group)
+    dist.all_gather_object(gathered, mine, group=process_group)
     if any(g is None for g in gathered):  # pragma: no cover - all_gather_object fills all
         raise AssertionError(f"all_gather_object left holes: {gathered}")
     by_fp = Counter(gathered)
@@ -162,8 +162,8 @@ def check_plan_consistent(plan: GroupPlan, group: dist.ProcessGroup | None) -> N
         bad = [r for r, g in enumerate(gathered) if g != ref]
         detail = ", ".join(f"rank {r}: {gathered[r][0]} (W={gathered[r][1]})" for r in bad)
         raise ValueError(
-            f"GroupPlan differs across the {w} ranks of the group: ranks {bad} hold a plan other "
+            f"BufferPlan differs across the {w} ranks of the process_group: ranks {bad} hold a plan other "
             f"than the one of ranks {[r for r in range(w) if r not in bad]} "
             f"({ref[0]}, W={ref[1]}); {detail}")
     if plan.world_size != w:
-        raise ValueError(f"plan is for {plan.world_size} ranks but the group has {w} ranks")
+        raise ValueError(f"plan is for {plan.world_size} ranks but the process group has {w} ranks")

@@ -197,7 +197,7 @@ def redistribute(
     locals: Sequence[torch.Tensor],
     src: Sequence[RaggedShard],
     dst: Sequence[RaggedShard],
-    group: dist.ProcessGroup | None,
+    process_group: dist.ProcessGroup | None,
     *,
     async_op: bool = False,
 ) -> list[torch.Tensor] | RedistributeHandle:
@@ -205,8 +205,8 @@ def redistribute(
 
     ``locals[i]`` is this rank's 1-D slice of tensor i under ``src[i]``; the result's
     entry i is its slice under ``dst[i]``. All tensors move in one
-    ``all_to_all_single`` on ``group`` (none when nothing crosses ranks or the group
-    has one rank; ``group`` may be None only then). All locals share one dtype and
+    ``all_to_all_single`` on ``process_group`` (none when nothing crosses ranks or the
+    process group has one rank; it may be None only then). All locals share one dtype and
     device. Outputs may be views of the inputs (pieces that stay on this rank) or of one
     receive buffer, so write to them only when that is intended. Every rank must pass
     the same layouts: see :func:`check_same_on_all_ranks`. With ``async_op=True`` the
@@ -218,28 +218,28 @@ def redistribute(
         raise ValueError(f"got {len(locals)} local tensors for {len(src)} layouts")
     if not locals:
         return RedistributeHandle(None, (), list) if async_op else []
-    if group is None:
+    if process_group is None:
         if w != 1:
             raise ValueError(f"layouts over {w} ranks need a process group, got None")
         rank = 0
     else:
-        if group.size() != w:
-            raise ValueError(f"layouts have {w} ranks but the group has {group.size()}")
-        rank = dist.get_rank(group)
+        if process_group.size() != w:
+            raise ValueError(f"layouts have {w} ranks but the process group has {process_group.size()}")
+        rank = dist.get_rank(process_group)
     _check_locals(locals, src, rank)
 
     if w == 1 or src == dst:
         out = [t[:] for t in locals]
         return RedistributeHandle(None, (), lambda: out) if async_op else out
     if any(isinstance(lay, BoxShard) for lay in (*src, *dst)):
-        return _redistribute_boxes(locals, src, dst, group, rank, w, async_op)
+        return _redistribute_boxes(locals, src, dst, process_group, rank, w, async_op)
 
     plan = _ragged_plan(src, dst, rank)
     ref = locals[0]
     send_buf = torch.cat([locals[i][lo:hi] for i, lo, hi in plan.send]) if plan.send else ref.new_empty(0)
     recv_buf = ref.new_empty(plan.recv_numel)
     work = dist.all_to_all_single(
-        recv_buf, send_buf, list(plan.recv_counts), list(plan.send_counts), group=group, async_op=async_op
+        recv_buf, send_buf, list(plan.recv_counts), list(plan.send_counts), group=process_group, async_op=async_op
     )
 
     def finish() -> list[torch.Tensor]:
@@ -331,7 +331,7 @@ def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, 
 
 
 def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
-                        dst: Sequence[RaggedShard | BoxShard], group: dist.ProcessGroup, rank: int,
+                        dst: Sequence[RaggedShard | BoxShard], process_group: dist.ProcessGroup, rank: int,
                         w: int, async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
     """:func:`redistribute` where a layout is a BoxShard ([Note: box exchange])."""
     ref = locals[0]
@@ -348,7 +348,7 @@ def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | 
             recv_counts[p] += _count(s, d, p, rank)
     send_buf = torch.cat(send_pieces) if send_pieces else ref.new_empty(0)
     recv_buf = ref.new_empty(sum(recv_counts))
-    work = dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts, group=group,
+    work = dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts, group=process_group,
                                   async_op=async_op)
 
     def finish() -> list[torch.Tensor]:
@@ -395,22 +395,22 @@ def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: 
             )
 
 
-def check_same_on_all_ranks(obj_fingerprint: str, group: dist.ProcessGroup | None) -> None:
-    """Raise ValueError on every rank unless all ranks of ``group`` pass the same string.
+def check_same_on_all_ranks(obj_fingerprint: str, process_group: dist.ProcessGroup | None) -> None:
+    """Raise ValueError on every rank unless all ranks of ``process_group`` pass the same string.
 
     Run once before the first collective on layouts or plans (e.g. with
-    ``GroupPlan.fingerprint()``): a mismatch then raises here instead of hanging or
-    exchanging wrong data later. A no-op when ``group`` is None (one rank).
+    ``BufferPlan.fingerprint()``): a mismatch then raises here instead of hanging or
+    exchanging wrong data later. A no-op when ``process_group`` is None (one rank).
     """
     if not isinstance(obj_fingerprint, str):
         raise TypeError(f"obj_fingerprint must be a str, got {type(obj_fingerprint).__name__}")
-    if group is None:
+    if process_group is None:
         return
-    gathered: list[object] = [None] * group.size()
-    dist.all_gather_object(gathered, obj_fingerprint, group=group)
+    gathered: list[object] = [None] * process_group.size()
+    dist.all_gather_object(gathered, obj_fingerprint, group=process_group)
     if any(g != gathered[0] for g in gathered):
         by_value: dict[str, list[int]] = {}
         for r, g in enumerate(gathered):
             by_value.setdefault(str(g), []).append(r)
         detail = "; ".join(f"ranks {rs}: {v[:80]!r}" for v, rs in by_value.items())
-        raise ValueError(f"ranks disagree on the fingerprint (group ranks {group.size()}): {detail}")
+        raise ValueError(f"ranks disagree on the fingerprint ({process_group.size()} ranks): {detail}")

@@ -5,7 +5,7 @@ so every rank computes the same one on its own.
 """
 
 from ._box import Box, BoxShard
-from ._planner import GroupPlan, TensorSpec, fsdp2_row_padding, padding_lower_bound, plan_group
+from ._planner import BufferPlan, TensorSpec, fsdp2_row_padding, padding_lower_bound, plan_buffer
 from ._ragged import RaggedShard
 from ._requirement import (
     Elementwise,
@@ -27,8 +27,8 @@ __all__ = [
     "BoxShard",
     "Box",
     "TensorSpec",
-    "GroupPlan",
-    "plan_group",
+    "BufferPlan",
+    "plan_buffer",
     "padding_lower_bound",
     "fsdp2_row_padding",
 ]

@@ -1,4 +1,4 @@
-"""Structure-aware planner: place a group's tensors in one flat W * m buffer.
+"""Structure-aware planner: place a set of tensors in one flat W * m buffer.
 
 Every rank holds ``m`` consecutive elements of the buffer (``m`` a multiple of
 ``align``, equal on every rank). Each rank boundary ``k * m`` that falls strictly inside
@@ -18,12 +18,12 @@ from functools import lru_cache
 from ._ragged import RaggedShard, _check_world
 from ._requirement import _check_positive_int, check_shape, is_legal_cut
 
-__all__ = ["TensorSpec", "GroupPlan", "plan_group", "padding_lower_bound", "fsdp2_row_padding"]
+__all__ = ["TensorSpec", "BufferPlan", "plan_buffer", "padding_lower_bound", "fsdp2_row_padding"]
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One tensor of a group: a unique name, its shape and its unit (>= 1).
+    """One tensor of a buffer plan: a unique name, its shape and its unit (>= 1).
 
     A unit larger than numel means "the whole tensor" and is clamped to numel. A 0-d
     tensor is planned as shape ``(1,)``; shapes with zero elements are rejected.
@@ -54,8 +54,8 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupPlan:
-    """Where each tensor of a group lives in the group's flat W * m buffer."""
+class BufferPlan:
+    """Where each tensor lives in one flat W * m buffer (a fully_shard store's)."""
 
     world_size: int
     shard_size: int  # m: elements per rank, a multiple of align
@@ -147,9 +147,9 @@ def _check_specs(specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
     seen: set[str] = set()
     for s in specs:
         if not isinstance(s, TensorSpec):
-            raise TypeError(f"plan_group takes TensorSpec objects, got {s!r}")
+            raise TypeError(f"plan_buffer takes TensorSpec objects, got {s!r}")
         if s.name in seen:
-            raise ValueError(f"duplicate tensor name {s.name!r} in group")
+            raise ValueError(f"duplicate tensor name {s.name!r} in one buffer plan")
         seen.add(s.name)
     return specs
 
@@ -194,15 +194,15 @@ def fsdp2_row_padding(shapes: Iterable[Sequence[int]], world_size: int) -> int:
 #      any number of ranks;
 #   2. for each m tries a few orders: coarse units first (fine tensors then fill the
 #      tail), largest first, and the given order (so it is never worse than that);
-#      for small groups also each of those with one tensor moved to the front;
+#      for few tensors also each of those with one tensor moved to the front;
 #   3. when a tensor must be pushed forward to reach a legal cut, first fills the gap
 #      with the largest remaining tensors that fit it (fine-grained ones, usually);
 #   4. then tries a dynamic order: at each position, the remaining tensor that wastes
 #      the least (earliest legal offset minus position), coarse or large ones on ties.
 #      It packs whole tensors next to the pieces of splittable ones that fill a rank.
 # The first m with a placement wins: padding W * m - N grows with m. Work per m is
-# O(k^3) for k tensors in a small group, O(k^2) beyond _ROTATE_MAX, and the dynamic
-# order is skipped beyond _GREEDY_MAX tensors, so big groups stay fast.
+# O(k^3) for k tensors in a small plan, O(k^2) beyond _ROTATE_MAX, and the dynamic
+# order is skipped beyond _GREEDY_MAX tensors, so big plans stay fast.
 
 _ROTATE_MAX = 16
 _GREEDY_MAX = 64
@@ -316,8 +316,8 @@ def _candidate_ms(m0: int, align: int, units: Sequence[int], linear: int = 64) -
                 yield mm
 
 
-def plan_group(specs: Iterable[TensorSpec], world_size: int, align: int = 1) -> GroupPlan:
-    """Plan one group: order and offsets of its tensors in a W * m buffer.
+def plan_buffer(specs: Iterable[TensorSpec], world_size: int, align: int = 1) -> BufferPlan:
+    """Plan one buffer: order and offsets of its tensors in a W * m buffer.
 
     Deterministic: the same arguments give the same plan on every rank and every run.
     """
@@ -328,9 +328,9 @@ def plan_group(specs: Iterable[TensorSpec], world_size: int, align: int = 1) -> 
 
 
 @lru_cache(maxsize=4096)
-def _plan_cached(specs: tuple[TensorSpec, ...], w: int, align: int) -> GroupPlan:
+def _plan_cached(specs: tuple[TensorSpec, ...], w: int, align: int) -> BufferPlan:
     if not specs:
-        return GroupPlan(w, 0, align, (), ())
+        return BufferPlan(w, 0, align, (), ())
     sizes = [s.numel for s in specs]
     units = [s.effective_unit for s in specs]
     n = sum(sizes)
@@ -354,10 +354,10 @@ def _plan_cached(specs: tuple[TensorSpec, ...], w: int, align: int) -> GroupPlan
         for order in orders:
             offsets = _place(order, sizes, units, m, w * m)
             if offsets is not None:
-                return GroupPlan(w, m, align, specs, tuple(offsets))
+                return BufferPlan(w, m, align, specs, tuple(offsets))
         if k <= _GREEDY_MAX:
             for key in keys:
                 offsets = _place_dynamic(sizes, units, key, m, w * m)
                 if offsets is not None:
-                    return GroupPlan(w, m, align, specs, tuple(offsets))
+                    return BufferPlan(w, m, align, specs, tuple(offsets))
     raise AssertionError("unreachable: m >= N always admits a plan")  # pragma: no cover

@@ -9,7 +9,7 @@ from dist_utils import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vefsdp_optim.comm import DistributedBuffer, check_plan_consistent, reduce_scatter_flat
-from vefsdp_optim.sharding import TensorSpec, plan_group
+from vefsdp_optim.sharding import TensorSpec, plan_buffer
 
 # uneven shapes, several units: row bands, whole matrices, flat blocks, elementwise
 SPECS = (
@@ -73,7 +73,7 @@ def _buffer_checks(align: int) -> dict[str, object]:
     """Everything that needs W ranks, in one job per world size."""
     group = dist.group.WORLD
     w, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = plan_group(SPECS, w, align=align)
+    plan = plan_buffer(SPECS, w, align=align)
     buf = DistributedBuffer(plan, group, dtype=torch.float32)
     m = plan.shard_size
     assert (buf.rank, buf.world_size, buf.local.shape) == (rank, w, (m,))
@@ -211,11 +211,11 @@ def _mismatch_checks(bad_rank: int) -> list[str]:
         specs[1] = TensorSpec("b1", (36,))
     msgs = []
     try:
-        DistributedBuffer(plan_group(specs, w), group, dtype=torch.float32)
+        DistributedBuffer(plan_buffer(specs, w), group, dtype=torch.float32)
     except ValueError as e:
         msgs.append(str(e))
     try:  # a plan for the wrong world size, on every rank
-        check_plan_consistent(plan_group(SPECS, w + 1), group)
+        check_plan_consistent(plan_buffer(SPECS, w + 1), group)
     except ValueError as e:
         msgs.append(str(e))
     t = torch.ones(1)
@@ -230,7 +230,7 @@ def test_mismatched_plans_raise(world_size: int, bad_rank: int) -> None:
     for msgs in results:
         assert len(msgs) == 3, msgs
         assert f"ranks [{bad_rank}] hold a plan other" in msgs[0]
-        assert f"plan is for {world_size + 1} ranks but the group has {world_size}" in msgs[1]
+        assert f"plan is for {world_size + 1} ranks but the process group has {world_size}" in msgs[1]
         assert msgs[2] == str(world_size)
 
 
@@ -238,7 +238,7 @@ def test_mismatched_plans_raise(world_size: int, bad_rank: int) -> None:
 
 
 def test_single_process_group_none_aliases_local() -> None:
-    plan = plan_group(SPECS, 1)
+    plan = plan_buffer(SPECS, 1)
     buf = DistributedBuffer(plan, None, dtype=torch.float64)
     ref = _reference(3, torch.float64)
     _fill_local(buf, ref)
@@ -254,7 +254,7 @@ def test_single_process_group_none_aliases_local() -> None:
 
 
 def test_detached_buffer_local_only() -> None:
-    plan = plan_group(SPECS, 3)
+    plan = plan_buffer(SPECS, 3)
     buf = DistributedBuffer(plan, None, dtype=torch.float32, rank=2)
     assert buf.world_size == 3 and buf.local.shape == (plan.shard_size,)
     for s in SPECS:
@@ -267,10 +267,10 @@ def test_detached_buffer_local_only() -> None:
 
 
 def test_bad_arguments() -> None:
-    plan1, plan3 = plan_group(SPECS, 1), plan_group(SPECS, 3)
+    plan1, plan3 = plan_buffer(SPECS, 1), plan_buffer(SPECS, 3)
     with pytest.raises(ValueError, match="plan for 1 rank"):
         DistributedBuffer(plan3, None, dtype=torch.float32)
-    with pytest.raises(TypeError, match="GroupPlan"):
+    with pytest.raises(TypeError, match="BufferPlan"):
         DistributedBuffer(SPECS, None, dtype=torch.float32)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="dtype"):
         DistributedBuffer(plan1, None, dtype="float32")  # type: ignore[arg-type]

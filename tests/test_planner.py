@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vefsdp_optim.sharding import (
-    GroupPlan,
+    BufferPlan,
     RaggedShard,
     TensorSpec,
     fsdp2_row_padding,
     padding_lower_bound,
-    plan_group,
+    plan_buffer,
 )
 
 # -- independent reference -------------------------------------------------------------
@@ -49,7 +49,7 @@ def _legal_offset(o: int, n: int, u: int, m: int) -> bool:
     return True
 
 
-def _check_plan(plan: GroupPlan, specs: list[TensorSpec], w: int, align: int) -> None:
+def _check_plan(plan: BufferPlan, specs: list[TensorSpec], w: int, align: int) -> None:
     m = plan.shard_size
     assert plan.world_size == w
     assert m % align == 0 and m >= 1
@@ -119,9 +119,9 @@ _WORLDS = st.one_of(st.integers(1, 64), st.sampled_from([127, 1000, 1024]))
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=_groups(), w=_WORLDS, align=st.sampled_from([1, 2, 4, 16, 3]))
 def test_plan_invariants(specs, w, align):
-    plan = plan_group(specs, w, align)
+    plan = plan_buffer(specs, w, align)
     _check_plan(plan, specs, w, align)
-    again = plan_group(list(specs), w, align)
+    again = plan_buffer(list(specs), w, align)
     assert again == plan and again.fingerprint() == plan.fingerprint()
 
 
@@ -131,25 +131,25 @@ def test_plan_elementwise_meets_bound(specs, w):
     """With unit 1 everywhere only alignment can force padding: the lower bound is met."""
     specs = [TensorSpec(s.name, s.shape, 1) for s in specs]
     for align in (1, 4, 16):
-        plan = plan_group(specs, w, align)
+        plan = plan_buffer(specs, w, align)
         assert plan.padding == padding_lower_bound(specs, w, align)
         n = sum(s.numel for s in specs)
         assert plan.shard_size == _round_up(_ceil_div(n, w), align)
 
 
 _FINGERPRINT_SCRIPT = """
-from vefsdp_optim.sharding import TensorSpec, plan_group
+from vefsdp_optim.sharding import TensorSpec, plan_buffer
 specs = [TensorSpec("a", (37, 5), 10), TensorSpec("b", (64,), 64), TensorSpec("c", (3, 7, 2), 1),
          TensorSpec("d", (129,), 16), TensorSpec("e", (11, 11), 121)]
 for w, align in ((3, 1), (7, 4), (1000, 16)):
-    print(plan_group(specs, w, align).fingerprint())
+    print(plan_buffer(specs, w, align).fingerprint())
 """
 
 
 def test_fingerprint_stable_across_processes():
     specs = [TensorSpec("a", (37, 5), 10), TensorSpec("b", (64,), 64), TensorSpec("c", (3, 7, 2), 1),
              TensorSpec("d", (129,), 16), TensorSpec("e", (11, 11), 121)]
-    here = [plan_group(specs, w, a).fingerprint() for w, a in ((3, 1), (7, 4), (1000, 16))]
+    here = [plan_buffer(specs, w, a).fingerprint() for w, a in ((3, 1), (7, 4), (1000, 16))]
     out = subprocess.run([sys.executable, "-c", _FINGERPRINT_SCRIPT], capture_output=True,
                          text=True, check=True, env={"PYTHONHASHSEED": "123"})
     assert out.stdout.split() == here
@@ -158,18 +158,18 @@ def test_fingerprint_stable_across_processes():
 
 def test_plan_examples():
     # A whole 8x8 matrix (unit 64) and a 64-element vector on 2 ranks: one each, no pad.
-    plan = plan_group([TensorSpec("v", (64,)), TensorSpec("w", (8, 8), 64)], 2)
+    plan = plan_buffer([TensorSpec("v", (64,)), TensorSpec("w", (8, 8), 64)], 2)
     assert plan.shard_size == 64 and plan.padding == 0
     assert plan.layout("w").numel in [n for _, n in plan.layout("w").extents]  # whole on one rank
     # Three whole 10-element tensors on 2 ranks: some rank holds two, m = 20.
     specs = [TensorSpec(n, (10,), 10) for n in "abc"]
-    plan = plan_group(specs, 2)
+    plan = plan_buffer(specs, 2)
     assert plan.shard_size == 20 and plan.padding == 10
     # W = 1: everything on rank 0, padding only from align.
-    plan = plan_group([TensorSpec("a", (5, 3), 15), TensorSpec("b", (7,))], 1, 4)
+    plan = plan_buffer([TensorSpec("a", (5, 3), 15), TensorSpec("b", (7,))], 1, 4)
     assert plan.shard_size == 24 and plan.padding == 2
     # Empty group.
-    plan = plan_group([], 4)
+    plan = plan_buffer([], 4)
     assert plan.shard_size == 0 and plan.padding == 0 and plan.offsets == {}
 
 
@@ -320,7 +320,7 @@ def test_heuristic_near_optimal():
         specs, w, align = _random_instance(rng)
         sizes = [s.numel for s in specs]
         units = [s.unit for s in specs]
-        plan = plan_group(specs, w, align)
+        plan = plan_buffer(specs, w, align)
         _check_plan(plan, specs, w, align)
         m_opt = _optimal_m(sizes, units, w, align)
         m_given = _given_order_m(sizes, units, w, align)
@@ -362,36 +362,36 @@ def test_tensor_spec_rejects(args, exc, text):
     assert text in str(info.value)
 
 
-def test_plan_group_rejects():
+def test_plan_buffer_rejects():
     a, b = TensorSpec("a", (4,)), TensorSpec("b", (4,))
     with pytest.raises(ValueError, match="'a'"):
-        plan_group([a, TensorSpec("a", (5,))], 2)
+        plan_buffer([a, TensorSpec("a", (5,))], 2)
     with pytest.raises(ValueError, match="0"):
-        plan_group([a, b], 0)
+        plan_buffer([a, b], 0)
     with pytest.raises(TypeError, match="2.0"):
-        plan_group([a, b], 2.0)
+        plan_buffer([a, b], 2.0)
     with pytest.raises(TypeError, match="True"):
-        plan_group([a, b], True)
+        plan_buffer([a, b], True)
     with pytest.raises(ValueError, match="align must be >= 1, got 0"):
-        plan_group([a, b], 2, 0)
+        plan_buffer([a, b], 2, 0)
     with pytest.raises(TypeError, match="align"):
-        plan_group([a, b], 2, 1.5)
+        plan_buffer([a, b], 2, 1.5)
     with pytest.raises(TypeError, match="\\(4,\\)"):
-        plan_group([a, (4,)], 2)
+        plan_buffer([a, (4,)], 2)
     with pytest.raises(ValueError, match="-3"):
         padding_lower_bound([a], -3)
     with pytest.raises(TypeError, match="x"):
         fsdp2_row_padding([("x",)], 2)
     with pytest.raises(KeyError, match="'zz'"):
-        plan_group([a], 2).layout("zz")
+        plan_buffer([a], 2).layout("zz")
 
 
 def test_plan_is_frozen():
-    plan = plan_group([TensorSpec("a", (4,))], 2)
+    plan = plan_buffer([TensorSpec("a", (4,))], 2)
     with pytest.raises(AttributeError):
         plan.shard_size = 3  # type: ignore[misc]
     # A plan whose offsets break a legal cut is refused at construction.
     spec = TensorSpec("a", (4, 4), 8)
     with pytest.raises(AssertionError, match="'a'"):
-        GroupPlan(2, 8, 1, (spec,), (4,))
-    assert GroupPlan(2, 8, 1, (spec,), (0,)).layout("a") == RaggedShard(((0, 8), (8, 8)))
+        BufferPlan(2, 8, 1, (spec,), (4,))
+    assert BufferPlan(2, 8, 1, (spec,), (0,)).layout("a") == RaggedShard(((0, 8), (8, 8)))

@@ -19,7 +19,7 @@ import torch
 
 from vefsdp_optim._flat_store import StoreReplan, state_holders_with
 from vefsdp_optim.comm import all_gather_flat
-from vefsdp_optim.sharding import GroupPlan, plan_group
+from vefsdp_optim.sharding import BufferPlan, plan_buffer
 
 from ._sharded_tensor import ShardedParameter
 
@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 __all__ = ["ReplanDecision", "plan_replan", "move_store"]
 
 
-def _acceptable(new: GroupPlan, old: GroupPlan) -> bool:
+def _acceptable(new: BufferPlan, old: BufferPlan) -> bool:
     """Padding rule: new <= max(1% of the store's numel, old padding + W * align)."""
     return new.padding <= max(new.total_numel // 100, old.padding + old.world_size * old.align)
 
 
-def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[GroupPlan, dict[str, int], list[tuple[str, int]]]:
+def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[BufferPlan, dict[str, int], list[tuple[str, int]]]:
     """The plan with as many wanted units as the padding rule allows (largest dropped first)."""
     old = store.plan
     w = store.settings.world_size
@@ -42,7 +42,7 @@ def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[GroupPlan, dic
     refused: list[tuple[str, int]] = []
     order = sorted(wanted, key=lambda n: (-wanted[n], n))  # deterministic on every rank
     while True:
-        plan = plan_group(store.specs(units), w, align=old.align)
+        plan = plan_buffer(store.specs(units), w, align=old.align)
         if _acceptable(plan, old) or not order:
             if not _acceptable(plan, old):
                 raise AssertionError(f"the old units gave an unacceptable plan: {plan.padding} vs {old.padding}")
@@ -57,7 +57,7 @@ class ReplanDecision(NamedTuple):
     the store into, None when nothing moves."""
 
     report: StoreReplan | None
-    plan: GroupPlan | None
+    plan: BufferPlan | None
     units: dict[str, int]
 
 
@@ -96,7 +96,7 @@ def plan_replan(store: DtypeStore, units: Mapping[torch.Tensor, int],
                           plan, new_units)
 
 
-def move_store(store: DtypeStore, units: dict[str, int], plan: GroupPlan) -> None:
+def move_store(store: DtypeStore, units: dict[str, int], plan: BufferPlan) -> None:
     """Gather the old master buffer (and gradients) once; rebuild the store's buffers on
     ``plan``. Collective over the store's process group; the store must be resharded,
     with no unreduced gradients (its shard group sees to it)."""

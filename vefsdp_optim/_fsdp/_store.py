@@ -27,7 +27,7 @@ from vefsdp_optim._torch_compat import (
     unsafe_preserve_version_counter,
 )
 from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
-from vefsdp_optim.sharding import GroupPlan, RaggedShard, TensorSpec, plan_group
+from vefsdp_optim.sharding import BufferPlan, RaggedShard, TensorSpec, plan_buffer
 
 from ._param import ManagedParam
 
@@ -152,7 +152,7 @@ class DtypeStore:
     re-plan (``StoreBinding``, [Note: store and shard group]).
     """
 
-    plan: GroupPlan
+    plan: BufferPlan
     params: list[ManagedParam]
     master: DistributedBuffer  # original dtype; sharded params view master.local
     compute: DistributedBuffer  # param_dtype (is master without mixed precision)
@@ -177,7 +177,7 @@ class DtypeStore:
         return [TensorSpec(p.fqn, tuple(p.shape) or (1,), units.get(p.fqn, 1)) for p in self.params]
 
     def build(self, units: dict[str, int], data: dict[str, torch.Tensor], validate: bool,
-              plan: GroupPlan | None = None) -> None:
+              plan: BufferPlan | None = None) -> None:
         """(Re)create the buffers for ``units`` and fill the local shard from ``data``.
 
         ``data[fqn]`` is the whole tensor (any shape, flattened here). The same
@@ -186,7 +186,7 @@ class DtypeStore:
         settings = self.settings
         w = settings.world_size
         self.units = dict(units)
-        self.plan = plan if plan is not None else plan_group(self.specs(units), w, align=ALIGN)
+        self.plan = plan if plan is not None else plan_buffer(self.specs(units), w, align=ALIGN)
         process_group = settings.process_group if w > 1 else None
         rank = settings.rank if process_group is not None else 0
         self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype, device=settings.device,
@@ -248,7 +248,7 @@ class DtypeStore:
             specs = [TensorSpec(p.fqn, (p.tp.boxes.boxes[j].sizes if p.tp is not None and p.tp.boxes is not None
                                         else tuple(p.shape)) or (1,), units.get(p.fqn, 1))
                      for p in self.params]
-            plan = plan_group(specs, self.settings.world_size, align=ALIGN)
+            plan = plan_buffer(specs, self.settings.world_size, align=ALIGN)
             if j == tps[0].tp.tp_rank and plan.fingerprint() != self.plan.fingerprint():
                 raise AssertionError("the plan of this tp coordinate differs from the store's plan")
             for p in tps:
