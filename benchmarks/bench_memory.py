@@ -26,8 +26,9 @@ is in the process while it is measured:
 - *RSS*: the process's RSS high-water mark (``ru_maxrss``) at the end of those steps
   minus its RSS (``/proc/self/statm``) just before the model is built (torch, the
   process group, the data and the initial weights already there), max over ranks. It
-  also counts what the C allocator holds beyond the live tensors (freed memory not
-  returned to the system, per-thread arenas) and Python objects.
+  also counts what glibc's allocator keeps of freed memory, Python objects, and the
+  buffers a collective allocates inside gloo, which the live bytes do not see
+  ([Note: RSS and the allocator]).
 - *breakdown* at a steady-state step's peak, by what holds each live storage at that
   moment: ``params`` (sharded parameters), ``grads`` (sharded gradients, ours also
   while a reduce-scatter is writing them), ``opt``
@@ -236,6 +237,22 @@ def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: l
 
 # -- ranks ------------------------------------------------------------------------------------
 
+# [Note: RSS and the allocator]
+# With glibc's defaults the RSS high-water mark is 2.5-8x the live peak for both systems:
+# freeing a block above the mmap threshold raises the threshold (up to 32 MiB), so later
+# blocks of a few MiB come from the heap and stay resident after they are freed. Which
+# freed blocks stay depends on the order of allocations, so the RSS ratio moves by up
+# to 0.1 between runs of the same code. Run with MALLOC_MMAP_THRESHOLD_=65536
+# MALLOC_TRIM_THRESHOLD_=0 (the ranks inherit the environment; the notes list it) and
+# every freed block of 64 KiB or more goes back to the system: the RSS then follows the
+# bytes in use, the live peak plus what the live bytes do not see. One of those is
+# gloo's reduce-scatter, which runs as an all-reduce of a clone of its W*m input, the
+# clone held by the Work until it is dropped: FSDP2 waits for its reduce-scatter at
+# once on the CPU, fully_shard overlaps it with the next group's backward ([Note: async
+# reduce-scatter] in vefsdp_optim/_fsdp/_store.py), so one block's clone more is
+# resident during that backward (gpt768, W=2: RSS 1.07x FSDP2's under those settings,
+# live bytes 1.00x).
+
 def _rss_now() -> int:
     """This process's resident set size in bytes (Linux), else its high-water mark."""
     try:
@@ -396,6 +413,9 @@ def run(quick: bool = True, models: tuple[str, ...] = tuple(MODELS),
         "the RSS just before the build; both max over ranks; breakdown (rank 0) at a steady-state step's "
         "peak; persistent = live after the build",
         "the machine is shared: absolute times are noisy, read the ratios",
+        "allocator environment of the ranks: " + (", ".join(
+            f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("MALLOC_", "GLIBC_TUNABLES")))
+            or "glibc defaults") + " ([Note: RSS and the allocator])",
     ]
     headline = []
     for r in rows:
