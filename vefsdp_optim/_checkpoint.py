@@ -46,20 +46,21 @@ def _fault(phase: str) -> None:
         _fault_hook(phase)
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+def _rank(process_group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier(group: dist.ProcessGroup | None) -> None:
+def _barrier(process_group: dist.ProcessGroup | None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
+        dist.barrier(group=process_group)
 
 
-def _broadcast_str(value: str, group: dist.ProcessGroup | None) -> str:
+def _broadcast_str(value: str, process_group: dist.ProcessGroup | None) -> str:
     if not (dist.is_available() and dist.is_initialized()):
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=process_group)
     return box[0]
 
 
@@ -76,7 +77,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
     rename]). Writes only its own files: ``path`` must be new, an empty directory or a
     checkpoint this function wrote (replaced when ``overwrite``, the default; refused
     otherwise); an existing file or a directory holding anything else raises
-    ValueError naming it. Collective over ``process_group`` (the default group when None)."""
+    ValueError naming it. Collective over ``process_group`` (the default process group when None)."""
     import torch.distributed.checkpoint as dcp
 
     path = _check_path(path).rstrip(os.sep)
@@ -297,14 +298,14 @@ def _assemble(parts: list[Any]) -> Any:
     return parts[0][1]
 
 
-def _gather_to_rank0(entries: dict[tuple, Any], group: dist.ProcessGroup | None) -> dict[tuple, Any] | None:
+def _gather_to_rank0(entries: dict[tuple, Any], process_group: dist.ProcessGroup | None) -> dict[tuple, Any] | None:
     """Assemble {key: full value} on rank 0 from every rank's pieces (None elsewhere)."""
-    rank = _rank(group)
+    rank = _rank(process_group)
     mine = {k: _pieces(v, rank) for k, v in entries.items()}
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone: list[Any] = [None] * dist.get_world_size(group) if rank == 0 else None
-        dist.gather_object(mine, everyone, dst=dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        everyone: list[Any] = [None] * dist.get_world_size(process_group) if rank == 0 else None
+        dst = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.gather_object(mine, everyone, dst=dst, group=process_group)
     else:
         everyone = [mine]
     if rank != 0:

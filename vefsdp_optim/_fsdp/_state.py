@@ -59,7 +59,7 @@ class FSDPState:
         self.modules = modules  # one, or FSDP2's list of modules sharing one shard group
         self.module = modules[0]
         self.shard_group = shard_group
-        self._not_run: set[int] = set()  # ids of this forward round's modules yet to finish
+        self._not_run: set[int] = set()  # ids of the modules of this forward (a list of modules) yet to finish
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.ctx: _RootContext | None = None
@@ -136,7 +136,7 @@ class FSDPState:
         shard_group = self.shard_group
         if shard_group is None:
             return args, kwargs
-        if not self._not_run:  # a new round: every module of the shard group is to run
+        if not self._not_run:  # a new forward: every module of the shard group is to run
             self._not_run = {id(m) for m in self.modules}
         shard_group.unshard()
         shard_group.wait_unshard()

@@ -221,7 +221,7 @@ class DtypeStore:
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
         self._lazy = w > 1  # [Note: gradient memory], [Note: lazy gradient buffer]
         self._gbuf: torch.Tensor | None = None  # compute's W*m gradient buffer, once allocated
-        self._awaiting = False  # a lazy round whose first gradient has not arrived yet
+        self._awaiting = False  # a lazy buffer whose backward's first gradient has not arrived yet
         if self._lazy:
             for buffer in (self.master, self.compute, self.reduce):
                 _release_storage(buffer.local_grad)
