@@ -250,8 +250,8 @@ def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: l
 # clone held by the Work until it is dropped: FSDP2 waits for its reduce-scatter at
 # once on the CPU, fully_shard overlaps it with the next group's backward ([Note: async
 # reduce-scatter] in vefsdp_optim/_fsdp/_store.py), so one block's clone more is
-# resident during that backward (gpt768, W=2: RSS 1.07x FSDP2's under those settings,
-# live bytes 1.00x).
+# resident during that backward. Under those settings (one quick run): RSS 1.00-1.01x
+# FSDP2's on gpt, 1.06x on gpt768 at W=2 and 1.11x at W=4, live bytes 1.00x throughout.
 
 def _rss_now() -> int:
     """This process's resident set size in bytes (Linux), else its high-water mark."""
