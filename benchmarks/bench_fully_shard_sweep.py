@@ -27,7 +27,6 @@ blocks, on W = 2 and 4 gloo CPU ranks (90 cases). Quick: a fixed subset of the s
 from __future__ import annotations
 
 import argparse
-import copy
 import fnmatch
 import math
 import sys
@@ -49,6 +48,9 @@ from benchmarks._common import (
     spawn,
     stats,
     write_json,
+)
+from benchmarks.bench_fully_shard import (
+    _build,  # blocks then the root, ours / FSDP2 with their AdamW
 )
 
 BATCH = 64
@@ -114,25 +116,6 @@ class Stack(nn.Module):
         for b in self.layers:
             x = b(x)
         return self.norm(x).square().mean()
-
-
-def _build(system: str, base: nn.Module, device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = copy.deepcopy(base).to(device)
-    if system == "ours":
-        import vefsdp_optim
-
-        for b in model.layers:
-            vefsdp_optim.fully_shard(b)
-        vefsdp_optim.fully_shard(model)
-        opt = vefsdp_optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for b in model.layers:
-            fully_shard(b)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    return model, opt
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
