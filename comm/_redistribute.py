@@ -156,16 +156,18 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 
 
 @functools.lru_cache(maxsize=1024)
-def _check_layouts_cached(src: tuple, dst: tuple) -> int:
-    return _check_layouts(src, dst)
+def _check_layouts_cached(src: tuple, dst: tuple) -> tuple[int, bool]:
+    return _check_layouts(src, dst), any(isinstance(lay, BoxShard) for lay in (*src, *dst))
 
 
-def _checked_world(src: tuple, dst: tuple) -> int:
-    """:func:`_check_layouts` once per distinct layouts."""
+def _checked(src: tuple, dst: tuple) -> tuple[int, bool]:
+    """(world size, whether a layout is a BoxShard): :func:`_check_layouts` once per
+    distinct layouts."""
     try:
         return _check_layouts_cached(src, dst)
     except TypeError:
-        return _check_layouts(src, dst)  # an unhashable entry: the check names it
+        _check_layouts(src, dst)  # an unhashable entry: the check names it
+        raise
 
 
 class RedistributeHandle:
@@ -213,7 +215,7 @@ def redistribute(
     exchange is launched and a :class:`RedistributeHandle` is returned.
     """
     locals, src, dst = list(locals), tuple(src), tuple(dst)
-    w = _checked_world(src, dst)
+    w, boxes = _checked(src, dst)
     if len(locals) != len(src):
         raise ValueError(f"got {len(locals)} local tensors for {len(src)} layouts")
     if not locals:
@@ -231,7 +233,7 @@ def redistribute(
     if w == 1 or src == dst:
         out = [t[:] for t in locals]
         return RedistributeHandle(None, (), lambda: out) if async_op else out
-    if any(isinstance(lay, BoxShard) for lay in (*src, *dst)):
+    if boxes:
         return _redistribute_boxes(locals, src, dst, process_group, rank, w, async_op)
 
     plan = _ragged_plan(src, dst, rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._requirement import Requirement, check_shape, is_legal_cut
 
@@ -30,6 +30,11 @@ class RaggedShard:
     """
 
     extents: tuple[tuple[int, int], ...]
+    # hash(extents), computed once: every optimizer step looks layouts up in caches
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self) -> None:
         ext = tuple(
@@ -48,6 +53,7 @@ class RaggedShard:
                 )
             expected = s + n
         object.__setattr__(self, "extents", ext)
+        object.__setattr__(self, "_hash", hash(ext))
 
     # -- constructors -------------------------------------------------------------
 

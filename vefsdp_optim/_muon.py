@@ -67,6 +67,7 @@ class _MuonPlan:
     blocks: tuple[tuple[int, int], ...]  # (rows, cols) of each block
     simple: bool  # one block: the whole (dim 0, rest) matrix (today's path)
     uniform: bool  # every block has the same (rows, cols): one lr adjustment
+    cost: float  # Newton-Schulz cost of all the blocks (muon_blocks_cost), for owner balancing
 
     def span(self, start: int, length: int) -> range:
         """Indices of the blocks that intersect flat ``[start, start + length)``."""
@@ -87,7 +88,13 @@ def _muon_plan(shape: tuple[int, ...], flatten: bool, split_sizes: tuple[int, ..
     else:
         req = FlatBlocks(unit)
     return _MuonPlan(req, tuple(b[0] for b in blocks), tuple((r, c) for _, r, c in blocks),
-                     simple=len(blocks) == 1, uniform=len({(r, c) for _, r, c in blocks}) == 1)
+                     simple=len(blocks) == 1, uniform=len({(r, c) for _, r, c in blocks}) == 1,
+                     cost=muon_blocks_cost(shape, flatten, split_sizes))
+
+
+# (shape, flatten, split_sizes, num_heads) of a param group -> its _MuonPlan: a step asks
+# for the plan of every matrix several times (requirement, cost, compute, apply)
+_PLANS: dict[tuple, _MuonPlan] = {}
 
 
 def muon_defaults(
@@ -255,6 +262,23 @@ class Muon(BlockOptimizer):
 
     @staticmethod
     def _plan(shape: Sequence[int], group: dict[str, Any]) -> _MuonPlan:
+        split = group.get("split_sizes")
+        flatten = group.get("flatten")
+        key = (tuple(shape), flatten is None, flatten is not False,
+               tuple(split) if isinstance(split, list) else split, group.get("num_heads"))
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable value: _make_plan names what is wrong with it
+            return Muon._make_plan(shape, group)
+        if plan is None:
+            plan = Muon._make_plan(shape, group)
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        return plan
+
+    @staticmethod
+    def _make_plan(shape: Sequence[int], group: dict[str, Any]) -> _MuonPlan:
         shape = tuple(int(d) for d in shape)
         flatten = group.get("flatten")
         if flatten is None and len(shape) >= 3:
@@ -317,8 +341,7 @@ class Muon(BlockOptimizer):
         expert alone, not the fused matrix."""
         if not self._is_muon(shape, group):
             return float(math.prod(shape))
-        split = self._split_sizes(tuple(int(d) for d in shape), group)
-        return muon_blocks_cost(shape, group.get("flatten") is not False, split)
+        return self._plan(shape, group).cost
 
     # hooks: momentum on the local shard, Newton-Schulz on the owner, apply locally
 

@@ -236,6 +236,16 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
     Dion's names: ``"spectral_norm"``: the same as ``"spectral_unclamped"``;
     ``"rms_norm"``: the same as ``"match_rms_adamw"``.
     """
+    try:
+        return lr * _adjust_ratio(adjust_lr_fn, tuple(shape))
+    except TypeError:  # an unhashable argument: the uncached ratio names what is wrong
+        return lr * _adjust_ratio.__wrapped__(adjust_lr_fn, shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _adjust_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """``muon_adjust_lr``'s ratio (``lr`` times it is torch's adjusted lr, in torch's order):
+    once per shape, not once per parameter and step."""
     rows, cols = muon_matrix_view(shape)
     if rows == 0 or cols == 0:
         raise ValueError(f"Muon needs a non-empty matrix, got shape {tuple(shape)}")
@@ -250,7 +260,7 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
             f"adjust_lr_fn must be None, 'original', 'match_rms_adamw', 'spectral_unclamped', "
             f"'spectral_norm' or 'rms_norm', got {adjust_lr_fn!r}"
         )
-    return lr * ratio
+    return ratio
 
 
 # [Note: Muon blocks]
