@@ -250,20 +250,46 @@ _COPY_OPS = {"copy_", "cat", "split", "split_with_sizes", "chunk", "_to_copy", "
 
 
 class _CountCopies(TorchDispatchMode):
-    """Counts copy-like kernels, and collectives by name."""
+    """Counts copy-like kernels outside the library's flat collectives, and those
+    collectives by kind (the copies a backend makes inside one are its business: gloo's
+    own collectives split and copy; its point-to-point form copies this rank's shard into
+    its place in an all-gather, [Note: gloo flat collectives]; NCCL copies on the device)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
         self.collectives: dict[str, int] = {}
+        self._inside = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        name = func.overloadpacket.__name__
-        if name in _COPY_OPS:
+        if func.overloadpacket.__name__ in _COPY_OPS and not self._inside:
             self.count += 1
-        if func.namespace == "c10d":
-            self.collectives[name] = self.collectives.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> _CountCopies:
+        from vefsdp_optim.comm import _buffer
+
+        self._saved = {name: getattr(_buffer, name) for name in ("all_gather_flat", "reduce_scatter_flat")}
+        for name, fn in self._saved.items():
+            setattr(_buffer, name, self._counted(name, fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        from vefsdp_optim.comm import _buffer
+
+        for name, fn in self._saved.items():
+            setattr(_buffer, name, fn)
+        super().__exit__(*exc)
+
+    def _counted(self, name: str, fn):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.collectives[name] = self.collectives.get(name, 0) + 1
+            self._inside += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside -= 1
+        return call
 
 
 def _copies(model: nn.Module, x: torch.Tensor) -> _CountCopies:
@@ -271,23 +297,6 @@ def _copies(model: nn.Module, x: torch.Tensor) -> _CountCopies:
     with _CountCopies() as c:
         _loss(model, x).backward()
     return c
-
-
-def _backend_copies() -> dict[str, int]:
-    """Copies the backend itself makes inside one flat collective (gloo splits the
-    reduce-scatter input and copies its shard out; NCCL makes none)."""
-    import torch.distributed as dist
-
-    w = dist.get_world_size()
-    small, big = torch.zeros(4), torch.ones(4 * w)
-    out = {}
-    with _CountCopies() as c:
-        dist.reduce_scatter_single(small, big)
-    out["_reduce_scatter_base_"] = c.count
-    with _CountCopies() as c:
-        dist.all_gather_single(big, small)
-    out["_allgather_base_"] = c.count
-    return out
 
 
 def _zero_copy() -> tuple[int, int, int, int, int, int]:
@@ -303,15 +312,14 @@ def _zero_copy() -> tuple[int, int, int, int, int, int]:
         shard(model)
     ours.set_gradient_copy_in(False)  # gradients added into the flat buffer in place
     x = data[0]
-    per = _backend_copies()
     counts = []
     for model in (ours, copy_in):
         _copies(model, x)  # warm-up: lazy init, first allocations
         c = _copies(model, x)
-        counts.append(c.count - sum(per.get(k, 0) * n for k, n in c.collectives.items()))
+        counts.append(c.count)
     n_groups = len(list(ours.blocks)) + 1
-    ok_colls = (c.collectives.get("_allgather_base_", 0) == 2 * n_groups - 1
-                and c.collectives.get("_reduce_scatter_base_", 0) == n_groups)
+    ok_colls = (c.collectives.get("all_gather_flat", 0) == 2 * n_groups - 1
+                and c.collectives.get("reduce_scatter_flat", 0) == n_groups)
     return _copies(ref, x).count, *counts, _copies(theirs, x).count, int(ok_colls), n_groups
 
 
@@ -560,18 +568,6 @@ class TwoDtypes(nn.Module):
         return self.b(torch.tanh(self.a(x)).double())
 
 
-class _CountColls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        if func.namespace == "c10d":
-            name = func.overloadpacket.__name__
-            self.n[name] = self.n.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _gaps() -> dict[str, object]:
     import torch.distributed as dist
 
@@ -617,9 +613,9 @@ def _gaps() -> dict[str, object]:
     out["reuse_bn_buffers"] = max(_close(list(ours.bn.buffers())[:2], list(ref.bn.buffers())[:2]))
     ours.zero_grad()
     ref.zero_grad()
-    with _CountColls() as c:
+    with _CountCopies() as c:  # counts the library's flat collectives by kind
         _loss(ours, x[1]).backward()
-    out["reuse_reduce_scatters"] = c.n.get("_reduce_scatter_base_", 0)
+    out["reuse_reduce_scatters"] = c.collectives.get("reduce_scatter_flat", 0)
     _loss(ref, x[1]).backward()
     _average_like_ranks(ref, w)
     out["reuse_grads"] = max(_close([p.grad.full_tensor() for p in ours.parameters()],
@@ -706,15 +702,17 @@ def _async_reduce() -> dict[str, object]:
     for b in blocks:
         fully_shard(b)
     fully_shard(model)
+    from vefsdp_optim.comm import _buffer
+
     log: list[tuple[str, int]] = []
     launches: list[bool] = []
-    orig_rs, orig_attach = dist.reduce_scatter_single, ShardGroup.attach_grads
+    orig_rs, orig_attach = _buffer.reduce_scatter_flat, ShardGroup.attach_grads
 
     def rs(*args: object, async_op: bool = False, **kwargs: object) -> object:
         launches.append(async_op)
         log.append(("launch", len(launches)))
         work = orig_rs(*args, async_op=async_op, **kwargs)
-        return _LoggedWork(work, log, len(launches)) if async_op else work
+        return work._replace(work=_LoggedWork(work.work, log, len(launches))) if async_op else work
 
     def attach(self: ShardGroup) -> None:
         log.append(("attach", 0))
@@ -724,7 +722,7 @@ def _async_reduce() -> dict[str, object]:
     from vefsdp_optim._fsdp._module import FSDPModule, state_of
 
     shard_groups = [state_of(m).shard_group for m in model.modules() if isinstance(m, FSDPModule)]
-    dist.reduce_scatter_single, ShardGroup.attach_grads = rs, attach
+    _buffer.reduce_scatter_flat, ShardGroup.attach_grads = rs, attach
     try:
         errs: list[float] = []
         for step in range(2):  # the second step also covers the grads kept from the first
@@ -742,7 +740,7 @@ def _async_reduce() -> dict[str, object]:
                 p.grad = g  # keep the raw sum for the next step's accumulation
         out["errs"] = errs
     finally:
-        dist.reduce_scatter_single, ShardGroup.attach_grads = orig_rs, orig_attach
+        _buffer.reduce_scatter_flat, ShardGroup.attach_grads = orig_rs, orig_attach
     out["launches"] = launches
     return out
 
