@@ -39,6 +39,7 @@ from vefsdp_optim._math import (
     soap_step_,
     zeropower_via_newtonschulz,
 )
+from vefsdp_optim._math._muon_int8 import requantize_momentum_
 
 SIGNED, UNSIGNED = dynamic_code_map(True), dynamic_code_map(False)
 
@@ -372,7 +373,8 @@ def test_muon_step_polar_express_close_to_float64() -> None:
 
 def test_muon_step_int8_momentum_equals_reference() -> None:
     """momentum_dtype=torch.int8: the momentum dequantized, torch's lerp in float32,
-    requantized in 256-element blocks; then torch's Newton-Schulz and step."""
+    requantized in 256-element blocks (requantize_momentum_; its rule is checked against
+    a reference in tests/test_muon_int8.py); then torch's Newton-Schulz and step."""
     gen = torch.Generator().manual_seed(9)
     shape = (40, 33)  # 1320 elements: 6 blocks, the last one 40
     p = torch.randn(shape, generator=gen)
@@ -387,7 +389,7 @@ def test_muon_step_int8_momentum_equals_reference() -> None:
         m.lerp_(g, 1 - MUON_HP["momentum"])
         x = torch_muon._zeropower_via_newtonschulz(g.lerp(m, MUON_HP["momentum"]), NS_COEFFICIENTS, 5, 1e-7)
         p_ref.mul_(1 - MUON_HP["lr"] * MUON_HP["weight_decay"]).add_(x, alpha=-muon_adjust_lr(MUON_HP["lr"], None, shape))
-        m_codes, m_absmax = quantize_blockwise(m.reshape(-1), SIGNED, 256)
+        requantize_momentum_(m.reshape(-1), m_codes, m_absmax, code=SIGNED, offset=0)  # [Note: no dead zone]
         assert torch.equal(p, p_ref) and torch.equal(state.codes, m_codes) and torch.equal(state.absmax, m_absmax)
 
 

@@ -410,7 +410,11 @@ class Muon(BlockOptimizer):
         if code is None:
             code = codes[grad.device] = dynamic_code_map(True).to(grad.device)
         group = item.group
-        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code)
+        # the rounding keys on the flat index in the whole parameter ([Note: no dead zone])
+        if not isinstance(item.compute, RaggedShard):  # FlatBlocks and whole requirements snap to flat runs
+            raise AssertionError(f"8-bit Muon momentum on a compute layout of boxes: {item.compute}")
+        offset = item.compute.local(item.view.rank)[0]
+        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code, offset)
         return muon_momentum_(grad, momentum, momentum=group["momentum"], nesterov=group["nesterov"])
 
     # what a subclass changes after Newton-Schulz (NorMuon's normalization)

@@ -69,6 +69,7 @@ class Int8Momentum(NamedTuple):
     codes: Tensor  # uint8, one per element
     absmax: Tensor  # float32, one per MOMENTUM_BLOCK elements
     code: Tensor  # the signed dynamic code map (256 float32 values)
+    offset: int = 0  # flat index of codes[0] in the whole parameter (its rounding's key)
 
 
 def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, momentum: float,
@@ -84,9 +85,9 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
     :class:`Int8Momentum` needs whole 256-element blocks (its quantization blocks).
     """
     if isinstance(momentum_buffer, Int8Momentum):
-        codes, absmax, code = momentum_buffer
+        codes, absmax, code, offset = momentum_buffer
         return muon_momentum_int8_(grad, codes, absmax, momentum=momentum, nesterov=nesterov,
-                                   code=code).to(torch.bfloat16)
+                                   code=code, offset=offset).to(torch.bfloat16)
     momentum_buffer.lerp_(grad, 1 - momentum)
     if not nesterov:
         return momentum_buffer.to(torch.bfloat16)
