@@ -92,8 +92,9 @@ class PointToPointWork:
         return all(w.is_completed() for w in self._works)
 
 
-def _point_to_point(group: dist.ProcessGroup) -> bool:
-    return group.size() > 1 and dist.get_backend(group) in _P2P_BACKENDS
+def _point_to_point(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
+    """gloo with CPU tensors (gloo's point-to-point sends take CPU tensors only)."""
+    return t.device.type == "cpu" and group.size() > 1 and dist.get_backend(group) in _P2P_BACKENDS
 
 
 def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup,
@@ -201,7 +202,7 @@ def all_gather_flat(
     _check_flat("output", output)
     _check_flat("input", input)
     _check_sizes(output, input, group.size(), "all_gather_flat")
-    if _point_to_point(group):
+    if _point_to_point(group, output):
         p2p = _all_gather_p2p(output, input, group)
         if async_op:
             return FlatWork(p2p, 1, output)
@@ -242,7 +243,7 @@ def reduce_scatter_flat(
             raise NotImplementedError(
                 f"op='avg' is supported for floating and complex dtypes, got {output.dtype}; use op='sum'")
         rop, divide_by = dist.ReduceOp.SUM, w
-    if _point_to_point(group) and rop == dist.ReduceOp.SUM:
+    if _point_to_point(group, output) and rop == dist.ReduceOp.SUM:
         p2p = _reduce_scatter_p2p(output, input, group, divide_by)
         if async_op:
             return FlatWork(p2p, 1, output)
