@@ -62,10 +62,16 @@ class FlatWork(NamedTuple):
 # exactly), so at W = 2 no buffer is allocated, and (W - 2) m elements above (W m when
 # the output is a view of the input: an in-place reduce-scatter). Tags keep
 # them apart from other traffic; every rank launches the same flat collectives in the
-# same order (the plans are checked equal first), so sends and receives pair up. NCCL
-# keeps its native collectives.
+# same order (the plans are checked equal first), so sends and receives pair up. A
+# point-to-point message pays a rendezvous that a collective between two ranks does
+# not: with a forward's prefetched all-gathers at W = 2, shards of 8 KiB took 0.5 ms more
+# each and 128 KiB broke even, while 256 KiB and above, and every size at W = 3 and 4,
+# were faster (docs/performance.md); so at W = 2 shards under P2P_MIN_SHARD_BYTES_W2
+# keep gloo's own collective. NCCL keeps its native collectives.
 _P2P_BACKENDS = frozenset({"gloo"})
 _TAG_ALL_GATHER, _TAG_REDUCE_SCATTER = 0x7A6, 0x7A7
+#: at W = 2, shards below this many bytes keep gloo's own collective (measured crossover)
+P2P_MIN_SHARD_BYTES_W2 = 256 << 10
 
 
 class PointToPointWork:
@@ -92,9 +98,12 @@ class PointToPointWork:
         return all(w.is_completed() for w in self._works)
 
 
-def _point_to_point(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
-    """gloo with CPU tensors (gloo's point-to-point sends take CPU tensors only)."""
-    return t.device.type == "cpu" and group.size() > 1 and dist.get_backend(group) in _P2P_BACKENDS
+def _point_to_point(group: dist.ProcessGroup, shard: torch.Tensor) -> bool:
+    """gloo with CPU tensors (gloo's point-to-point sends take CPU tensors only), except
+    small shards at W = 2 ([Note: gloo flat collectives])."""
+    w = group.size()
+    return (shard.device.type == "cpu" and w > 1 and dist.get_backend(group) in _P2P_BACKENDS
+            and (w > 2 or shard.numel() * shard.element_size() >= P2P_MIN_SHARD_BYTES_W2))
 
 
 def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup,
@@ -202,7 +211,7 @@ def all_gather_flat(
     _check_flat("output", output)
     _check_flat("input", input)
     _check_sizes(output, input, group.size(), "all_gather_flat")
-    if _point_to_point(group, output):
+    if _point_to_point(group, input):
         p2p = _all_gather_p2p(output, input, group)
         if async_op:
             return FlatWork(p2p, 1, output)

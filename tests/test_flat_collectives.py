@@ -1,6 +1,7 @@
 """The flat collectives on gloo ([Note: gloo flat collectives] in comm/_collectives.py):
-point-to-point sends whose results are checked against sums written here, on random
-floats (where the summation order shows in the bits), at W = 2, 3 and 4."""
+point-to-point sends (and gloo's own collectives for small shards at W = 2) whose results
+are checked against sums written here, on random floats (where the summation order shows
+in the bits), at W = 2, 3 and 4."""
 
 from __future__ import annotations
 
@@ -8,17 +9,33 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vefsdp_optim.comm import all_gather_flat, reduce_scatter_flat
+from vefsdp_optim.comm._collectives import P2P_MIN_SHARD_BYTES_W2
 
-M = 1000  # elements per rank: not a multiple of any vector length
+SMALL = 1000  # elements per rank: not a multiple of any vector length
+LARGE = P2P_MIN_SHARD_BYTES_W2 // 4 + 7  # float32 shards above the W = 2 threshold
 
 
-def _contributions(w: int) -> list[torch.Tensor]:
+def _contributions(w: int, M: int) -> list[torch.Tensor]:  # noqa: N803
     """Every rank's W * M input, known to every rank (random floats, several magnitudes)."""
     g = torch.Generator().manual_seed(5)
     return [torch.randn(w * M, generator=g) * 10.0 ** torch.randint(-3, 4, (w * M,), generator=g)
             for _ in range(w)]
+
+
+class _C10dOps(TorchDispatchMode):
+    """The c10d ops called (point-to-point: send / recv_; gloo's own: the collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func.namespace == "c10d":
+            self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _rank_order_sum(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -28,19 +45,22 @@ def _rank_order_sum(xs: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _checks() -> None:
+def _checks(M: int) -> None:  # noqa: N803
     w, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
-    xs = _contributions(w)
+    xs = _contributions(w, M)
     mine = slice(rank * M, (rank + 1) * M)
     want = _rank_order_sum([x[mine] for x in xs])
 
+    p2p = w > 2 or M * 4 >= P2P_MIN_SHARD_BYTES_W2
     for op, scale in (("sum", 1), ("avg", w)):
         for async_op in (False, True):
             out = torch.full((M,), float("nan"))
-            work = reduce_scatter_flat(out, xs[rank].clone(), group, op=op, async_op=async_op)
-            if work is not None:
-                work.wait()
+            with _C10dOps() as ops:
+                work = reduce_scatter_flat(out, xs[rank].clone(), group, op=op, async_op=async_op)
+                if work is not None:
+                    work.wait()
+            assert ("send" in ops.names) == p2p and ("recv_" in ops.names) == p2p, ops.names
             expected = want if scale == 1 else want / scale
             assert torch.equal(out, expected), (op, async_op, (out - expected).abs().max())
 
@@ -78,6 +98,7 @@ def _checks() -> None:
         reduce_scatter_flat(out, ints[rank], group, op="avg")
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_gloo_flat_collectives_bits(world_size: int) -> None:
-    run_distributed(_checks, world_size)
+@pytest.mark.parametrize("world_size,m", [(2, SMALL), (2, LARGE), (3, SMALL), (4, SMALL)])
+def test_gloo_flat_collectives_bits(world_size: int, m: int) -> None:
+    """Point to point at W = 3 and 4 and for large shards at W = 2; gloo's own below."""
+    run_distributed(_checks, world_size, m)
