@@ -332,6 +332,9 @@ def test_normuon_normalize_against_float64() -> None:
     buf = torch.empty(100)
     into = normuon_normalize_(o, v0.clone(), 0.9, out=buf[3:80].view(7, 11))
     assert torch.equal(into, out) and into.data_ptr() == buf[3:].data_ptr()
+    full = o.float()  # an input of the moment's dtype is not modified (nor aliased by the result)
+    kept = full.clone()
+    assert torch.equal(normuon_normalize_(full, v0.clone(), 0.9), out) and torch.equal(full, kept)
     zero = normuon_normalize_(torch.zeros(3, 4), torch.zeros(3), 0.95)  # Newton-Schulz of a zero matrix
     assert torch.equal(zero, torch.zeros(3, 4))
     with pytest.raises(ValueError, match="variance must have shape"):

@@ -59,7 +59,7 @@ def normuon_normalize_(
     if not 0.0 <= beta2 <= 1.0:
         raise ValueError(f"beta2 must be in [0, 1], got {beta2}")
     if out is None:
-        u = ortho.to(variance.dtype, memory_format=torch.contiguous_format)  # (rows, cols)
+        u = ortho.to(variance.dtype, memory_format=torch.contiguous_format, copy=True)  # (rows, cols)
     else:
         if out.shape != ortho.shape or out.dtype != variance.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {variance.dtype} tensor of shape {tuple(ortho.shape)}, "
