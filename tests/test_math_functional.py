@@ -29,6 +29,7 @@ from vefsdp_optim._math import (
     muon_adjust_lr,
     muon_orthogonalise,
     muon_step_,
+    normuon_normalize_blocks,
     normuon_step_,
     num_blocks,
     polar_express_coefficients,
@@ -444,3 +445,34 @@ def test_muon_orthogonalise_batched_equals_per_block() -> None:
         got = muon_orthogonalise_batched(updates, blocks, *ns)
         for x, b, o in zip(updates, blocks, got, strict=True):
             assert torch.equal(o, muon_orthogonalise(x, b, *ns)), b
+
+
+def test_normuon_orthogonalise_batched_equals_per_block() -> None:
+    """NorMuon's batched orthogonalization of a bucket (vefsdp_optim._muon.
+    normuon_orthogonalise_batched: Newton-Schulz and the normalization, each batched per
+    block shape) is muon_orthogonalise then normuon_normalize_blocks on each input, bit
+    for bit, the row second moments included, over three steps: the layouts of the
+    Newton-Schulz test plus equal-shape whole inputs, tall and wide, an odd shape and
+    a float64 moment."""
+    from vefsdp_optim._muon import normuon_orthogonalise_batched
+
+    gen = torch.Generator().manual_seed(12)
+    layouts = [[(32, 40)], [(32, 40)], [(32, 40)] * 3, [(64, 33), (32, 40)], [(64, 33)], [(8, 8)] * 2,
+               [(8, 8)], [(33, 70), (33, 70)], [(40, 32)], [(96, 48)], [(96, 48)], [(48, 96)] * 2, [(48, 96)]]
+    blocks = []
+    for shapes in layouts:
+        out, a = [], 0
+        for r, c in shapes:
+            out.append((a, r, c))
+            a += r * c
+        blocks.append(out)
+    for dtype in (torch.float32, torch.float64):
+        ours = [[torch.rand(r, generator=gen, dtype=dtype) for _, r, _ in b] for b in blocks]
+        ref = [[v.clone() for v in vs] for vs in ours]
+        for _ in range(3):
+            updates = [torch.randn(sum(r * c for r, c in s), generator=gen).bfloat16() for s in layouts]
+            got = normuon_orthogonalise_batched(updates, blocks, ours, 0.9, dtype, "polar_express", 5, 1e-7)
+            for x, b, vs, o in zip(updates, blocks, ref, got, strict=True):
+                ortho = muon_orthogonalise(x, b, "polar_express", 5, 1e-7)
+                assert torch.equal(o, normuon_normalize_blocks(ortho, b, vs, 0.9, dtype)), (dtype, b)
+            assert all(torch.equal(a, b) for va, vb in zip(ours, ref, strict=True) for a, b in zip(va, vb, strict=True))

@@ -612,6 +612,78 @@ def test_whole_matrices_batched_per_owner_keep_every_bit() -> None:
             assert all(torch.equal(a, b) for a, b in zip(got, want[cls], strict=True)), (world, kind, cls)
 
 
+def _moment_families(batch: int, rows: int, cols: int, g: torch.Generator):
+    """Newton-Schulz results a random probe does not stand for (the probe is normal):
+    quantized values, mostly zeros, rank two, constant rows, a zero matrix."""
+    yield "normal", torch.randn(batch, rows, cols, generator=g)
+    yield "quantized", torch.randint(-127, 128, (batch, rows, cols), generator=g).float() / 127
+    yield "zeros", torch.randn(batch, rows, cols, generator=g) * (torch.rand(batch, rows, cols, generator=g) < 0.1)
+    yield "rank2", torch.randn(batch, rows, 2, generator=g) @ torch.randn(batch, 2, cols, generator=g)
+    yield "rows", torch.randn(batch, rows, 1, generator=g).expand(batch, rows, cols).contiguous()
+    yield "zero", torch.zeros(batch, rows, cols)
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (33, 40), (40, 33), (70, 33), (96, 48), (128, 128), (8, 64),
+                                   (70, 5), (257, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_normalization_equals_per_matrix(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Where the probe allows a batch, normuon_normalize_batched_ equals normuon_normalize_
+    on each matrix, bit for bit (update and row second moments), on every family, from
+    contiguous and transposed (a tall Newton-Schulz result) batches in bfloat16 (whose
+    squares often sum exactly in any order) and in the moment's dtype (which do not);
+    below ``BATCH_MIN_DIM`` the guard refuses ([Note: batched NorMuon normalization])."""
+    from vefsdp_optim._math._newton_schulz import BATCH_MIN_DIM
+    from vefsdp_optim._math._normuon import normuon_batch_exact, normuon_normalize_batched_
+
+    rows, cols = shape
+    threads = torch.get_num_threads()
+    allowed = [b for b in (2, 3, 8) if normuon_batch_exact(b, rows, cols, dtype, torch.device("cpu"), 0.95, threads)]
+    if min(shape) < BATCH_MIN_DIM:
+        assert allowed == []
+        return
+    assert allowed == [2, 3, 8]  # the CPU's last-dim reductions: every batch
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    for b in allowed:
+        for name, x in _moment_families(b, rows, cols, g):
+            for ortho in (x.bfloat16(), x.bfloat16().mT.contiguous().mT, x.to(dtype), x.to(dtype).mT.contiguous().mT):
+                start = torch.rand(b, rows, generator=g, dtype=dtype) * (name != "zero")
+                want_v, got_v = [v.clone() for v in start], [v.clone() for v in start]
+                want = torch.stack([normuon_normalize_(m, v, 0.95) for m, v in zip(ortho, want_v, strict=True)])
+                got = normuon_normalize_batched_(ortho, got_v, 0.95)
+                assert torch.equal(got, want), (shape, b, name, ortho.stride())
+                assert all(torch.equal(u, v) for u, v in zip(got_v, want_v, strict=True)), (shape, b, name)
+
+
+def test_normuon_batches_the_normalization_and_equals_the_pure_step() -> None:
+    """On one device NorMuon normalizes each shape's matrices in one batch and equals
+    normuon_step_ (per matrix) on every parameter, bit for bit."""
+    import vefsdp_optim._muon as muon_module
+    from vefsdp_optim._math import normuon_step_
+
+    g = torch.Generator().manual_seed(9)
+    init = [torch.randn(s, generator=g) for s in BATCH_SHAPES]
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = vefsdp_optim.NorMuon(params, lr=0.02)
+    batches = []
+    orig = muon_module.normuon_normalize_batched_
+    muon_module.normuon_normalize_batched_ = lambda o, *a, **k: batches.append(tuple(o.shape)) or orig(o, *a, **k)
+    try:
+        for step in range(3):
+            for p, gr in zip(params, _batch_grads(step), strict=True):
+                p.grad = gr.clone()
+            opt.step()
+    finally:
+        muon_module.normuon_normalize_batched_ = orig
+    assert sorted(set(batches)) == [(3, 96, 64), (4, 64, 96)] and len(batches) == 6
+    hp = dict(lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=False, muon_beta2=0.95)
+    grads = [_batch_grads(step) for step in range(3)]
+    for i, (t, p) in enumerate(zip(init, params, strict=True)):
+        ref, buf, vs = t.clone(), torch.zeros_like(t), [torch.zeros(t.shape[0])]
+        for step in range(3):
+            normuon_step_(ref, grads[step][i], buf, vs, **hp)
+        assert torch.equal(p.detach(), ref), i
+
+
 # -- FSDP2 + tensor parallel, dp 2 x tp 2 ----------------------------------------------------
 
 

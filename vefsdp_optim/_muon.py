@@ -7,7 +7,7 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +35,11 @@ from vefsdp_optim._math._newton_schulz import (
     muon_blocks_cost,
     newtonschulz_batch_exact,
     zeropower_via_newtonschulz_batched,
+)
+from vefsdp_optim._math._normuon import (
+    normuon_batch_exact,
+    normuon_normalize_,
+    normuon_normalize_batched_,
 )
 from vefsdp_optim._math._quant8 import dynamic_code_map
 from vefsdp_optim.comm import ShardedView
@@ -386,9 +391,9 @@ class Muon(BlockOptimizer):
             updates.append(x)
             blocks.append(_whole_blocks(it, plan, start, x.numel()))
         if updates:  # one param group per bucket: one Newton-Schulz
-            orthos = muon_orthogonalise_batched(updates, blocks, *_ns_args(items[0].group))
-            for (i, plan, start), ortho in zip(where, orthos, strict=True):
-                out[i] = [self._post_orthogonalise(items[i], plan, start, ortho)]
+            results = self._orthogonalise([(items[i], plan, start) for i, plan, start in where], updates, blocks)
+            for (i, _, _), r in zip(where, results, strict=True):
+                out[i] = [r]
         return out
 
     def _int8_momentum(self, item: StepItem, grad: torch.Tensor) -> torch.Tensor:
@@ -424,10 +429,13 @@ class Muon(BlockOptimizer):
         bfloat16 (the same on every rank: the exchange groups tensors by dtype)."""
         return torch.bfloat16
 
-    def _post_orthogonalise(self, item: StepItem, plan: _MuonPlan, start: int, ortho: torch.Tensor) -> torch.Tensor:
-        """The update sent back for this rank's compute slice, from its Newton-Schulz
-        result ``ortho`` (1-D, flat order, whole blocks from flat offset ``start``)."""
-        return ortho
+    def _orthogonalise(self, where: list[tuple[StepItem, _MuonPlan, int]], updates: list[torch.Tensor],
+                       blocks: list[list[tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """The updates sent back for the compute slices this rank orthogonalises in a
+        bucket (one param group): ``updates[k]`` is the Newton-Schulz input of item
+        ``where[k] = (item, plan, start)``'s slice (1-D, flat order, whole blocks from flat
+        offset ``start``; ``blocks[k]``, offsets in the slice)."""
+        return muon_orthogonalise_batched(updates, blocks, *_ns_args(where[0][0].group))
 
     def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
         if not self._is_muon(item.view.shape, item.group):
@@ -465,6 +473,55 @@ class Muon(BlockOptimizer):
         muon_apply_(p, ortho, lr=lr, weight_decay=wd, adjusted_lr=runs)
 
 
+class _ShapeBatch(NamedTuple):
+    """Newton-Schulz of every block of one shape in a bucket's inputs ([Note: batched
+    Newton-Schulz])."""
+
+    rows: int
+    cols: int
+    members: list[tuple[int, int, int]]  # (input, its block index, flat offset) of each block
+    ortho: torch.Tensor | list[torch.Tensor]  # (k, rows, cols) bf16 batch, or each block's result
+    covers: str  # "input": the blocks are one input, in order; "each": each block a whole input; ""
+
+
+def _newton_schulz_by_shape(
+    updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
+    ns_coefficients: NsCoefficients, ns_steps: int, eps: float,
+) -> list[_ShapeBatch]:
+    """Newton-Schulz of every block of ``updates`` (1-D; ``blocks[i]`` covers
+    ``updates[i]``), one batch per block shape where :func:`newtonschulz_batch_exact`
+    says it gives the per-block bits, per block elsewhere."""
+    by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for i, bs in enumerate(blocks):
+        for j, (a, rows, cols) in enumerate(bs):
+            by_shape.setdefault((rows, cols), []).append((i, j, a))
+    out = []
+    for (rows, cols), members in by_shape.items():
+        n, k = rows * cols, len(members)
+        first = updates[members[0][0]]
+        prefix = all(i == members[0][0] and a == j * n for j, (i, _, a) in enumerate(members))
+        if prefix and first.numel() == k * n:
+            covers = "input"
+        elif all(a == 0 and n == updates[i].numel() for i, _, a in members) and \
+                len({i for i, _, _ in members}) == k:
+            covers = "each"
+        else:
+            covers = ""
+        if k == 1 or not newtonschulz_batch_exact(k, rows, cols, first.device, ns_coefficients, ns_steps, eps,
+                                                  torch.get_num_threads()):
+            orthos = [zeropower_via_newtonschulz(updates[i][a:a + n].view(rows, cols), ns_coefficients,
+                                                 ns_steps, eps) for i, _, a in members]
+            out.append(_ShapeBatch(rows, cols, members, orthos, covers))
+            continue
+        if prefix:  # the first blocks of one input: a view
+            batch = first[:k * n].view(k, rows, cols)
+        else:
+            batch = torch.stack([updates[i][a:a + n].view(rows, cols) for i, _, a in members])
+        out.append(_ShapeBatch(rows, cols, members,
+                               zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps, eps), covers))
+    return out
+
+
 def muon_orthogonalise_batched(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
     ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
@@ -475,45 +532,69 @@ def muon_orthogonalise_batched(
     :func:`newtonschulz_batch_exact` says it gives the per-block bits ([Note: batched
     Newton-Schulz]); per block elsewhere. Each ``blocks[i]`` covers ``updates[i]`` (1-D).
     The step loop runs it on the whole blocks a rank computes in a bucket."""
-    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rows, cols) -> [(input, offset)]
-    for i, bs in enumerate(blocks):
-        for a, rows, cols in bs:
-            by_shape.setdefault((rows, cols), []).append((i, a))
     results: list[torch.Tensor | None] = [None] * len(updates)
-    for (rows, cols), members in by_shape.items():
-        n = rows * cols
-        device = updates[members[0][0]].device
-        if len(members) == 1 or not newtonschulz_batch_exact(len(members), rows, cols, device, ns_coefficients,
-                                                              ns_steps, eps, torch.get_num_threads()):
-            for i, a in members:
-                x = updates[i]
-                ortho = zeropower_via_newtonschulz(x[a:a + n].view(rows, cols), ns_coefficients, ns_steps, eps)
-                if a == 0 and n == x.numel():  # a whole input: a view when wide
+    for sb in _newton_schulz_by_shape(updates, blocks, ns_coefficients, ns_steps, eps):
+        n = sb.rows * sb.cols
+        if isinstance(sb.ortho, list):
+            for (i, _, a), ortho in zip(sb.members, sb.ortho, strict=True):
+                if a == 0 and n == updates[i].numel():  # a whole input: a view when wide
                     results[i] = ortho.reshape(-1)
                 else:
-                    _result(results, i, x)[a:a + n].view(rows, cols).copy_(ortho)
-            continue
-        xs = [updates[i] for i, _ in members]
-        first_i, first_a = members[0]
-        if all(i == first_i for i, _ in members) and first_a == 0 and \
-                all(a == j * n for j, (_, a) in enumerate(members)):  # one input of equal blocks
-            batch = xs[0][:len(members) * n].view(len(members), rows, cols)
-        else:
-            batch = torch.stack([x[a:a + n].view(rows, cols) for x, (_, a) in zip(xs, members, strict=True)])
-        ortho = zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps, eps)
-        if batch.data_ptr() == xs[0].data_ptr() and batch.numel() == xs[0].numel():
-            results[first_i] = _flat_copy(ortho)  # the whole input: a view when wide
-            continue
-        if all(a == 0 and n == x.numel() for x, (_, a) in zip(xs, members, strict=True)) and \
-                len({i for i, _ in members}) == len(members):  # whole inputs: views of one copy
-            for (i, _), o in zip(members, _flat_copy(ortho).view(len(members), n).unbind(0), strict=True):
+                    _result(results, i, updates[i])[a:a + n].view(sb.rows, sb.cols).copy_(ortho)
+        elif sb.covers == "input":
+            results[sb.members[0][0]] = _flat_copy(sb.ortho)  # the whole input: a view when wide
+        elif sb.covers == "each":  # whole inputs: views of one copy
+            flat = _flat_copy(sb.ortho).view(len(sb.members), n)
+            for (i, _, _), o in zip(sb.members, flat.unbind(0), strict=True):
                 results[i] = o
-            continue
-        for j, (i, a) in enumerate(members):
-            _result(results, i, updates[i])[a:a + n].view(rows, cols).copy_(ortho[j])
+        else:
+            for j, (i, _, a) in enumerate(sb.members):
+                _result(results, i, updates[i])[a:a + n].view(sb.rows, sb.cols).copy_(sb.ortho[j])
     for i, r in enumerate(results):
         if r is None:  # no blocks
             results[i] = torch.empty(0, dtype=torch.bfloat16, device=updates[i].device)
+    return results  # type: ignore[return-value]
+
+
+def normuon_orthogonalise_batched(
+    updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
+    variances: Sequence[Sequence[torch.Tensor]], beta2: float, dtype: torch.dtype,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+) -> list[torch.Tensor]:
+    """NorMuon's orthogonalization of a bucket: :func:`muon_orthogonalise_batched`, then
+    ``_math.normuon_normalize_blocks`` of each input with ``variances[i]`` (one per block
+    of ``blocks[i]``, updated in place), bit for bit; returns 1-D ``dtype`` tensors. The
+    blocks of one shape are normalized in one batch where :func:`normuon_batch_exact`
+    says it gives the per-block bits ([Note: batched NorMuon normalization]), straight
+    from Newton-Schulz's batch into the results (no bfloat16 copy in between)."""
+    results: list[torch.Tensor | None] = [None] * len(updates)
+    threads = torch.get_num_threads()
+    for sb in _newton_schulz_by_shape(updates, blocks, ns_coefficients, ns_steps, eps):
+        rows, cols, k = sb.rows, sb.cols, len(sb.members)
+        n = rows * cols
+        vs = [variances[i][j] for i, j, _ in sb.members]
+        device = updates[sb.members[0][0]].device
+        if isinstance(sb.ortho, list) or not normuon_batch_exact(k, rows, cols, dtype, device, beta2, threads):
+            for m, ((i, _, a), v) in enumerate(zip(sb.members, vs, strict=True)):
+                dst = _result(results, i, updates[i], dtype)[a:a + n].view(rows, cols)
+                normuon_normalize_(sb.ortho[m], v, beta2, out=dst)
+            continue
+        if sb.covers == "input":
+            i = sb.members[0][0]
+            dst = results[i] = torch.empty(k * n, dtype=dtype, device=device)
+            normuon_normalize_batched_(sb.ortho, vs, beta2, out=dst.view(k, rows, cols))
+        elif sb.covers == "each":  # whole inputs: views of one buffer
+            dst = torch.empty(k, n, dtype=dtype, device=device)
+            normuon_normalize_batched_(sb.ortho, vs, beta2, out=dst.view(k, rows, cols))
+            for (i, _, _), o in zip(sb.members, dst.unbind(0), strict=True):
+                results[i] = o
+        else:
+            dst = normuon_normalize_batched_(sb.ortho, vs, beta2)
+            for m, (i, _, a) in enumerate(sb.members):
+                _result(results, i, updates[i], dtype)[a:a + n].view(rows, cols).copy_(dst[m])
+    for i, r in enumerate(results):
+        if r is None:  # no blocks
+            results[i] = torch.empty(0, dtype=dtype, device=updates[i].device)
     return results  # type: ignore[return-value]
 
 
@@ -540,11 +621,12 @@ def _whole_blocks(it: StepItem, plan: _MuonPlan, start: int, length: int) -> lis
     return found
 
 
-def _result(results: list[torch.Tensor | None], i: int, x: torch.Tensor) -> torch.Tensor:
-    """Input ``i``'s bfloat16 Newton-Schulz result (1-D, the length of ``x``)."""
+def _result(results: list[torch.Tensor | None], i: int, x: torch.Tensor,
+            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Input ``i``'s result (1-D, the length of ``x``; bfloat16: Newton-Schulz's)."""
     res = results[i]
     if res is None:
-        res = results[i] = torch.empty(x.numel(), dtype=torch.bfloat16, device=x.device)
+        res = results[i] = torch.empty(x.numel(), dtype=dtype, device=x.device)
     return res
 
 

@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math._muon import normuon_normalize_blocks
 from vefsdp_optim._math._newton_schulz import NsCoefficients
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import RaggedShard
 
 from ._adam_state import adam_state_spec
 from ._block_optimizer import BlockOptimizer
-from ._muon import Muon, _MuonPlan, muon_defaults
+from ._muon import Muon, _MuonPlan, _ns_args, muon_defaults, normuon_orthogonalise_batched
 from ._registry import register_optimizer
 from ._state_format import LOCAL
 from ._step_loop import StepItem
@@ -160,15 +159,19 @@ class NorMuon(Muon):
     def _update_dtype(self, item: StepItem) -> torch.dtype:
         return torch.promote_types(item.view.local.dtype, torch.float32)
 
-    def _post_orthogonalise(self, item: StepItem, plan: _MuonPlan, start: int, ortho: torch.Tensor) -> torch.Tensor:
-        state, dtype = self.state[item.param], self._update_dtype(item)
-        blocks, variances = [], []  # this slice's blocks, with their row second moments
-        for b in plan.span(start, ortho.numel()):
-            (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
-            key = f"{_VARIANCE}{b}"
-            v = state.get(key)
-            if v is None:  # the block's first step
-                v = state[key] = torch.zeros(rows, dtype=dtype, device=ortho.device)
-            blocks.append((a, rows, cols))
-            variances.append(v)
-        return normuon_normalize_blocks(ortho, blocks, variances, item.group["muon_beta2"], dtype)
+    def _orthogonalise(self, where: list[tuple[StepItem, _MuonPlan, int]], updates: list[torch.Tensor],
+                       blocks: list[list[tuple[int, int, int]]]) -> list[torch.Tensor]:
+        variances = []  # per slice, the row second moment of each of its blocks
+        for (item, plan, start), x in zip(where, updates, strict=True):
+            state, dtype = self.state[item.param], self._update_dtype(item)
+            vs = []
+            for b in plan.span(start, x.numel()):
+                key = f"{_VARIANCE}{b}"
+                v = state.get(key)
+                if v is None:  # the block's first step
+                    v = state[key] = torch.zeros(plan.blocks[b][0], dtype=dtype, device=x.device)
+                vs.append(v)
+            variances.append(vs)
+        group = where[0][0].group
+        return normuon_orthogonalise_batched(updates, blocks, variances, group["muon_beta2"],
+                                             self._update_dtype(where[0][0]), *_ns_args(group))

@@ -17,9 +17,10 @@ slice, the exchange. Where batching across blocks is needed for speed, the batch
 is the same function on each block, bit for bit (tests/test_math_functional.py):
 ``adam_foreach_`` (torch's multi-tensor Adam over a bucket) and ``adamw_step_`` over a
 whole flat store; the fused 8-bit kernels inside ``adam8bit_block_step_``; Muon's
-batched Newton-Schulz (``muon_orthogonalise_batched`` in _muon.py). Muon runs its step
-in three phases on different ranks ([Note: Muon's phases] in _muon.py here), each a
-function that ``muon_step_`` composes.
+batched Newton-Schulz (``muon_orthogonalise_batched`` in _muon.py) and NorMuon's batched
+normalization (``normuon_normalize_batched_``, run by ``normuon_orthogonalise_batched``).
+Muon runs its step in three phases on different ranks ([Note: Muon's phases] in _muon.py
+here), each a function that ``muon_step_`` composes.
 
 Also here: Newton-Schulz (with Polar Express's coefficients), NorMuon's normalization,
 block-wise 8-bit quantization with a dynamic code map, Shampoo's inverse roots and

@@ -23,7 +23,10 @@ tensor, and each block is orthogonalised whole, so the sharded step is this func
 at any world size. The step loop orthogonalises a bucket's blocks with the batched form
 of ``muon_orthogonalise``, ``muon_orthogonalise_batched`` in _muon.py (one batched
 Newton-Schulz per block shape across parameters, only where ``newtonschulz_batch_exact``
-has checked it gives the per-block bits): the same result, bit for bit, tested in
+has checked it gives the per-block bits), and NorMuon's blocks with
+``normuon_orthogonalise_batched`` there (that, then one batched normalization per block
+shape where ``normuon_batch_exact`` has checked it: [Note: batched NorMuon
+normalization] in _normuon.py): the same results, bit for bit, tested in
 tests/test_math_functional.py.
 """
 

@@ -18,14 +18,41 @@ which ``mean_j O_ij^2 = r_i^2 / n``, ``||O||_F = ||r||`` and ``||Ô||_F = ||r / 
 ``d = sqrt(v) + eps`` follow), and one multiplication of each row by
 ``||O||_F / (max(||Ô||_F, eps) d_i)``; Dion's op order (a pass per product and norm) gives
 the same values up to float32 rounding.
+
+[Note: batched NorMuon normalization] ``normuon_normalize_batched_`` normalizes k
+matrices of one shape with the ops of ``normuon_normalize_`` on the (k, rows, cols)
+stack, about 12 ops in all in place of 12 per matrix (the step loop's owner normalizes
+a bucket's same-shape blocks so). Each op gives every matrix the bits it gets alone:
+the cast, the squares, divisions, square roots, the broadcast product and the clamp
+are elementwise with one IEEE rounding per element, wherever it sits in a vector loop;
+the running average is ``lerp`` on each moment tensor itself (``_foreach_lerp_``: per
+tensor on the CPU, the per-tensor kernels' place of every element in the vector loop
+kept); what remains are the reductions along the last dim of contiguous tensors (the
+row norms of (k, rows, cols), the norms of the (k, rows) row-norm vectors), which the
+CPU's last-dim kernel reduces one row at a time (measured at 1 and 2 threads: tests/
+test_normuon.py); on another device a kernel may split a row differently for another
+number of rows. A tall Newton-Schulz batch is a transposed view: it is transposed one
+matrix at a time in bfloat16 (torch's fast transpose needs one dtype), then cast, which
+costs about half of a direct cast-and-transpose. So, as for Newton-Schulz ([Note:
+batched Newton-Schulz] in _newton_schulz.py), the bits are checked, not assumed:
+``normuon_batch_exact`` compares the two on a random stack once per (batch, shape,
+dtype, device, beta2, threads), on full-precision values (the squares of bfloat16 values,
+Newton-Schulz's, often sum exactly in float32 whatever the order, and would hide one),
+and refuses blocks with a side below ``BATCH_MIN_DIM`` (a sum of fewer terms may round
+alike in two orders on the probe and not on the data).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-__all__ = ["NORMUON_EPS", "normuon_normalize_"]
+from ._newton_schulz import BATCH_MIN_DIM
+
+__all__ = ["NORMUON_EPS", "normuon_batch_exact", "normuon_normalize_", "normuon_normalize_batched_"]
 
 NORMUON_EPS = 1e-8  # Dion's constant, in the denominator and the norm's clamp
 
@@ -71,3 +98,79 @@ def normuon_normalize_(
     new_norm = torch.linalg.vector_norm(row / denom).clamp_(min=eps)  # ||O / denom||_F
     u.mul_((torch.linalg.vector_norm(row) / new_norm / denom).unsqueeze(-1))
     return u
+
+
+def normuon_normalize_batched_(
+    ortho: Tensor, variances: Sequence[Tensor], beta2: float, eps: float = NORMUON_EPS, out: Tensor | None = None,
+) -> Tensor:
+    """:func:`normuon_normalize_` of each ``ortho[i]`` with ``variances[i]``, in batched
+    ops ([Note: batched NorMuon normalization]): the same bits where
+    :func:`normuon_batch_exact` says so.
+
+    Args:
+        ortho: (k, rows, cols), any float dtype and strides (a tall Newton-Schulz batch is
+            a transposed view); not modified.
+        variances: k (rows,) row second moments of one dtype, float32 or wider: updated in
+            place.
+        out: a contiguous (k, rows, cols) tensor of the variances' dtype; a new one when None.
+
+    Returns:
+        ``out`` (or the new tensor): the normalized updates.
+    """
+    if ortho.ndim != 3:
+        raise ValueError(f"ortho must be a (k, rows, cols) batch, got shape {tuple(ortho.shape)}")
+    k, rows, cols = ortho.shape
+    if len(variances) != k:
+        raise ValueError(f"{len(variances)} row second moments for a batch of {k} matrices")
+    dtype = variances[0].dtype if variances else torch.float32
+    bad = [tuple(v.shape) for v in variances if v.shape != (rows,) or v.dtype != dtype]
+    if bad or not dtype.is_floating_point or dtype.itemsize < 4:
+        raise ValueError(f"variances must be ({rows},) tensors of one float dtype, float32 or wider, got "
+                         f"{dtype} and shapes {bad[:4]}")
+    if not 0.0 <= beta2 <= 1.0:
+        raise ValueError(f"beta2 must be in [0, 1], got {beta2}")
+    if out is None:
+        out = torch.empty(ortho.shape, dtype=dtype, device=ortho.device)
+    elif out.shape != ortho.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(ortho.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
+    if k == 0:
+        return out
+    if ortho.device.type == "cpu" and not ortho.is_contiguous():
+        # a tall batch (transposed): torch's CPU copy transposes fast only one matrix at a
+        # time and within one dtype, so transpose each in its dtype first, then cast all
+        src = ortho if ortho.dtype == dtype else torch.empty(ortho.shape, dtype=ortho.dtype, device=ortho.device)
+        dst = out if ortho.dtype == dtype else src
+        for i in range(k):
+            dst[i].copy_(ortho[i])
+        if dst is not out:
+            out.copy_(dst)
+    else:
+        out.copy_(ortho)
+    row = torch.linalg.vector_norm(out, dim=-1)  # (k, rows): ||O_i.|| of each matrix
+    torch._foreach_lerp_(list(variances), list((row.square() / cols).unbind(0)), 1 - beta2)
+    denom = torch.stack(list(variances)).sqrt_().add_(eps)  # (k, rows)
+    new_norm = torch.linalg.vector_norm(row / denom, dim=-1, keepdim=True).clamp_(min=eps)  # (k, 1)
+    out.mul_((torch.linalg.vector_norm(row, dim=-1, keepdim=True) / new_norm / denom).unsqueeze(-1))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def normuon_batch_exact(batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                        beta2: float, threads: int) -> bool:
+    """Whether :func:`normuon_normalize_batched_` gives, for ``batch`` matrices of ``rows x
+    cols`` normalized in ``dtype`` on ``device`` with ``threads`` intra-op threads, the
+    bits of :func:`normuon_normalize_` on each ([Note: batched NorMuon normalization]):
+    checked once on a fixed random stack; never below ``BATCH_MIN_DIM``."""
+    if batch < 2 or min(rows, cols) < BATCH_MIN_DIM:
+        return False
+    g = torch.Generator().manual_seed(rows * 1_000_003 + cols * 7 + batch)
+    # full-precision values: the squares of bfloat16 ones sum exactly in float32 in any
+    # order (short mantissas), so a bfloat16 probe would not show a summation order
+    probe = torch.randn(batch, rows, cols, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    start = torch.rand(batch, rows, generator=g).to(device=device, dtype=dtype)
+    want_v = [v.clone() for v in start]
+    want = torch.stack([normuon_normalize_(m, v, beta2) for m, v in zip(probe, want_v, strict=True)])
+    got_v = [v.clone() for v in start]
+    got = normuon_normalize_batched_(probe, got_v, beta2)
+    return bool(torch.equal(got, want)) and all(torch.equal(a, b) for a, b in zip(got_v, want_v, strict=True))
