@@ -29,6 +29,7 @@ steps include that compilation.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -48,6 +49,7 @@ from ._common import (
     stats,
 )
 from .bench_muon_dion import DION_ENV, cpu_flags, dion_src
+from .bench_muon_sweep import _interleave_cpu
 
 WORLD = 2
 D = 256
@@ -103,8 +105,9 @@ def _worker(steps: int, comparison: str, case: str, src: str) -> dict:
     ours_fs = ours(list(probe.parameters()))
     probe(grads).backward()
     runners = {"ours_fully_shard": ours_fs.step, "ours_fsdp2": ours(fsdp2()).step, "dion_fsdp2": peer.step}
-    times = interleave(runners, steps, warmup=3, group=dist.group.WORLD, device=device)
-    return {"times": times}
+    interleave(runners, 0, warmup=3, group=dist.group.WORLD, device=device)
+    load = os.getloadavg()[0]
+    return {"times": _interleave_cpu(runners, steps, device), "load": load}
 
 
 def _row(comparison: str, case: str, steps: int, src: str, repeats: int) -> dict:
@@ -119,8 +122,11 @@ def _row(comparison: str, case: str, steps: int, src: str, repeats: int) -> dict
         "dion_fsdp2_ms": stats(t["dion_fsdp2"], 1e3),
         "ratio_fsdp2_vs_dion": paired_ratio(t["ours_fsdp2"], t["dion_fsdp2"]),
         "ratio_fully_shard_vs_dion": paired_ratio(t["ours_fully_shard"], t["dion_fsdp2"]),
+        "cpu_ratio_fsdp2_vs_dion": paired_ratio(t["ours_fsdp2:cpu"], t["dion_fsdp2:cpu"]),
+        "cpu_ratio_fully_shard_vs_dion": paired_ratio(t["ours_fully_shard:cpu"], t["dion_fsdp2:cpu"]),
         "run_medians_fsdp2": [round(paired_ratio(r[0]["times"]["ours_fsdp2"],
                                                  r[0]["times"]["dion_fsdp2"])["median"], 3) for r in runs],
+        "load": [round(r[0]["load"], 1) for r in runs],
     }
 
 
@@ -148,7 +154,10 @@ def run(quick: bool = True) -> dict:
         "sweep: " + "; ".join(f"{c}: {len(s)} x {sorted(set(s))}{' (experts, flatten=False)' if e else ''}"
                               for c, (s, e) in SWEEP.items()),
         "ratios: median (p25-p75) of per-step ratios ours / Dion, pooled over runs; summary: geometric "
-        "mean and worst case of the cases' medians",
+        "mean and worst case of the cases' medians; cpu_ratio: the same with each step's CPU time on the "
+        "rank's one compute thread (the slowest rank's: Python, copies and matmuls without the waits for "
+        "peers and the scheduler, which a loaded machine stretches; gloo's transport threads not counted); "
+        "load: 1-minute load average when each run's timing began",
         "CPU flags that set bf16 matmul speed: " + ", ".join(f"{k}={v}" for k, v in flags.items()),
         "Dion normalizes each rank's row shard of the orthogonalized update on FSDP2 (its Frobenius "
         "rescale uses the shard's norm: not the single-device result at W > 1); ours normalizes "
@@ -165,8 +174,9 @@ def run(quick: bool = True) -> dict:
     rows += [_row("polar_express", c, steps, src, repeats) for c in PE_CASES]
     if (nr := not_run_row(WORLD)) is not None:
         rows.append(nr)
-    summary = {f"{cmp}_{runner}": _summary(rows, cmp, f"ratio_{runner}_vs_dion")
-               for cmp in ("normuon", "polar_express") for runner in ("fsdp2", "fully_shard")}
+    summary = {f"{cmp}_{kind}{runner}": _summary(rows, cmp, f"{kind}ratio_{runner}_vs_dion")
+               for cmp in ("normuon", "polar_express") for runner in ("fsdp2", "fully_shard")
+               for kind in ("", "cpu_")}
     headline = [{"comparison": f"NorMuon on FSDP2 / dion.NorMuon on FSDP2, W={WORLD}, {r['case']}",
                  "ratio": r["ratio_fsdp2_vs_dion"]} for r in rows if r.get("comparison") == "normuon"]
     headline += [{"comparison": f"Muon (Polar Express) on FSDP2 / dion.Muon (use_polar_express) on FSDP2, "
