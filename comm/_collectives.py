@@ -54,13 +54,14 @@ class FlatWork(NamedTuple):
 # on gloo the flat collectives are point-to-point sends between every pair of ranks,
 # launched together (``batch_isend_irecv``), straight from and into the caller's
 # buffers: an all-gather sends this rank's shard to every peer and receives each peer's
-# shard into its place in the output (no copy); a reduce-scatter sends chunk p of its
-# input to rank p and receives every peer's chunk of this rank, then sums in rank order
-# on ``wait()``: ``((c_0 + c_1) + c_2) + ...``, the same on every rank and at every
-# world size the order of a single-device sum of the W contributions. The first
-# received chunk lands in the output itself (the first two terms of the sum commute
-# exactly), so at W = 2 no buffer is allocated, and (W - 2) m elements above (W m when
-# the output is a view of the input: an in-place reduce-scatter). Tags keep
+# shard into its place in the output (no copy); at W = 2 a reduce-scatter sends the
+# peer's chunk of its input to the peer, receives its own chunk from the peer into the
+# output, and adds its own chunk on ``wait()`` (no buffer; two terms sum alike in either
+# order, so the bits are those of ``c_0 + c_1``). At W >= 3 the reduce-scatter stays on
+# gloo's collective: received chunks would then need (W - 2) m elements of buffers of our
+# own (one run with them: peak live bytes 1.06x FSDP2's on the d=768 benchmark model at
+# W = 4, while gloo's collective copies its W m input where a live-bytes count does not
+# see it: RSS 0.50x), and fully_shard's peak live bytes are held at FSDP2's. Tags keep
 # them apart from other traffic; every rank launches the same flat collectives in the
 # same order (the plans are checked equal first), so sends and receives pair up. A
 # point-to-point message pays a rendezvous that a collective between two ranks does
@@ -128,36 +129,19 @@ def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
 
 def _reduce_scatter_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                         divide_by: int) -> PointToPointWork:
-    w, rank, m = group.size(), dist.get_rank(group), output.numel()
-    chunks = [input[p * m:(p + 1) * m] for p in range(w)]
-    first = 1 if rank == 0 else 0  # the peer whose chunk lands in the output
-    overlaps = _overlap(output, input)  # then every chunk is received aside, and summed aside
-    extra = output.new_empty((w if overlaps else w - 2) * m)
-    recvs, k = {}, 0
-    for p in range(w):
-        if p == rank:
-            continue
-        if p == first and not overlaps:
-            recvs[p] = output
-        else:
-            recvs[p], k = extra[k * m:(k + 1) * m], k + 1
-    works = _launch_p2p({p: chunks[p] for p in recvs}, recvs, group, _TAG_REDUCE_SCATTER)
+    """W = 2, ``output`` apart from ``input``: the peer's chunk of this rank is received
+    into the output, and this rank's own chunk added on ``wait()`` (two terms: their sum
+    is the same in either order)."""
+    rank, m = dist.get_rank(group), output.numel()
+    peer = 1 - rank
+    works = _launch_p2p({peer: input[peer * m:(peer + 1) * m]}, {peer: output}, group, _TAG_REDUCE_SCATTER)
 
     def epilogue() -> None:
-        terms = [chunks[p] if p == rank else recvs[p] for p in range(w)]
-        if overlaps:  # the output is this rank's own term: it is written last
-            acc = extra[(w - 1) * m:].copy_(terms[0])
-            for t in terms[1:-1]:
-                acc.add_(t)
-            torch.add(acc, terms[-1], out=output)
-        else:
-            for p in range(w):
-                if p != first:
-                    output.add_(terms[p])
+        output.add_(input[rank * m:(rank + 1) * m])
         if divide_by != 1:
             output.div_(divide_by)
 
-    return PointToPointWork(works, epilogue, (output, input, extra))
+    return PointToPointWork(works, epilogue, (output, input))
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -252,7 +236,7 @@ def reduce_scatter_flat(
             raise NotImplementedError(
                 f"op='avg' is supported for floating and complex dtypes, got {output.dtype}; use op='sum'")
         rop, divide_by = dist.ReduceOp.SUM, w
-    if _point_to_point(group, output) and rop == dist.ReduceOp.SUM:
+    if w == 2 and rop == dist.ReduceOp.SUM and _point_to_point(group, output) and not _overlap(output, input):
         p2p = _reduce_scatter_p2p(output, input, group, divide_by)
         if async_op:
             return FlatWork(p2p, 1, output)

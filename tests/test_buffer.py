@@ -138,8 +138,6 @@ def _buffer_checks(align: int) -> dict[str, object]:
     assert log.ops == bare_ag.ops, (log.ops, bare_ag.ops)
     assert log.ops.count("aten.copy_.default") <= 1, log.ops
     assert not any("cat" in op or "split" in op for op in log.ops), log.ops
-    if w > 2:  # point to point: no copy at all in the reduce-scatter (gloo's own splits and copies)
-        assert not any("copy" in op or "cat" in op or "split" in op for op in bare_rs.ops), bare_rs.ops
 
     # gradients: each rank contributes a distinct gradient; the reference sums them all
     grads = [_reference(100 + r) for r in range(w)]
@@ -203,12 +201,13 @@ def _buffer_checks(align: int) -> dict[str, object]:
 def test_buffer_gather_scatter_views(world_size: int) -> None:
     results = run_distributed(_buffer_checks, world_size, 1)
     assert len(results) == world_size
-    if world_size > 2:  # on gloo one send and one receive per peer; the reduce-scatter's W - 1 adds
-        for ops in (results[0]["ag_ops"], results[0]["rs_ops"]):
+    if world_size > 1:  # gloo: the all-gather sends to and receives from each peer at W > 2; below
+        # (small shards at W = 2) and for the reduce-scatter, gloo's own collective
+        ops = results[0]["ag_ops"]
+        if world_size > 2:
             assert ops.count("c10d.send.default") == ops.count("c10d.recv_.default") == world_size - 1, ops
-        assert sum(op.startswith("aten.add") for op in results[0]["rs_ops"]) == world_size - 1
-    elif world_size == 2:  # small shards at W = 2: gloo's own collectives
-        assert results[0]["ag_ops"] == ["c10d._allgather_base_.default"]
+        else:
+            assert ops == ["c10d._allgather_base_.default"], ops
         assert results[0]["rs_ops"][0] == "c10d._reduce_scatter_base_.default"
 
 

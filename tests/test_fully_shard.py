@@ -284,12 +284,32 @@ class _CountCopies(TorchDispatchMode):
     def _counted(self, name: str, fn):  # noqa: ANN001, ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             self.collectives[name] = self.collectives.get(name, 0) + 1
+            flat_work = self._inside_of(fn)(*args, **kwargs)
+            if flat_work is None:
+                return None
+            return flat_work._replace(work=_Waited(flat_work.work, self._inside_of))
+        return call
+
+    def _inside_of(self, fn):  # noqa: ANN001, ANN202
+        """``fn``, whose copies the counter does not count (a collective's own)."""
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             self._inside += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._inside -= 1
         return call
+
+
+class _Waited:
+    """A collective's handle whose ``wait()`` (where gloo's own collective copies its
+    results out) is inside the collective for _CountCopies."""
+
+    def __init__(self, work: object, inside) -> None:  # noqa: ANN001
+        self._work, self._inside = work, inside
+
+    def wait(self) -> bool:
+        return self._inside(self._work.wait)()
 
 
 def _copies(model: nn.Module, x: torch.Tensor) -> _CountCopies:
