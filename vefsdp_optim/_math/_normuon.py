@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._torch_compat import foreach_lerp_
 from ._newton_schulz import BATCH_MIN_DIM
 
 __all__ = ["NORMUON_EPS", "normuon_batch_exact", "normuon_normalize_", "normuon_normalize_batched_"]
@@ -148,7 +149,7 @@ def normuon_normalize_batched_(
     else:
         out.copy_(ortho)
     row = torch.linalg.vector_norm(out, dim=-1)  # (k, rows): ||O_i.|| of each matrix
-    torch._foreach_lerp_(list(variances), list((row.square() / cols).unbind(0)), 1 - beta2)
+    foreach_lerp_(list(variances), list((row.square() / cols).unbind(0)), 1 - beta2)
     denom = torch.stack(list(variances)).sqrt_().add_(eps)  # (k, rows)
     new_norm = torch.linalg.vector_norm(row / denom, dim=-1, keepdim=True).clamp_(min=eps)  # (k, 1)
     out.mul_((torch.linalg.vector_norm(row, dim=-1, keepdim=True) / new_norm / denom).unsqueeze(-1))
