@@ -246,12 +246,15 @@ def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: l
 # MALLOC_TRIM_THRESHOLD_=0 (the ranks inherit the environment; the notes list it) and
 # every freed block of 64 KiB or more goes back to the system: the RSS then follows the
 # bytes in use, the live peak plus what the live bytes do not see. One of those is
-# gloo's reduce-scatter, which runs as an all-reduce of a clone of its W*m input, the
+# gloo's own reduce-scatter, which runs as an all-reduce of a clone of its W*m input, the
 # clone held by the Work until it is dropped: FSDP2 waits for its reduce-scatter at
 # once on the CPU, fully_shard overlaps it with the next group's backward ([Note: async
 # reduce-scatter] in vefsdp_optim/_fsdp/_store.py), so one block's clone more is
-# resident during that backward. Under those settings (one quick run): RSS 1.00-1.01x
-# FSDP2's on gpt, 1.06x on gpt768 at W=2 and 1.11x at W=4, live bytes 1.00x throughout.
+# resident during that backward. At W = 2 fully_shard's reduce-scatter is point to
+# point and clones nothing ([Note: gloo flat collectives] in comm/_collectives.py).
+# Under those settings (one quick run): RSS 0.98-1.00x FSDP2's on gpt and on gpt768 at
+# W=2, 1.05x on gpt768 at W=4 (1.11x before the point-to-point all-gather), live bytes
+# 1.00x throughout.
 
 def _rss_now() -> int:
     """This process's resident set size in bytes (Linux), else its high-water mark."""
