@@ -253,7 +253,7 @@ def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: l
 # resident during that backward. At W = 2 fully_shard's reduce-scatter is point to
 # point and clones nothing ([Note: gloo flat collectives] in comm/_collectives.py).
 # Under those settings (one quick run): RSS 0.98-1.00x FSDP2's on gpt and on gpt768 at
-# W=2, 1.05x on gpt768 at W=4 (1.11x before the point-to-point all-gather), live bytes
+# W=2, 1.05x on gpt768 at W=4 (1.06x and 1.11x before, with gloo's collectives), live bytes
 # 1.00x throughout.
 
 def _rss_now() -> int:
