@@ -85,6 +85,7 @@ class PointToPointWork:
         self._epilogue = epilogue
         self._buffers = buffers  # read or written by the backend until wait()
 
+    @torch.compiler.disable  # point-to-point works are opaque to dynamo: the hooks run eagerly
     def wait(self) -> bool:
         for w in self._works:
             w.wait()
@@ -116,6 +117,7 @@ def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], 
     return dist.batch_isend_irecv(ops)
 
 
+@torch.compiler.disable
 def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> PointToPointWork:
     w, rank, m = group.size(), dist.get_rank(group), input.numel()
     mine = output[rank * m:(rank + 1) * m]
@@ -127,6 +129,7 @@ def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     return PointToPointWork(works, None, (output, input))
 
 
+@torch.compiler.disable
 def _reduce_scatter_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                         divide_by: int) -> PointToPointWork:
     """W = 2, ``output`` apart from ``input``: the peer's chunk of this rank is received

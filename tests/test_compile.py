@@ -45,5 +45,8 @@ def _compiled() -> dict[str, object]:
 def test_compiled_blocks_train_as_eager(world_size: int) -> None:
     for res in run_distributed(_compiled, world_size, timeout=300):
         assert res["frames"] and res["diff"] < 1e-6, res
-        # the breaks are in fully_shard's hooks (docs/fully_shard.md: "Using it in a training framework")
-        assert all("resize_" in k or "nbytes" in k or "Parameter" in k for k in res["graph_breaks"]), res
+        # the breaks are in fully_shard's hooks (docs/fully_shard.md: "Using it in a training framework"),
+        # and at gloo's point-to-point collectives (at W = 3), which dynamo is told to skip
+        assert all("resize_" in k or "nbytes" in k or "Parameter" in k
+                   or ("torch.compiler.disable" in k and ("_p2p" in k or "PointToPointWork" in k))
+                   for k in res["graph_breaks"]), res
