@@ -77,7 +77,9 @@ bench-full: $(STAMP)
 
 # On a machine with a CUDA GPU: the tests with VEFSDP_TEST_DEVICE=cuda, the GPU
 # benchmarks and the GPU section of benchmarks/REPORT.md, in a venv with a CUDA torch
-# (.venv-gpu, or GPU_PYTHON=...). Without a CUDA device it says so and exits 0 at once.
+# (GPU_PYTHON=..., else this python where its torch sees the GPU, else .venv-gpu; on a
+# torch below our range only the math layer's kernels: benchmarks/_math_only.py).
+# Without a CUDA device it says so and exits 0 at once.
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py
 

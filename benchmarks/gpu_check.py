@@ -4,11 +4,15 @@
 
 1. Looks for a CUDA device with ``nvidia-smi -L`` (no torch needed). None: prints that
    there is no CUDA device and exits 0 at once.
-2. Picks a python with a CUDA build of torch: ``$GPU_PYTHON`` if set, else the venv
-   ``.venv-gpu`` (made on first use: ``torch==2.13.0`` from the package index, which is
-   the CUDA build on Linux, and this package with the dev, triton and bench extras). It
-   exits 1 if that torch cannot see the GPU.
-3. Runs the whole test suite with ``VEFSDP_TEST_DEVICE=cuda``: the tests that take the
+2. Picks a python with a CUDA build of torch: ``$GPU_PYTHON`` if set, else the python
+   running this script where its torch sees the GPU (a machine whose image has a CUDA
+   torch and no package index), else the venv ``.venv-gpu`` (made on first use:
+   ``torch==2.13.0`` from the package index, which is the CUDA build on Linux, and this
+   package with the dev, triton and bench extras). It exits 1 if that torch cannot see
+   the GPU. The checkout is put first on ``PYTHONPATH``, so an uninstalled checkout
+   runs; a torch outside the declared range is named in the report.
+3. Runs the test suite with ``VEFSDP_TEST_DEVICE=cuda`` (``--pytest-args`` adds
+   arguments, e.g. ``"-m 'not slow' -n 8"``): the tests that take the
    ``device`` fixture (the Triton 8-bit kernel against the C++ kernel and the eager ops,
    bit for bit) run on the GPU, every other test as on the CPU (distributed ones on gloo
    CPU ranks). The skipped tests and their reasons are printed and reported.
@@ -33,11 +37,13 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +71,19 @@ def cuda_devices() -> list[str]:
     return [ln.strip() for ln in r.stdout.splitlines() if ln.startswith("GPU ")] if r.returncode == 0 else []
 
 
+def _sees_cuda(py: str) -> bool:
+    r = subprocess.run([py, "-c", "import torch; print(torch.cuda.is_available())"],
+                       capture_output=True, text=True)
+    return r.returncode == 0 and r.stdout.strip().endswith("True")
+
+
 def _gpu_python() -> str:
-    """``$GPU_PYTHON``, else ``.venv-gpu``'s python (made and installed on first use)."""
+    """``$GPU_PYTHON``, else this python where its torch sees the GPU, else
+    ``.venv-gpu``'s python (made and installed on first use)."""
     if os.environ.get("GPU_PYTHON"):
         return os.environ["GPU_PYTHON"]
+    if _sees_cuda(sys.executable):
+        return sys.executable
     py = VENV / "bin" / "python"
     stamp = VENV / ".deps-stamp"
     if not stamp.exists():
@@ -92,6 +107,7 @@ def outer(argv: list[str]) -> int:
         return 0
     print("gpu-check: CUDA devices:", *devices, sep="\n  ")
     py = _gpu_python()
+    _install_checkout(py)
     probe = subprocess.run([py, "-c", "import torch; print(torch.__version__, torch.version.cuda, "
                             "torch.cuda.is_available())"], capture_output=True, text=True)
     if probe.returncode != 0 or not probe.stdout.strip().endswith("True"):
@@ -99,21 +115,47 @@ def outer(argv: list[str]) -> int:
               f"{probe.stderr.strip()[-300:]}); set GPU_PYTHON to a python with a CUDA build "
               "of torch", file=sys.stderr)
         return 1
-    return subprocess.run([py, "-m", "benchmarks.gpu_check", "--inside", *argv], cwd=ROOT).returncode
+    return subprocess.run([py, "-m", "benchmarks.gpu_check", "--inside", *argv], cwd=ROOT,
+                          env=_env()).returncode
+
+
+def _install_checkout(py: str) -> None:
+    """``pip install --no-deps -e`` this checkout into ``py``'s environment where it is
+    not installed there (the top-level ``sharding/`` and ``comm/`` folders become
+    ``vefsdp_optim.sharding`` and ``vefsdp_optim.comm`` only through the install)."""
+    probe = subprocess.run([py, "-c", "import importlib.metadata as m; m.distribution('vefsdp-optim')"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "-e", str(ROOT)], check=True)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment of the inner runs: the checkout first on ``PYTHONPATH``."""
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 # -- inside: a python with a CUDA torch -----------------------------------------------
 
 
-def run_tests() -> dict[str, Any]:
-    """The whole suite with VEFSDP_TEST_DEVICE=cuda; counts, skip reasons, the failures."""
+# The tests that need nothing beyond vefsdp_optim._math (math-only mode, see
+# benchmarks/_math_only.py): the Triton kernel against the C++ kernel and the eager ops.
+MATH_ONLY_TESTS = ["-p", "benchmarks._math_only", "tests/test_adam8bit_triton.py", "-k",
+                   "triton_equals or bf16_param or compiles_for_cuda"]
+
+
+def run_tests(extra_args: list[str], math_only: bool = False) -> dict[str, Any]:
+    """The suite (or, ``math_only``, the math layer's GPU tests) with
+    VEFSDP_TEST_DEVICE=cuda; counts, skip reasons, the failures."""
     OUT.mkdir(parents=True, exist_ok=True)
     log = OUT / "tests.log"
-    env = {**os.environ, "VEFSDP_TEST_DEVICE": "cuda"}
+    env = _env(VEFSDP_TEST_DEVICE="cuda")
+    what = MATH_ONLY_TESTS if math_only else ["tests"]
     t0 = time.monotonic()
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "tests"], cwd=ROOT,
-                            env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", *extra_args, *what],
+                            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     text = log.read_text()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)",
                                                  text.splitlines()[-1] if text else "")}
@@ -121,24 +163,63 @@ def run_tests() -> dict[str, Any]:
     failures = re.findall(r"^(?:FAILED|ERROR) (.*)$", text, re.M)
     print(text[-4000:])
     return dict(returncode=rc, wall_s=time.monotonic() - t0, counts=counts, skipped=skips,
-                failures=failures, log=str(log.relative_to(ROOT)))
+                failures=failures, log=str(log.relative_to(ROOT)), args=[*extra_args, *what])
 
 
-def bench_large(steps: int, warmup: int = 3) -> dict[str, Any]:
+class _MathAdamW8bit:
+    """AdamW8bit's defaults stepped through ``adam8bit_block_step_`` itself, one call per
+    tensor (math-only mode: the optimizer class cannot import on this torch)."""
+
+    def __init__(self, params: list[Any], lr: float, fused: bool | None = None,
+                 block_size: int = 256) -> None:
+        from vefsdp_optim._math import dynamic_code_map, quantize_blockwise
+        from vefsdp_optim._math._quant8 import TableQuantizer
+
+        self.params, self.lr, self.fused, self.bs, self.t = params, lr, fused, block_size, 0
+        dev = params[0].device
+        self.codes = dynamic_code_map(True).to(dev), dynamic_code_map(False).to(dev)
+        self.quantizers = TableQuantizer(self.codes[0]), TableQuantizer(self.codes[1])
+        self.state = []
+        for p in params:
+            zero = p.detach().new_zeros(p.numel())
+            m, v = quantize_blockwise(zero, self.codes[0], block_size), quantize_blockwise(
+                zero, self.codes[1], block_size)
+            self.state.append((*m, *v))
+
+    def step(self) -> None:
+        from vefsdp_optim._math import adam8bit_block_step_
+
+        self.t += 1
+        for p, s in zip(self.params, self.state, strict=True):
+            adam8bit_block_step_(p.data.view(-1), p.grad.view(-1), *s, step=self.t, lr=self.lr,
+                                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                                 decoupled=True, block_size=self.bs, signed_code=self.codes[0],
+                                 unsigned_code=self.codes[1], quantizers=self.quantizers,
+                                 fused=self.fused)
+
+
+def bench_large(steps: int, warmup: int = 3, math_only: bool = False) -> dict[str, Any]:
     """AdamW8bit on ~101 M parameters against torch's fused AdamW and the peers', one
-    optimizer at a time on fresh parameters (the same values and gradients for each)."""
+    optimizer at a time on fresh parameters (the same values and gradients for each).
+    ``math_only``: ours is ``adam8bit_block_step_`` per tensor, not the class."""
     import torch
 
-    import vefsdp_optim
     from vefsdp_optim._math._quant8_backend import select_backend
 
     shapes = [(4096, 3072)] * 8 + [(4096,)] * 8
     numel = sum(torch.Size(s).numel() for s in shapes)
     makers: dict[str, Any] = {
         "torch.optim.AdamW (fused)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        "vefsdp_optim.AdamW8bit": lambda ps: vefsdp_optim.AdamW8bit(ps, lr=1e-3),
-        "vefsdp_optim.AdamW8bit (eager)": lambda ps: vefsdp_optim.AdamW8bit(ps, lr=1e-3, fused=False),
     }
+    if math_only:
+        makers["vefsdp_optim.AdamW8bit"] = lambda ps: _MathAdamW8bit(ps, lr=1e-3)
+        makers["vefsdp_optim.AdamW8bit (eager)"] = lambda ps: _MathAdamW8bit(ps, lr=1e-3, fused=False)
+    else:
+        import vefsdp_optim
+
+        makers["vefsdp_optim.AdamW8bit"] = lambda ps: vefsdp_optim.AdamW8bit(ps, lr=1e-3)
+        makers["vefsdp_optim.AdamW8bit (eager)"] = lambda ps: vefsdp_optim.AdamW8bit(
+            ps, lr=1e-3, fused=False)
     rows, notes = [], []
     try:
         import bitsandbytes as bnb
@@ -190,13 +271,16 @@ def bench_large(steps: int, warmup: int = 3) -> dict[str, Any]:
         for name, ts in times.items():
             if name != ours:
                 ratios[f"{ours} / {name}"] = statistics.median(times[ours]) / statistics.median(ts)
+    if math_only:
+        notes.append("math-only mode: ours is adam8bit_block_step_ called per tensor with "
+                     "AdamW8bit's defaults (the optimizer class cannot import on this torch)")
     return dict(numel=numel, steps=steps, warmup=warmup, rows=rows, ratios=ratios, notes=notes,
                 backend=select_backend("cuda", 256))
 
 
-def run_suite_benches(timeout: int) -> list[dict[str, Any]]:
+def run_suite_benches(timeout: int, benches: Sequence[str]) -> list[dict[str, Any]]:
     out = []
-    for mod in SUITE_BENCHES:
+    for mod in benches:
         if mod == "bench_muon_dion" and not os.environ.get("VEFSDP_DION_SRC"):
             out.append(dict(bench=mod, skipped="VEFSDP_DION_SRC (Dion's source) is not set"))
             continue
@@ -204,7 +288,7 @@ def run_suite_benches(timeout: int) -> list[dict[str, Any]]:
         t0 = time.monotonic()
         try:
             r = subprocess.run([sys.executable, "-m", f"benchmarks.{mod}", "--quick", "--out", str(path)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                               cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
             ok, err = r.returncode == 0, r.stderr.strip()[-500:]
         except subprocess.TimeoutExpired:
             ok, err = False, f"timed out after {timeout} s"
@@ -230,11 +314,15 @@ def render(info: dict[str, Any], tests: dict[str, Any] | None, large: dict[str, 
     lines = [BEGIN, "## GPU (make gpu-check)", "",
              f"Device: **{info['device']}** x {info['count']}, torch {info['torch']} (CUDA "
              f"{info['cuda']}), triton {info['triton']}, {info['date']}.", ""]
+    if info.get("torch_note"):
+        lines += [info["torch_note"], ""]
     if tests is None:
         lines += ["Tests: not run (--skip-tests).", ""]
     else:
         c = tests["counts"]
-        lines += [f"Tests (`VEFSDP_TEST_DEVICE=cuda pytest tests`, {tests['wall_s']:.0f} s): "
+        args = " ".join(shlex.quote(x) for x in tests.get("args", ["tests"]))
+        lines += [f"Tests (`VEFSDP_TEST_DEVICE=cuda pytest {args}`, "
+                  f"{tests['wall_s']:.0f} s): "
                   + ", ".join(f"{v} {k}" for k, v in c.items()) + f"; log: `{tests['log']}`.", ""]
         lines += [f"- failed: {f}" for f in tests["failures"]]
         lines += [f"- skipped: {s}" for s in tests["skipped"]] + [""]
@@ -254,6 +342,12 @@ def render(info: dict[str, Any], tests: dict[str, Any] | None, large: dict[str, 
             lines += ["", _table(b["rows"]), ""] + [f"- {n}" for n in b.get("notes", [])] + [""]
     lines.append(END)
     return "\n".join(lines) + "\n"
+
+
+def _declared_range() -> str:
+    """pyproject.toml's torch pin (read as text: the package may not import)."""
+    m = re.search(r'"torch\s*([^"]+)"', (ROOT / "pyproject.toml").read_text())
+    return m.group(1) if m else "?"
 
 
 def write_report(section: str) -> None:
@@ -277,12 +371,32 @@ def inside(a: argparse.Namespace) -> int:
     info = dict(device=torch.cuda.get_device_name(0), count=torch.cuda.device_count(),
                 torch=torch.__version__, cuda=torch.version.cuda, triton=tv,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    math_only = False
+    try:
+        import vefsdp_optim  # noqa: F401
+    except ImportError as e:
+        # e.g. torch 2.11 (a machine's own CUDA build, no package index to install one):
+        # torch.distributed.fsdp lacks names the FSDP layer imports; the math layer runs
+        math_only = True
+        info["torch_note"] = (
+            f"**Math-only mode**: vefsdp_optim does not import on torch {torch.__version__} "
+            f"(`{type(e).__name__}: {e}`; the declared range is "
+            f"{_declared_range()}), and this machine had no other CUDA torch. Checked: the "
+            "math layer's GPU tests (the Triton 8-bit kernel against the C++ kernel and "
+            "the eager ops) and the step of `adam8bit_block_step_` per tensor; not checked: "
+            "the optimizer classes, FSDP and the rest of the suite on the GPU.")
+        sys.modules.pop("vefsdp_optim", None)
+        import benchmarks._math_only  # noqa: F401
     OUT.mkdir(parents=True, exist_ok=True)
-    tests = None if a.skip_tests else run_tests()
+    tests = None if a.skip_tests else run_tests(shlex.split(a.pytest_args), math_only)
     large = suite = None
     if not a.skip_bench:
-        large = bench_large(a.steps)
-        suite = run_suite_benches(a.bench_timeout)
+        large = bench_large(a.steps, math_only=math_only)
+        benches = [b for b in a.benches.split(",") if b]
+        unknown = sorted(set(benches) - set(SUITE_BENCHES))
+        if unknown:
+            raise ValueError(f"--benches: unknown {unknown}; accepted: {', '.join(SUITE_BENCHES)}")
+        suite = [] if math_only else run_suite_benches(a.bench_timeout, benches)
     section = render(info, tests, large, suite or [])
     (OUT / "gpu_section.md").write_text(section)
     (OUT / "results.json").write_text(json.dumps(dict(info=info, tests=tests, large=large, suite=suite),
@@ -301,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--steps", type=int, default=20, help="timed steps of the 101 M bench")
     ap.add_argument("--bench-timeout", type=int, default=1800, help="seconds per suite benchmark")
+    ap.add_argument("--pytest-args", default="", help="more pytest arguments, one shell string")
+    ap.add_argument("--benches", default=",".join(SUITE_BENCHES),
+                    help=f"comma-separated suite benchmarks (default all: {','.join(SUITE_BENCHES)})")
     a = ap.parse_args(argv)
     if not a.inside:
         return outer([x for x in argv if x != "--inside"])

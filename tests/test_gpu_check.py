@@ -51,3 +51,29 @@ def test_gpu_section_replaces_the_previous_one(tmp_path, monkeypatch):
     assert text.startswith("# Benchmarks\n\nCPU tables\n")
     assert text.count(gpu_check.BEGIN) == 1 and text.count(gpu_check.END) == 1
     assert "**NVIDIA H100 80GB HBM3**" in text and "0.900" in text and "needs 2 GPUs" in text
+
+
+def test_math_only_mode_imports_the_math_layer_without_the_package(tmp_path):
+    """On a torch where the FSDP layer cannot import, benchmarks/_math_only.py still gives
+    the math layer (the 8-bit kernels), and nothing beyond it loads."""
+    code = ("import sys; import benchmarks._math_only; "
+            "from vefsdp_optim._math import adam8bit_block_step_; "
+            "import vefsdp_optim; assert not hasattr(vefsdp_optim, 'AdamW8bit'); "
+            "assert 'vefsdp_optim._fsdp' not in sys.modules, sorted(sys.modules); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_math_only_note_and_test_arguments_in_the_section(tmp_path, monkeypatch):
+    report = tmp_path / "REPORT.md"
+    monkeypatch.setattr(gpu_check, "REPORT", report)
+    info = dict(device="NVIDIA H200", count=1, torch="2.11.0+cu130", cuda="13.0", triton="3.6.0",
+                date="today", torch_note="**Math-only mode**: vefsdp_optim does not import")
+    tests = dict(wall_s=1.0, counts={"passed": 8}, failures=[], skipped=[],
+                 log="benchmarks/out/gpu/tests.log", args=[*gpu_check.MATH_ONLY_TESTS])
+    gpu_check.write_report(gpu_check.render(info, tests, None, []))
+    text = report.read_text()
+    assert "**Math-only mode**" in text
+    assert "-p benchmarks._math_only tests/test_adam8bit_triton.py -k 'triton_equals" in text
+    assert gpu_check._declared_range() == ">=2.13,<2.15"

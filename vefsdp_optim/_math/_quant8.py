@@ -302,7 +302,12 @@ def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ..
     v.mul_(beta2).add_(gg.mul_(w2))
     # torch's vectorized float32 sqrt is not correctly rounded on every CPU (measured on
     # AVX512: ~16% of elements one ulp off); the float64 root rounded to float32 is.
-    denom = v.double().sqrt_().float().div_(bc2_sqrt).add_(eps)
+    # CUDA's division by a Python (or CPU) scalar multiplies by its reciprocal, which is
+    # not the correctly rounded quotient (measured on an H200: the eager step then left
+    # the kernels' bits in 1-24 of 5000 elements); a 0-dim tensor on the device divides.
+    divisor = bc2_sqrt if v.device.type == "cpu" else torch.tensor(
+        bc2_sqrt, dtype=torch.float32, device=v.device)
+    denom = v.double().sqrt_().float().div_(divisor).add_(eps)
     p.add_((m * neg_step).div_(denom))
 
 
