@@ -55,13 +55,16 @@ lint: $(STAMP) lint-csrc
 	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks
 
 # The C++ kernel sources (vefsdp_optim/_csrc): warnings are errors, for the native and
-# (on x86-64) the portable instruction set, and the operator file against torch's headers.
+# (on x86-64) the portable, AVX2 and AVX-512 (VBMI) instruction sets, and the operator
+# file against torch's headers.
 CXX_LINT ?= c++
 CSRC      = vefsdp_optim/_csrc
 CXX_WARN  = -fsyntax-only -std=c++20 -Wall -Wextra -Werror -ffp-contract=off
 lint-csrc: $(STAMP)
 	$(CXX_LINT) $(CXX_WARN) -march=native $(CSRC)/quant8_adam.cpp
-	if [ "$$(uname -m)" = x86_64 ]; then $(CXX_LINT) $(CXX_WARN) -mno-avx512f $(CSRC)/quant8_adam.cpp; fi
+	if [ "$$(uname -m)" = x86_64 ]; then $(CXX_LINT) $(CXX_WARN) -mno-avx512f $(CSRC)/quant8_adam.cpp; \
+	  $(CXX_LINT) $(CXX_WARN) -march=haswell $(CSRC)/quant8_adam.cpp; \
+	  $(CXX_LINT) $(CXX_WARN) -march=icelake-server $(CSRC)/quant8_adam.cpp; fi
 	$(CXX_LINT) $(CXX_WARN) -DTORCH_EXTENSION_NAME=lint -I$(CSRC) $$($(PY) -c "from torch.utils.cpp_extension \
 	  import include_paths; print(' '.join('-isystem ' + p for p in include_paths()))") $(CSRC)/quant8_adam_op.cpp
 

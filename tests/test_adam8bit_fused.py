@@ -5,6 +5,7 @@ W = 2 and 3, uneven shapes) with a single-device run fed the same averaged gradi
 """
 
 import logging
+import platform
 import shutil
 
 import pytest
@@ -325,3 +326,20 @@ def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
     assert len(list(tmp_path.rglob("adam8bit_*.so"))) == 1  # really a fresh build
     test_kernel_equals_eager_bitwise(1001, 64, False, 0.1, True)
     test_kernel_equals_eager_bitwise(70001, 256, True, 1e-2, False)
+
+
+@needs_cc
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 only: AVX2")
+def test_avx2_build_gives_the_same_bits(monkeypatch, tmp_path):
+    """The kernel built for AVX2 without AVX-512 (the 8-lane paths: gathers for the code
+    maps, vector masks) equals the eager ops, also where the CPU has AVX-512; on a CPU
+    without AVX2 the build falls back to the portable loops and this still holds."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(qf, "_NATIVE", "-march=haswell")
+    monkeypatch.setattr(qf, "_tried", False)
+    monkeypatch.setattr(qf, "_kernel", None)
+    assert qf.fused_kernel() is not None, qf.fused_unavailable_reason()
+    assert len(list(tmp_path.rglob("adam8bit_*.so"))) == 1  # really a fresh build
+    test_kernel_equals_eager_bitwise(70001, 256, True, 1e-2, False)
+    test_kernel_equals_eager_bitwise(333, 7, True, 0.0, False)
+    test_kernel_threads_equal_eager_bitwise(2, 256, True, 1e-2, False)

@@ -3,17 +3,27 @@
 // [Note: 8-bit Adam op order] in _quant8.py (the float32 operations, in order).
 //
 // Bits: every float operation below is one correctly rounded IEEE add, sub, mul, div or
-// sqrt; the build uses -ffp-contract=off and no fast-math, so the AVX-512 paths and the
-// portable loops give the same bits, and so does the eager torch path. The Triton
-// kernel (_quant8_triton.py) runs the same sequence.
+// sqrt; the build uses -ffp-contract=off and no fast-math, so the AVX-512 paths, the AVX2
+// paths and the portable loops give the same bits, and so does the eager torch path. The
+// Triton kernel (_quant8_triton.py) runs the same sequence.
+//
+// The AVX2 paths (x86-64 without AVX-512: AMD Zen 1-3, Intel before Skylake-X) are the
+// AVX-512 ones at 8 lanes, with vector masks for mask registers and gathers for the
+// code maps' permutes; each sits beside its AVX-512 twin, which it leaves untouched.
 #include "quant8_adam.h"
 
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VEFSDP_LANES 16
+#else
+#define VEFSDP_LANES 8  // AVX2; the portable loops list no vectors to redo
 #endif
 
 namespace vefsdp {
@@ -104,6 +114,14 @@ static void dequantize(const uint8_t* __restrict__ c, int64_t len, const Map* ma
             _mm512_storeu_ps(out + i, _mm512_mul_ps(lut256(t, ix), sc));
         }
     }
+#elif defined(__AVX2__)
+    {  /* a gather from the 1 KiB map (in L1); exact, as a load */
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; i + 8 <= len; i += 8) {
+            const __m256i ix = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + i)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(code, ix, 4), sc));
+        }
+    }
 #endif
     for (; i < len; ++i) out[i] = code[c[i]] * scale;
 }
@@ -133,6 +151,35 @@ static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
     const __m512i lo8 = _mm512_srli_epi32(e, 16);
     return _mm512_mask_add_epi32(lo8, up, lo8, _mm512_set1_epi32(1));
 }
+#elif defined(__AVX2__)
+/* codes16 at 8 lanes: *near is all ones in the lanes near a midpoint or a bucket's end
+   (u and mid share their high 16 bits, so |u - mid| <= 0xFFFF: a signed compare) */
+static inline __m256i codes8(__m256 q, const uint32_t* tab, __m256i* near) {
+    const __m256i u = _mm256_castps_si256(q), low = _mm256_set1_epi32(0xFFFF);
+    const __m256i e = _mm256_i32gather_epi32((const int*)tab, _mm256_srli_epi32(u, 16), 4);
+    const __m256i mid = _mm256_or_si256(_mm256_andnot_si256(low, u), _mm256_and_si256(e, low));
+    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_castsi256_ps(mid), _CMP_GT_OQ));
+    const __m256i far = _mm256_cmpgt_epi32(_mm256_abs_epi32(_mm256_sub_epi32(u, mid)), _mm256_set1_epi32(8));
+    const __m256i end = _mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_add_epi32(u, _mm256_set1_epi32(8)), _mm256_set1_epi32(0xFFF0)),
+        _mm256_setzero_si256());
+    *near = _mm256_or_si256(_mm256_xor_si256(far, _mm256_set1_epi32(-1)), end);
+    return _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // up: -1 where the code is one more
+}
+
+/* 8 codes (each < 256) as 8 bytes */
+static inline void store8(uint8_t* out, __m256i c) {
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i*)out, _mm_packus_epi16(w, w));
+}
+
+/* the largest of 8 uint32 */
+static inline uint32_t hmax8(__m256i x) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
 #endif
 
 /* codes of x[i] / scale, i < len, into out.
@@ -160,6 +207,11 @@ struct QPlan {  // the requantization of one moment of one block
     bool fast;      // scale and 1 / scale normal: the product's bound holds
     int32_t* redo;  // the vectors near a midpoint, redone with the division at the end
     int64_t nredo;  // (len / 16 + 1 slots: one is written for every vector)
+#elif defined(__AVX2__)
+    __m256 vr, vs;  // as above, 8 lanes
+    bool fast;
+    int32_t* redo;  // len / 8 + 1 slots
+    int64_t nredo;
 #endif
 };
 
@@ -174,6 +226,13 @@ static inline void qplan_init(QPlan* q, const float* x, int64_t len, float scale
     const float r = 1.0f / scale;
     q->vr = _mm512_set1_ps(r);
     q->vs = _mm512_set1_ps(scale);
+    q->fast = scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX;
+    q->redo = redo;
+    q->nredo = 0;
+#elif defined(__AVX2__)
+    const float r = 1.0f / scale;
+    q->vr = _mm256_set1_ps(r);
+    q->vs = _mm256_set1_ps(scale);
     q->fast = scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX;
     q->redo = redo;
     q->nredo = 0;
@@ -201,12 +260,32 @@ static inline void qvec(QPlan& q, int64_t i) {
     q.redo[q.nredo] = (int32_t)i;
     q.nredo += near != 0;
 }
+#elif defined(__AVX2__)
+/* the 8 codes at i (i + 8 <= len) by the division */
+static inline void qvec_exact(const QPlan& q, int64_t i) {
+    __m256i unused;
+    store8(q.out + i, codes8(_mm256_div_ps(_mm256_loadu_ps(q.x + i), q.vs), q.tab, &unused));
+}
+
+/* the 8 codes at i (i + 8 <= len); near a midpoint, listed as in the AVX-512 qvec */
+static inline void qvec(QPlan& q, int64_t i) {
+    if (!q.fast) return qvec_exact(q, i);
+    __m256i near;
+    store8(q.out + i, codes8(_mm256_mul_ps(_mm256_loadu_ps(q.x + i), q.vr), q.tab, &near));
+    q.redo[q.nredo] = (int32_t)i;
+    q.nredo += !_mm256_testz_si256(near, near);
+}
 #endif
 
-/* the codes from element i (a multiple of 16) on, then the listed vectors again */
+/* the codes from element i (a multiple of the lane count) on, then the listed vectors
+   again */
 static void qrest(QPlan& q, int64_t i) {
 #if defined(__AVX512F__)
     for (; i + 16 <= q.len; i += 16) qvec(q, i);
+    for (int64_t j = 0; j < q.nredo; ++j) qvec_exact(q, q.redo[j]);
+    q.nredo = 0;
+#elif defined(__AVX2__)
+    for (; i + 8 <= q.len; i += 8) qvec(q, i);
     for (int64_t j = 0; j < q.nredo; ++j) qvec_exact(q, q.redo[j]);
     q.nredo = 0;
 #endif
@@ -262,6 +341,40 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
         um = _mm512_reduce_max_epu32(vm);
         uv = _mm512_reduce_max_epu32(vv);
     }
+#elif defined(__AVX2__)
+    {
+        const __m256 gsign = _mm256_set1_ps(h.gsign), c_wd = _mm256_set1_ps(h.c_wd);
+        const __m256 wd = _mm256_set1_ps(h.wd), w1 = _mm256_set1_ps(h.w1);
+        const __m256 beta2 = _mm256_set1_ps(h.beta2), w2 = _mm256_set1_ps(h.w2);
+        const __m256 bc2 = _mm256_set1_ps(h.bc2), eps = _mm256_set1_ps(h.eps);
+        const __m256 neg_step = _mm256_set1_ps(h.neg_step), big = _mm256_set1_ps(FLT_MAX);
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256i vm = _mm256_setzero_si256(), vv = _mm256_setzero_si256();
+        for (; i + 8 <= len; i += 8) {
+            __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(gb + i), gsign);
+            __m256 pi = _mm256_loadu_ps(pb + i);
+            if (WD == 1) pi = _mm256_mul_ps(pi, c_wd);
+            else if (WD == 2) gi = _mm256_add_ps(gi, _mm256_mul_ps(pi, wd));
+            __m256 m = _mm256_loadu_ps(sm + i), v = _mm256_loadu_ps(sv + i);
+            m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_sub_ps(gi, m), w1));
+            v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(gi, gi), w2));
+            const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+            _mm256_storeu_ps(pb + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(m, neg_step), denom)));
+            const __m256 mb = _mm256_and_ps(m, absm), vb = _mm256_and_ps(v, absm);
+            /* |x| <= FLT_MAX (false for NaN): all ones where finite; a non-finite moment is +0 */
+            const __m256 fm = _mm256_cmp_ps(mb, big, _CMP_LE_OQ), fv = _mm256_cmp_ps(vb, big, _CMP_LE_OQ);
+            _mm256_storeu_ps(sm + i, _mm256_and_ps(fm, m));
+            _mm256_storeu_ps(sv + i, _mm256_and_ps(fv, v));
+            vm = _mm256_max_epu32(vm, _mm256_castps_si256(_mm256_and_ps(fm, mb)));
+            vv = _mm256_max_epu32(vv, _mm256_castps_si256(_mm256_and_ps(fv, vb)));
+            if (i < qn) {  // the previous block's codes, alongside this block's divisions
+                qvec(*qm, i);
+                qvec(*qv, i);
+            }
+        }
+        um = hmax8(vm);
+        uv = hmax8(vv);
+    }
 #else
     (void)qm, (void)qv, (void)qn;
 #endif
@@ -309,6 +422,8 @@ static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8
         uint32_t um, uv;
 #if defined(__AVX512F__)
         const int64_t qn = (qm.len < len ? qm.len : len) / 16 * 16;  // done inside update
+#elif defined(__AVX2__)
+        const int64_t qn = (qm.len < len ? qm.len : len) / 8 * 8;
 #else
         const int64_t qn = 0;
 #endif
@@ -317,7 +432,7 @@ static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8
         qrest(qv, qn);
         const float amax_m = float_of(um), amax_v = float_of(uv);
         qplan_init(&qm, sm, len, amax_m > 0.0f ? amax_m : 1.0f, sm_map->tab, mb, redo);
-        qplan_init(&qv, sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb, redo + bs / 16 + 1);
+        qplan_init(&qv, sv, len, amax_v > 0.0f ? amax_v : 1.0f, sv_map->tab, vb, redo + bs / VEFSDP_LANES + 1);
         ma[k] = amax_m;
         va[k] = amax_v;
     }
@@ -338,7 +453,7 @@ int adam8bit_step(float* __restrict__ p, const float* __restrict__ g, uint8_t* _
     map_init(&smap, scode, stab);
     map_init(&umap, ucode, utab);
     /* 2 blocks' moments, then 2 lists of vectors to redo */
-    float* scratch = (float*)malloc((size_t)(4 * bs + 2 * (bs / 16 + 1)) * sizeof(float));
+    float* scratch = (float*)malloc((size_t)(4 * bs + 2 * (bs / VEFSDP_LANES + 1)) * sizeof(float));
     if (scratch == NULL) return -1;
     int32_t* redo = (int32_t*)(scratch + 4 * bs);
     if (wd_mode == 1) run_blocks<1>(p, g, mc, ma, vc, va, n, bs, h, &smap, &umap, scratch, redo);
