@@ -7,8 +7,8 @@ parameter, the gradient and two one-byte codes and writes the parameter and the 
 kernel below does the whole step block by block: dequantize both moments through the
 256-value code maps, the Adam / AdamW update with the block's absmax kept in registers,
 and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
-packed bucket table]; with AVX-512 a gather from it by a product with the reciprocal of
-the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
+packed bucket table]; with AVX-512 or AVX2 a gather from it by a product with the
+reciprocal of the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
 with two blocks' new moments in a cache-resident scratch of ~4 * block_size floats. The
 data are read once and written once. Runs of whole blocks go to torch's intra-op threads
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
@@ -32,7 +32,8 @@ lookups element by element through int64 indices with bounds checks and writes t
 moments back to memory between its loops, several times slower than this kernel, after
 seconds of compilation. Where AVX-512 is there, the 256-value code maps are read with
 register permutes (cheaper than a vector gather; with AVX-512 VBMI, byte permutes of the
-map's four byte planes, 64 codes at a time, the planes built once per call). The
+map's four byte planes, 64 codes at a time, the planes built once per call); with AVX2
+only, by 8-lane gathers (AVX2 has no permute over a 256-entry table). The
 requantization's code is the number of the map's 255 midpoints below the value
 (searchsorted's, so ``code_of``'s for every finite float: checked on all 2^32 bit
 patterns). It was found by a branch-free binary search whose 8 levels read the midpoints
