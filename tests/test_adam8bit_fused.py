@@ -314,16 +314,22 @@ def test_packed_bucket_table_gives_the_reference_codes(signed):
     assert torch.equal((e >> 16) + up.long(), want)
 
 
-@needs_cc
-def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
-    """The kernel built without AVX-512 (the portable C loops only) equals the eager ops
-    and so the AVX-512 build: the instruction set changes the speed, never the bits."""
+def _fresh_build(monkeypatch, tmp_path, arch_flag: str) -> None:
+    """Build the kernel anew with ``arch_flag`` in place of -march=native, into a fresh
+    cache, and make it the one the step runs."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(qf, "_NATIVE", "-mno-avx512f")
+    monkeypatch.setattr(qf, "_NATIVE", arch_flag)
     monkeypatch.setattr(qf, "_tried", False)
     monkeypatch.setattr(qf, "_kernel", None)
     assert qf.fused_kernel() is not None, qf.fused_unavailable_reason()
     assert len(list(tmp_path.rglob("adam8bit_*.so"))) == 1  # really a fresh build
+
+
+@needs_cc
+def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
+    """The kernel built without AVX-512 (the portable C loops only) equals the eager ops
+    and so the AVX-512 build: the instruction set changes the speed, never the bits."""
+    _fresh_build(monkeypatch, tmp_path, "-mno-avx512f")
     test_kernel_equals_eager_bitwise(1001, 64, False, 0.1, True)
     test_kernel_equals_eager_bitwise(70001, 256, True, 1e-2, False)
 
@@ -345,12 +351,7 @@ def test_avx2_build_gives_the_same_bits(monkeypatch, tmp_path):
     """The kernel built for AVX2 without AVX-512 (the 8-lane paths: gathers for the code
     maps, vector masks) equals the eager ops, also where the CPU has AVX-512; on a CPU
     without AVX2 the build falls back to the portable loops and this still holds."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(qf, "_NATIVE", "-march=haswell")
-    monkeypatch.setattr(qf, "_tried", False)
-    monkeypatch.setattr(qf, "_kernel", None)
-    assert qf.fused_kernel() is not None, qf.fused_unavailable_reason()
-    assert len(list(tmp_path.rglob("adam8bit_*.so"))) == 1  # really a fresh build
+    _fresh_build(monkeypatch, tmp_path, "-march=haswell")
     test_kernel_equals_eager_bitwise(70001, 256, True, 1e-2, False)
     test_kernel_equals_eager_bitwise(333, 7, True, 0.0, False)
     test_kernel_threads_equal_eager_bitwise(2, 256, True, 1e-2, False)
