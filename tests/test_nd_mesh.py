@@ -307,6 +307,7 @@ def _two_optimizers_3d() -> dict[str, float]:
             for name in ("adamw", "muon") for kind in ("fsdp2", "ours")}
 
 
+@pytest.mark.slow  # 8 ranks: ~50 s on 2 cores (the 2x2 and 3x2 meshes run in the quick tier)
 def test_hsdp_tp_3d_mesh_w8() -> None:
     for r in run_distributed(_two_optimizers_3d, 8):
         assert r == {"adamw_fsdp2": 0.0, "adamw_ours": 0.0, "muon_fsdp2": 0.0, "muon_ours": 0.0}, r

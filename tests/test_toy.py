@@ -172,6 +172,7 @@ def test_cli_writes_csv_json_and_passes_check(tmp_path, capsys):
         assert (out / "loss_curves.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; every optimizer against one device at W = 2 is in the quick tier
 def test_cli_spawns_odd_world_fsdp2_and_checks(tmp_path, capsys):
     # the CLI's own spawn path, at W = 3 (gradients averaged inexactly: the per-optimizer
     # tolerances apply), past Shampoo's first root at step 20
