@@ -12,7 +12,7 @@
    the GPU. The checkout is put first on ``PYTHONPATH``, so an uninstalled checkout
    runs; a torch outside the declared range is named in the report.
 3. Runs the test suite with ``VEFSDP_TEST_DEVICE=cuda`` (``--pytest-args`` adds
-   arguments, e.g. ``"-m 'not slow' -n 8"``): the tests that take the
+   arguments, e.g. ``"-m 'not slow'"``): the tests that take the
    ``device`` fixture (the Triton 8-bit kernel against the C++ kernel and the eager ops,
    bit for bit) run on the GPU, every other test as on the CPU (distributed ones on gloo
    CPU ranks). The skipped tests and their reasons are printed and reported.
