@@ -7,7 +7,7 @@ parameter, the gradient and two one-byte codes and writes the parameter and the 
 kernel below does the whole step block by block: dequantize both moments through the
 256-value code maps, the Adam / AdamW update with the block's absmax kept in registers,
 and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
-packed bucket table]; with AVX-512 or AVX2 a gather from it by a product with the
+packed bucket table]; with AVX-512 a gather from it, with AVX2 8 loads, by a product with the
 reciprocal of the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
 with two blocks' new moments in a cache-resident scratch of ~4 * block_size floats. The
 data are read once and written once. Runs of whole blocks go to torch's intra-op threads
@@ -33,7 +33,8 @@ moments back to memory between its loops, several times slower than this kernel,
 seconds of compilation. Where AVX-512 is there, the 256-value code maps are read with
 register permutes (cheaper than a vector gather; with AVX-512 VBMI, byte permutes of the
 map's four byte planes, 64 codes at a time, the planes built once per call); with AVX2
-only, by 8-lane gathers (AVX2 has no permute over a 256-entry table). The
+only, by 8 scalar loads inserted into a vector (AVX2 has no permute over a 256-entry
+table, and on a Zen 3 its 8-lane gather is slower than the loads). The
 requantization's code is the number of the map's 255 midpoints below the value
 (searchsorted's, so ``code_of``'s for every finite float: checked on all 2^32 bit
 patterns). It was found by a branch-free binary search whose 8 levels read the midpoints
@@ -44,8 +45,9 @@ reciprocal and redone exactly for the vectors near a midpoint (listed without a 
 redone after the block: a branch per vector mispredicts on every block's absmax). Tried
 and dropped (slower, figures in docs/performance.md): the absmax folded into the update
 loop as scalar C (gcc then vectorizes neither), both moments' requantizations in one loop
-(also with one moment by gather and one by search), software prefetch, the table lookups
-as scalar loads, the dequantization by a gather from the code map. The kernel is
+(also with one moment by gather and one by search), software prefetch, and on the
+AVX-512 paths the table lookups as scalar loads and the dequantization by a gather from
+the code map (on the AVX2 paths of a Zen 3, the scalar loads won). The kernel is
 C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
 pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
 ``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
