@@ -3,7 +3,7 @@
 One device: equal, bit for bit, to torch.optim.Muon whose momentum buffer is replaced
 after every step by its 8-bit value, written here from the rule of [Note: no dead zone]
 (256-element blocks, 8-bit Adam's signed code map, nearest code unless that is the
-element's previous code, then stochastic rounding keyed on its flat index and bits), and
+element's previous code, then a dithered rounding keyed on its flat index and the step), and
 about 1.016 bytes of state per element. The rule keeps the increments that rounding to
 nearest loses. Sharded (FSDP2, fully_shard; W = 2 and 3; uneven shapes, experts whose
 momentum is cut between ranks): equal to one device.
@@ -11,8 +11,6 @@ Checkpoints: tests/test_checkpoint.py ("muon8").
 """
 
 from __future__ import annotations
-
-import struct
 
 import pytest
 import torch
@@ -46,29 +44,30 @@ def _groups(params: dict[str, torch.Tensor], **kw: object) -> list[dict]:
             {"params": [params[k] for k in EXPERTS], "flatten": False, **kw}]
 
 
-def _uniform(index: int, value: float) -> float:
-    """The rounding's draw: a hash of the flat index and the float32 bits of the value."""
+def _uniform(index: int, step: int) -> float:
+    """The rounding's draw: a hash of the flat index, plus step times 2**32 / golden
+    ratio (0x9E3779B9), mod 2**32; its top 24 bits as a fraction."""
     mask = 0xFFFFFFFF
     h = ((index ^ (index >> 32)) & mask) * 0x61C88647 & mask
-    h ^= struct.unpack("<I", struct.pack("<f", value))[0]
     for _ in range(2):
         h = (h ^ (h >> 16)) * 0x45D9F3B & mask
     h ^= h >> 16
+    h = (h + step * 0x9E3779B9) % 2**32
     return (h >> 8) / 2**24
 
 
-def _requantize(m: torch.Tensor, prev: torch.Tensor, count: list[int]) -> torch.Tensor:
+def _requantize(m: torch.Tensor, prev: torch.Tensor, count: list[int], step: int) -> torch.Tensor:
     """8-bit codes of the 1-D float32 ``m`` whose previous codes are ``prev``: the nearest
     code, or where that is the previous one, the code below or above the normalized value
-    x (in blocks of 256, divided by the block's absmax) with P(above) = its distance from
-    the code below over their gap."""
+    x (in blocks of 256, divided by the block's absmax): above where the draw of
+    (index, step) is below its distance from the code below over their gap."""
     codes, absmax = quantize_blockwise(m, CODE, 256)
     for i in torch.nonzero(codes == prev).flatten().tolist():
         a = absmax[i // 256]
         x = m[i] / (a if a > 0 else torch.ones_like(a))
         lo = min(int((CODE <= x).sum()) - 1, 254)
         p = (x - CODE[lo]) / (CODE[lo + 1] - CODE[lo])
-        codes[i] = lo + int(_uniform(i, float(m[i])) < float(p))
+        codes[i] = lo + int(_uniform(i, step) < float(p))
         count[0] += 1
     return codes
 
@@ -76,8 +75,7 @@ def _requantize(m: torch.Tensor, prev: torch.Tensor, count: list[int]) -> torch.
 def test_rounding_keeps_increments_nearest_loses() -> None:
     """A slowly varying gradient whose step increments are below half a code spacing:
     rounded to nearest the momentum stays where it was; the 8-bit momentum follows the
-    float32 one. (A gradient repeated bit for bit with the same block absmax repeats the
-    draw: there an element can stay stuck, as with nearest rounding.)"""
+    float32 one."""
     gen = torch.Generator().manual_seed(3)
     g0 = torch.randn(1024, generator=gen)
     m0 = 0.9 * g0  # steps of 0.05 (g - m) = 0.005 g: below half a code spacing for most
@@ -85,10 +83,10 @@ def test_rounding_keeps_increments_nearest_loses() -> None:
     codes, absmax = quantize_blockwise(m0, CODE, 256)
     nearest = quantize_blockwise(m0, CODE, 256)
     exact = dequantize_blockwise(codes, absmax, CODE, 256)
-    for _ in range(60):
+    for step in range(60):
         g = g0 * (1 + 1e-3 * torch.randn(1024, generator=gen))
         g[::256] = 4.0
-        muon_momentum_int8_(g, codes, absmax, momentum=0.95, nesterov=True, code=CODE)
+        muon_momentum_int8_(g, codes, absmax, momentum=0.95, nesterov=True, code=CODE, step=step)
         m = dequantize_blockwise(*nearest, CODE, 256).lerp_(g, 0.05)
         nearest = quantize_blockwise(m, CODE, 256)
         exact.lerp_(g, 0.05)
@@ -117,7 +115,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], int]:
         for k, ps in mats.items():  # the 8-bit state: blocks of the parameter's flat order
             bufs = [opt.state[p]["momentum_buffer"] for p in ps]
             m = torch.stack(bufs).reshape(-1)
-            prev[k] = _requantize(m, prev[k], count)
+            prev[k] = _requantize(m, prev[k], count, step)
             q = dequantize_blockwise(prev[k], quantize_blockwise(m, CODE, 256)[1], CODE, 256)
             for buf, qi in zip(bufs, q.view(len(bufs), -1), strict=True):
                 buf.copy_(qi.view(buf.shape))
@@ -153,7 +151,11 @@ def test_momentum_dtype_errors() -> None:
     codes, absmax = quantize_blockwise(torch.zeros(512), CODE, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
         muon_momentum_int8_(torch.zeros(256), codes[:256], absmax[:1], momentum=0.9, nesterov=False,
-                            code=CODE, offset=100)
+                            code=CODE, step=0, offset=100)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            muon_momentum_int8_(torch.zeros(256), codes[:256], absmax[:1], momentum=0.9, nesterov=False,
+                                code=CODE, step=bad)
 
 
 def _sharded(kind: str) -> tuple[float, int]:

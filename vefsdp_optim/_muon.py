@@ -56,7 +56,7 @@ from vefsdp_optim.sharding import (
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, LOCAL
+from ._state_format import ELEMENTWISE, LOCAL, REPLICATED
 from ._step_loop import StepItem
 
 __all__ = ["Muon", "muon_defaults"]
@@ -333,7 +333,8 @@ class Muon(BlockOptimizer):
     @staticmethod
     def _momentum_spec(group: dict[str, Any]) -> dict[str, str | int]:
         if group.get("momentum_dtype") is torch.int8:
-            return {"momentum_codes": ELEMENTWISE, "momentum_absmax": MOMENTUM_BLOCK, "compute": LOCAL}
+            return {"momentum_codes": ELEMENTWISE, "momentum_absmax": MOMENTUM_BLOCK, "momentum_step": REPLICATED,
+                    "compute": LOCAL}
         return {"momentum_buffer": ELEMENTWISE}
 
     def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
@@ -410,6 +411,7 @@ class Muon(BlockOptimizer):
         state["compute"] = item.compute
         if "momentum_codes" not in state:
             state["momentum_codes"], state["momentum_absmax"] = empty_momentum(grad.numel(), grad.device)
+            state["momentum_step"] = torch.zeros((), dtype=torch.int64)  # the dither's phase
         codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
         code = codes.get(grad.device)
         if code is None:
@@ -419,7 +421,8 @@ class Muon(BlockOptimizer):
         if not isinstance(item.compute, RaggedShard):  # FlatBlocks and whole requirements snap to flat runs
             raise AssertionError(f"8-bit Muon momentum on a compute layout of boxes: {item.compute}")
         offset = item.compute.local(item.view.rank)[0]
-        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code, offset)
+        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code, state["momentum_step"],
+                                offset)
         return muon_momentum_(grad, momentum, momentum=group["momentum"], nesterov=group["nesterov"])
 
     # what a subclass changes after Newton-Schulz (NorMuon's normalization)

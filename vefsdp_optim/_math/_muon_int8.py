@@ -7,8 +7,9 @@ map of 8-bit Adam ([Note: dynamic code map]). Each step dequantizes the momentum
 Muon's update in float32 (torch.optim.Muon's ``lerp`` order), and quantizes it back
 ([Note: no dead zone]); the Newton-Schulz input is the float32 update, as with a float32
 momentum. Blocks never straddle ranks: the compute layout keeps whole 256-blocks (or the
-whole tensor) on one rank, and the rounding depends only on an element's value and its
-flat index in the whole parameter, so the result is the same at every world size.
+whole tensor) on one rank, and the rounding depends only on an element's value, its
+flat index in the whole parameter and the step count, so the result is the same at
+every world size.
 
 [Note: no dead zone]
 Rounding to the nearest code loses every step whose increment ``(1 - momentum) (g - m)``
@@ -19,21 +20,33 @@ task (slow, deterministic gradients) 80-98% of the elements were stuck each step
 of the increment was lost and the momentum drifted 26% from the float32 average of the
 same gradients; the final loss (mean of the last 30 steps) ended 3-23% above float32
 momentum (mean 14.5%, seeds 0-9). So an element whose nearest code is the code it
-already had is rounded stochastically instead, to one of the two codes around it with
-probabilities that keep its expectation; every other element takes its nearest code.
-The draw is a hash of the element's flat index in the whole parameter and the bits of
-its float32 value (``_hash_uniform``): deterministic, and the same at any sharding. (A
-gradient repeated bit for bit with an unchanged block absmax repeats the draw, so an
-element can stay stuck there, as it would with nearest rounding.)
+already had is rounded to one of the two codes around it by a dither instead: to the
+upper one where ``u < (x - lo) / (hi - lo)``, ``x`` its normalized value; every other
+element takes its nearest code. ``u`` (``_dither``) is a hash of the element's flat
+index in the whole parameter, rotated at every step by 2**32 / golden ratio (mod 2**32):
+over one step the draws are spread over the elements like independent ones, and over
+the steps each element's draws are a low-discrepancy sequence, so the average of its
+roundings over K steps follows its value with an error of order 1 / K instead of the
+1 / sqrt(K) of independent draws. The momentum is such an average (over ~1 / (1 -
+momentum) = 20 steps), which is where independent draws cost. Deterministic, integer
+arithmetic, and the same at any sharding; the step count is the state entry
+``momentum_step`` (REPLICATED, like Adam's ``step``).
+
+The first form of the rule drew ``u`` from a hash of the index and the float32 bits of
+the value, independent draws: least squares +1.3% over float32 momentum (seeds 0-9:
+0.95-1.80%), what independent noise of 1% of the block rms in the stored momentum costs
+there (1.9%; 0.5%: 0.8%; bfloat16 momentum: 0.2%). The rotation takes it to **+0.21%**
+(seeds 0-9: -0.21 to 1.08%; the independent draws on the same machine: +1.18%, 0.45 to
+2.04%).
 
 Measured with the toy tasks' Muon settings, one device, difference of the final loss to
-float32 momentum: least squares 1.3% (seeds 0-9: 0.95-1.80%; seeds 0-2: 1.09, 1.58,
-1.37%), which is what independent noise of 1% of the block rms in the stored momentum
-costs there (1.9%; 0.5%: 0.8%; bfloat16 momentum: 0.2%): the code map's resolution, no
-longer a bias. mlp: +0.29% mean over seeds 0-19 (nearest rounding: +0.28%), a scatter
+float32 momentum: least squares +0.21% (above). mlp, with the independent draws: +0.29%
+mean over seeds 0-19 (nearest rounding: +0.28%), a scatter
 of 1.7% per seed around it (nearest: 1.8%); float32 itself scatters 0.9% when its
 initial weights move by 1e-3, and any perturbation of the momentum of 0.25% or more
-scatters 1-2%, so on mlp 1% is not resolvable per seed and no bias is seen. gpt +0.02%,
+scatters 1-2%, so on mlp 1% is not resolvable per seed and no bias is seen (with the
+rotation: -0.45% mean over seeds 0-5, -2.2 to 2.5% each; independent draws on the same
+machine +0.01%, -1.7 to 2.8%). With the independent draws: gpt +0.02%,
 conv +0.45% (float32's own scatter there: up to 2.4%), moe 0.00% (seeds 0-2). Stochastic
 rounding of every element does about as well (least squares 1.6%) with twice the error variance
 of the elements that move. NorMuon: least squares 0.5% (nearest: 2.5%, seeds 0-5), but
@@ -64,24 +77,30 @@ __all__ = ["MOMENTUM_BLOCK", "muon_momentum_int8_", "requantize_momentum_"]
 MOMENTUM_BLOCK = 256
 
 _MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9  # 2**32 / golden ratio, odd
 
 
-def _hash_uniform(index: Tensor, x: Tensor) -> Tensor:
-    """A float32 in [0, 1) per element from its int64 flat ``index`` and the bits of the
-    float32 ``x``: a deterministic stand-in for a uniform draw ([Note: no dead zone]).
-    Every product stays below 2**63."""
+def _dither(index: Tensor, step: int) -> Tensor:
+    """A float32 in [0, 1) per element from its int64 flat ``index`` and the momentum's
+    ``step`` count ([Note: no dead zone]): a hash of the index, rotated by ``step`` times
+    2**32 / golden ratio (mod 2**32), so each element's draws over the steps are a
+    low-discrepancy sequence and the draws of one step are spread over the elements.
+    Integer arithmetic only: the same bits on every device; every product stays below
+    2**63."""
     h = ((index ^ (index >> 32)) & _MASK32) * 0x61C88647 & _MASK32
-    h ^= x.view(torch.int32).to(torch.int64) & _MASK32
     for _ in range(2):
         h = (h ^ (h >> 16)) * 0x45D9F3B & _MASK32
     h ^= h >> 16
+    h = (h + (step * _GOLDEN32 & _MASK32)) & _MASK32
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tensor, offset: int) -> None:
+def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tensor, offset: int,
+                         step: int) -> None:
     """Quantize the float32 momentum ``m`` (1-D, whole blocks) into ``codes`` and
     ``absmax`` in place, which hold its previous value ([Note: no dead zone]); ``offset``:
-    the flat index of ``m[0]`` in the whole parameter."""
+    the flat index of ``m[0]`` in the whole parameter; ``step``: the number of momentum
+    steps before this one (the dither's phase)."""
     new_codes, new_absmax = quantize_blockwise(m, code, MOMENTUM_BLOCK)
     stuck = torch.nonzero(new_codes == codes).squeeze(1)  # (k,) int64
     if stuck.numel():
@@ -90,27 +109,30 @@ def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tens
         x = v / scale[stuck // MOMENTUM_BLOCK]  # quantize_blockwise's normalized values
         lo = (torch.searchsorted(code, x, right=True) - 1).clamp_(0, code.numel() - 2)  # code[lo] <= x
         c_lo, c_hi = code[lo], code[lo + 1]
-        up = _hash_uniform(stuck + offset, v) < (x - c_lo) / (c_hi - c_lo)
+        up = _dither(stuck + offset, step) < (x - c_lo) / (c_hi - c_lo)
         new_codes[stuck] = (lo + up).to(torch.uint8)
     codes.copy_(new_codes)
     absmax.copy_(new_absmax)
 
 
 def muon_momentum_int8_(grad: Tensor, codes: Tensor, absmax: Tensor, *, momentum: float, nesterov: bool,
-                        code: Tensor, offset: int = 0) -> Tensor:
+                        code: Tensor, step: int, offset: int = 0) -> Tensor:
     """One momentum step on a run of whole blocks (1-D ``grad``), in place on ``codes``
     (uint8, one per element) and ``absmax`` (float32, one per block); returns the float32
-    update Newton-Schulz orthogonalizes. ``offset``: the flat index of ``grad[0]`` in the
-    whole parameter (a multiple of MOMENTUM_BLOCK)."""
+    update Newton-Schulz orthogonalizes. ``step``: the number of momentum steps before
+    this one; ``offset``: the flat index of ``grad[0]`` in the whole parameter (a
+    multiple of MOMENTUM_BLOCK)."""
     if codes.numel() != grad.numel():
         raise ValueError(f"8-bit momentum holds {codes.numel()} codes for a gradient of {grad.numel()} elements")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"8-bit momentum step must be an int >= 0 (the steps taken before), got {step!r}")
     if offset % MOMENTUM_BLOCK:
         raise ValueError(f"8-bit momentum offset must be a multiple of {MOMENTUM_BLOCK}, got {offset}")
     g = grad.float()
     m = dequantize_blockwise(codes, absmax, code, MOMENTUM_BLOCK)
     m.lerp_(g, 1 - momentum)
     update = g.lerp(m, momentum) if nesterov else m.clone()
-    requantize_momentum_(m, codes, absmax, code=code, offset=offset)
+    requantize_momentum_(m, codes, absmax, code=code, offset=offset, step=step)
     return update
 
 
