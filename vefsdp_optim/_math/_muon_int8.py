@@ -49,8 +49,10 @@ rotation: -0.45% mean over seeds 0-5, -2.2 to 2.5% each; independent draws on th
 machine +0.01%, -1.7 to 2.8%). With the independent draws: gpt +0.02%,
 conv +0.45% (float32's own scatter there: up to 2.4%), moe 0.00% (seeds 0-2). Stochastic
 rounding of every element does about as well (least squares 1.6%) with twice the error variance
-of the elements that move. NorMuon: least squares 0.5% (nearest: 2.5%, seeds 0-5), but
-mlp 3.4% (nearest: 4.1%; its float32 scatter 0.6 +- 0.9%), not a bias of the stored
+of the elements that move. NorMuon, independent draws: least squares 0.5% (nearest:
+2.5%, seeds 0-5), but mlp 3.4% (nearest: 4.1%; its float32 scatter 0.6 +- 0.9%); with
+the rotation, on another machine (seeds 0-9 and 0-5): least squares 0.45% -> 0.18%, mlp
+9.4% -> 5.5% (0.4-10.5% per seed). That is not a bias of the stored
 momentum (its error is 4.1% of its norm, its shrinkage -0.04%) but its resolution: in
 mlp's 96 x 96 layer 40% of the momentum's singular values lie below 1% of the largest,
 under the quantization floor, and Newton-Schulz lifts them to ~1, so ~half of that
