@@ -46,8 +46,9 @@ of 1.7% per seed around it (nearest: 1.8%); float32 itself scatters 0.9% when it
 initial weights move by 1e-3, and any perturbation of the momentum of 0.25% or more
 scatters 1-2%, so on mlp 1% is not resolvable per seed and no bias is seen (with the
 rotation: -0.45% mean over seeds 0-5, -2.2 to 2.5% each; independent draws on the same
-machine +0.01%, -1.7 to 2.8%). With the independent draws: gpt +0.02%,
-conv +0.45% (float32's own scatter there: up to 2.4%), moe 0.00% (seeds 0-2). Stochastic
+machine +0.01%, -1.7 to 2.8%). gpt +0.02%, conv -0.90% (-1.87 to 0.88%; float32's own
+scatter there: up to 2.4%), moe 0.00% (seeds 0-2; independent draws: +0.02%, +0.45%,
+0.00%). Stochastic
 rounding of every element does about as well (least squares 1.6%) with twice the error variance
 of the elements that move. NorMuon, independent draws: least squares 0.5% (nearest:
 2.5%, seeds 0-5), but mlp 3.4% (nearest: 4.1%; its float32 scatter 0.6 +- 0.9%); with
