@@ -395,6 +395,19 @@ def test_muon_step_int8_momentum_equals_reference() -> None:
         assert int(state.step) == step + 1
 
 
+def test_int8_momentum_step_must_be_an_int64_tensor() -> None:
+    """Int8Momentum.step is the count the rounding's dither runs on, updated in place:
+    a Python int or a float tensor would not be, so they are refused by name."""
+    codes, absmax = quantize_blockwise(torch.zeros(256), SIGNED, 256)
+    p, g = torch.zeros(16, 16), torch.ones(16, 16)
+    for bad in (3, torch.tensor(3.0), torch.zeros(1, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="Int8Momentum.step must be a 0-dim int64 tensor"):
+            muon_step_(p, g, Int8Momentum(codes, absmax, SIGNED, bad), nesterov=True, **MUON_HP)
+    step = torch.tensor(7)
+    muon_step_(p, g, Int8Momentum(codes, absmax, SIGNED, step), nesterov=True, **MUON_HP)
+    assert int(step) == 8
+
+
 def test_normuon_step_equals_reference() -> None:
     """normuon_step_ on one whole matrix (two row blocks) against NorMuon written from
     Dion's formulas: per block, v <- b2 v + (1 - b2) mean_j O_ij^2, O / (sqrt(v) + 1e-8)

@@ -72,9 +72,9 @@ class Int8Momentum(NamedTuple):
     codes: Tensor  # uint8, one per element
     absmax: Tensor  # float32, one per MOMENTUM_BLOCK elements
     code: Tensor  # the signed dynamic code map (256 float32 values)
-    # int64 0-dim CPU tensor: the momentum steps taken (the rounding's dither phase,
-    # [Note: no dead zone]); incremented in place, as torch's functional optimizers do
-    # with their state_steps
+    # int64 0-dim tensor: the momentum steps taken (the rounding's dither phase, [Note:
+    # no dead zone]); incremented in place, as torch's functional optimizers do with
+    # their state_steps; read on the host each step, so on the CPU it costs no sync
     step: Tensor
     offset: int = 0  # flat index of codes[0] in the whole parameter (its rounding's key)
 
@@ -93,9 +93,8 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
     """
     if isinstance(momentum_buffer, Int8Momentum):
         codes, absmax, code, step, offset = momentum_buffer
-        if not (isinstance(step, Tensor) and step.dtype == torch.int64 and step.dim() == 0
-                and step.device.type == "cpu"):
-            raise TypeError("Int8Momentum.step must be a 0-dim int64 CPU tensor (the momentum steps taken), "
+        if not (isinstance(step, Tensor) and step.dtype == torch.int64 and step.dim() == 0):
+            raise TypeError("Int8Momentum.step must be a 0-dim int64 tensor (the momentum steps taken), "
                             f"got {step!r}")
         out = muon_momentum_int8_(grad, codes, absmax, momentum=momentum, nesterov=nesterov,
                                   code=code, step=int(step), offset=offset).to(torch.bfloat16)
