@@ -61,7 +61,8 @@ layer's orthogonalized update is error (as with independent noise of the same si
 row second moment, estimated on it, flattens (row spread 35-40% lower) and equalizes
 rows less. A clean direction with that second moment costs +1.6%, and the same noise in
 float32 momentum costs NorMuon 4.5x what it costs Muon. Rounding rules only move the
-error between 4% and 6% (every element stochastic: +8.6%); below 1% needs finer
+error between 4% and 6% (every element stochastic: +8.6%; every element dithered by
+the rotation, on the other machine: +9.0% against the rule's +5.5%); below 1% needs finer
 resolution than one code map per 256 elements gives. Cost: the stuck elements search the code map a second time (2**20 elements, one
 CPU thread: 51 ms a step against 47 with nearest rounding for fresh random gradients,
 147 ms for a slowly varying gradient that leaves most elements stuck).
