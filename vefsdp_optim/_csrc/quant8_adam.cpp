@@ -186,8 +186,9 @@ static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
     return _mm512_mask_add_epi32(lo8, up, lo8, _mm512_set1_epi32(1));
 }
 #elif defined(__AVX2__)
-/* codes16 at 8 lanes, the packed table read by lut8_epi32: *near is all ones in the lanes near a midpoint or a bucket's end
-   (u and mid share their high 16 bits, so |u - mid| <= 0xFFFF: a signed compare) */
+/* codes16 at 8 lanes, the packed table read by lut8_epi32: *near is all ones in the
+   lanes near a midpoint or a bucket's end (u and mid share their high 16 bits, so
+   |u - mid| <= 0xFFFF: a signed compare) */
 static inline __m256i codes8(__m256 q, const uint32_t* tab, __m256i* near) {
     const __m256i u = _mm256_castps_si256(q), low = _mm256_set1_epi32(0xFFFF);
     const __m256i e = lut8_epi32(tab, _mm256_srli_epi32(u, 16));
@@ -403,6 +404,7 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
             v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(gi, gi), w2));
             _mm256_storeu_ps(dn + i, _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps));
             const __m256 mb = _mm256_and_ps(m, absm), vb = _mm256_and_ps(v, absm);
+            /* |x| <= FLT_MAX (false for NaN): all ones where finite; a non-finite moment is +0 */
             const __m256 fm = _mm256_cmp_ps(mb, big, _CMP_LE_OQ), fv = _mm256_cmp_ps(vb, big, _CMP_LE_OQ);
             _mm256_storeu_ps(mu + i, m);
             _mm256_storeu_ps(sm + i, _mm256_and_ps(fm, m));
@@ -414,9 +416,10 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
         for (int64_t j = 0; j < n8; j += 8) {
             __m256 pi = _mm256_loadu_ps(pb + j);
             if (WD == 1) pi = _mm256_mul_ps(pi, c_wd);
-            const __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(mu + j), neg_step), _mm256_loadu_ps(dn + j));
+            const __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(mu + j), neg_step),
+                                             _mm256_loadu_ps(dn + j));
             _mm256_storeu_ps(pb + j, _mm256_add_ps(pi, upd));
-            if (j < qn) {
+            if (j < qn) {  // the previous block's codes, alongside this block's divisions
                 qvec(*qm, j);
                 qvec(*qv, j);
             }
@@ -479,7 +482,8 @@ static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8
 #else
         const int64_t qn = 0;
 #endif
-        update<WD>(p + lo, g + lo, sm, sv, len, h, &um, &uv, &qm, &qv, qn, scratch + 4 * bs, scratch + 5 * bs);
+        update<WD>(p + lo, g + lo, sm, sv, len, h, &um, &uv, &qm, &qv, qn, scratch + 4 * bs,
+                   scratch + 5 * bs);
         qrest(qm, qn);
         qrest(qv, qn);
         const float amax_m = float_of(um), amax_v = float_of(uv);
