@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "VEFSDP_ADAM8BIT_FUSED"
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_csrc")
-_SOURCES = ("quant8_adam.cpp", "quant8_adam_op.cpp")
+_SOURCES = ("quant8_adam.cpp", "quant8_adam_op.cpp", "bf16_matmul.cpp")  # one library
 _HEADERS = ("quant8_adam.h",)
 
 # -ffp-contract=off and no fast-math keep every op one correctly rounded IEEE op, so the
@@ -97,7 +97,7 @@ _NATIVE = "-march=native"  # dropped if the compiler refuses it
 _OPENMP = "-fopenmp"  # at::parallel_for's threads ([Note: threads over blocks]); dropped if refused
 
 _lock = threading.Lock()
-_kernel: Any = None  # the operator (torch.ops.<build name>.adam8bit_step_) once built
+_kernel: Any = None  # the library's operators (torch.ops.<build name>) once built
 _reason: str | None = None  # why the kernel is unavailable, once a build was tried
 _tried = False
 
@@ -162,7 +162,8 @@ def _compile(name: str, flags: list[str], build_dir: str, cxx: str) -> None:
 
 
 def _build() -> Any:
-    """Build (or load from the on-disk cache) the kernel; returns its operator."""
+    """Build (or load from the on-disk cache) the library; returns its operators'
+    namespace (``adam8bit_step_``, and ``bf16_addmm_out_`` of _bf16_matmul.py)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
@@ -184,7 +185,7 @@ def _build() -> Any:
         path = os.path.join(cache, f"{name}.so")
         if os.path.exists(path):
             torch.ops.load_library(path)
-            return getattr(torch.ops, name).adam8bit_step_
+            return getattr(torch.ops, name)
         # each process builds in its own directory and renames the result into place
         # (atomic), so ranks racing for a cold cache never load a half-written library
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -194,13 +195,20 @@ def _build() -> Any:
                 err = e
                 continue
             os.replace(os.path.join(tmp, f"{name}.so"), path)
-        return getattr(torch.ops, name).adam8bit_step_
+        return getattr(torch.ops, name)
     raise RuntimeError(f"{cxx} failed: {str(err).strip()[-500:]}") from err
 
 
 def fused_kernel() -> Any:
     """The built kernel (a torch operator), or None (then ``fused_unavailable_reason()``
     says why). Builds on the first call; never raises."""
+    ops = native_ops()
+    return None if ops is None else ops.adam8bit_step_
+
+
+def native_ops() -> Any:
+    """The built library's operators (``torch.ops.<build name>``), or None (then
+    ``fused_unavailable_reason()`` says why). Builds on the first call; never raises."""
     global _kernel, _reason, _tried
     if _tried:
         return _kernel
@@ -210,7 +218,7 @@ def fused_kernel() -> Any:
                 _kernel = _build()
             except Exception as e:  # noqa: BLE001 - any failure means: use the eager path
                 _reason = f"fused 8-bit Adam kernel unavailable ({type(e).__name__}: {e}); " \
-                          "using the eager path (same bits)"
+                          "using the eager path (same bits); also torch's own bfloat16 CPU matmuls"
                 logger.warning(_reason)
             _tried = True
     return _kernel

@@ -1,0 +1,123 @@
+"""``torch.addmm`` / ``torch.baddbmm`` of bfloat16 CPU matrices with torch's bits, fast
+where torch runs its reference loop.
+
+[Note: fast bfloat16 addmm] On a CPU that oneDNN cannot run bfloat16 products on (no
+AVX-512, no AMX: an AVX2 CPU such as AMD Zen 3), torch computes a bfloat16 ``addmm`` of
+two row-major matrices with its reference loop, at about 1 GFLOP/s, some 40x slower than
+its float32 products there. Newton-Schulz spends most of its time in two such products
+per iteration (``X X^T`` squared and ``(b A + c A^2) X``). ``_csrc/bf16_matmul.cpp``
+computes the same values in the same order ([Note: torch's bfloat16 reference matmul]
+there: four running sums per output, products and sums rounded one at a time, the fused
+``beta c + alpha s``, round to nearest even), eight outputs per vector, so its bits are
+torch's, at 20-40 GFLOP/s on that CPU.
+
+Where it runs: products of at least ``MIN_WORK`` multiply-adds, both operands row-major (``contiguous``; torch's other layouts take other
+loops: ``X X^T`` goes to a vectorized dot product that is fast already), every side at
+least 2 (torch has matrix-vector paths), CPU bfloat16, no autograd. And only where the
+kernel equals torch on this process's torch and CPU: on first use, both are run on a
+fixed set of probes (every ``k mod 4``, with and without ``c``, 2-D and batched, sizes on
+both sides of oneDNN's small-product threshold); any difference (a CPU where oneDNN takes
+bfloat16 products, another torch) turns it off for the process, and torch's op runs, as
+it does where the library cannot be built. ``VEFSDP_BF16_MATMUL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENV_VAR", "MIN_WORK", "addmm", "fast_addmm_available"]
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "VEFSDP_BF16_MATMUL"
+
+# below this many multiply-adds (m n k per matrix) torch's call costs less than ours (~25
+# us against ~6 us to call; break-even near 24**3 on a Zen 3): torch's own op runs
+MIN_WORK = 1 << 15
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "op": the operator or None, "why": the reason it is off
+
+
+def _probe(op) -> str | None:
+    """Why the kernel differs from torch here (None: equal on every probe)."""
+    g = torch.Generator().manual_seed(20261127)
+    # (batch or 0, m, k, n): k mod 4 = 0..3, remainders of 8 columns and 3 rows, products
+    # below and above 16**3 (oneDNN's lower bound on CPUs that have it) and one larger
+    shapes = [(0, 2, 2, 2), (0, 3, 5, 7), (0, 13, 37, 19), (0, 33, 70, 41), (0, 40, 36, 44),
+              (0, 64, 64, 64), (0, 96, 131, 130), (3, 17, 34, 9), (2, 48, 64, 40)]
+    for batch, m, k, n in shapes:
+        lead = (batch,) if batch else ()
+        a = torch.randn(*lead, m, k, generator=g).bfloat16()
+        b = torch.randn(*lead, k, n, generator=g).bfloat16()
+        c = torch.randn(*lead, m, n, generator=g).bfloat16()
+        for beta, alpha in ((0.0, 1.0), (-4.775, 2.0315), (3.4445, 1.0)):
+            if batch:
+                want = torch.baddbmm(c, a, b, beta=beta, alpha=alpha) if beta else torch.bmm(a, b)
+            else:
+                want = torch.addmm(c, a, b, beta=beta, alpha=alpha) if beta else torch.mm(a, b)
+            got = torch.empty_like(want)
+            op(a, b, c if beta else None, alpha, beta, got)
+            if not torch.equal(got, want):
+                return (f"differs from torch's bfloat16 {'baddbmm' if batch else 'addmm'} on a "
+                        f"{(*lead, m, k)} @ {(*lead, k, n)} probe (beta={beta}, alpha={alpha}): this "
+                        "torch or CPU takes another kernel")
+    return None
+
+
+def _op():
+    """The kernel if it may run in this process, else None (decided once)."""
+    if "op" in _state:
+        return _state["op"]
+    with _lock:
+        if "op" not in _state:
+            op, why = None, None
+            if os.environ.get(ENV_VAR, "1") == "0":
+                why = f"{ENV_VAR}=0"
+            else:
+                from ._quant8_fused import fused_unavailable_reason, native_ops
+
+                ops = native_ops()
+                if ops is None:
+                    why = f"the native library is unavailable: {fused_unavailable_reason()}"
+                else:
+                    with torch.no_grad():
+                        why = _probe(ops.bf16_addmm_out_)
+                    if why is None:
+                        op = ops.bf16_addmm_out_
+            if why is not None:
+                logger.info("fast bfloat16 addmm off (%s); torch's own runs", why)
+            _state["why"] = why
+            _state["op"] = op
+    return _state["op"]
+
+
+def fast_addmm_available() -> tuple[bool, str | None]:
+    """(whether the kernel runs in this process, why not)."""
+    return _op() is not None, _state.get("why")  # type: ignore[return-value]
+
+
+def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``torch.addmm(c, a, b, beta=beta, alpha=alpha)`` (2-D) or ``torch.baddbmm`` (3-D),
+    bit for bit; the kernel of [Note: fast bfloat16 addmm] where it applies."""
+    batched = a.dim() == 3
+    if (a.device.type == "cpu" and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
+            and a.shape[-2] * a.shape[-1] * b.shape[-1] >= MIN_WORK
+            and c.dtype == torch.bfloat16 and a.dim() in (2, 3) and b.dim() == a.dim()
+            and a.is_contiguous() and b.is_contiguous() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
+            and c.shape == (*a.shape[:-1], b.shape[-1]) and c.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or c.requires_grad))
+            and (not batched or a.shape[0] == b.shape[0])):
+        op = _op()
+        if op is not None:
+            out = torch.empty(c.shape, dtype=torch.bfloat16)
+            op(a, b, c if beta != 0 else None, float(alpha), float(beta), out)
+            return out
+    if batched:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    return torch.addmm(c, a, b, beta=beta, alpha=alpha)
