@@ -12,13 +12,13 @@ from vefsdp_optim._math import _quant8_fused as qf
 from vefsdp_optim._math import zeropower_via_newtonschulz
 
 
-def _kernel():
-    """The raw operator, where torch runs its reference loop here (else skip: on a CPU
+def _kernel(name="bf16_addmm_out_"):
+    """The raw operator, where torch runs the loop it copies here (else skip: on a CPU
     with oneDNN bfloat16 products, or without a compiler, torch's op is the one used)."""
-    ok, why = bm.fast_addmm_available()
+    ok, why = (bm.fast_addmm_available if name == "bf16_addmm_out_" else bm.fast_mm_nt_available)()
     if not ok:
         pytest.skip(f"the kernel is off here: {why}")
-    return qf.native_ops().bf16_addmm_out_
+    return getattr(qf.native_ops(), name)
 
 
 def _same_bits(a, b):
@@ -110,7 +110,7 @@ def test_addmm_takes_the_kernel_only_where_it_applies(monkeypatch):
     a transposed operand, a small product, float32, or autograd take torch's op; the
     result is torch's either way."""
     spy = _Spy(_kernel())
-    monkeypatch.setitem(bm._state, "op", spy)
+    monkeypatch.setitem(bm._state, "bf16_addmm_out_", spy)
     g = torch.Generator().manual_seed(5)
     a, b, c = (torch.randn(s, generator=g).bfloat16() for s in ((40, 48), (48, 36), (40, 36)))
     assert 40 * 48 * 36 >= bm.MIN_WORK
@@ -146,18 +146,77 @@ def test_probe_turns_the_kernel_off_where_it_differs(monkeypatch, caplog):
             if a.shape[-2] == 64:  # one probe shape, one element
                 out.view(torch.int16).view(-1)[0] ^= 1
 
+        bf16_mm_nt_out_ = None
+
     monkeypatch.setattr(bm, "_state", {})
     monkeypatch.setattr(qf, "native_ops", lambda: Ops)
     with caplog.at_level(logging.INFO, logger=bm.__name__):
         ok, why = bm.fast_addmm_available()
     assert not ok and "differs from torch" in why and "(64, 64)" in why
-    assert "fast bfloat16 addmm off" in caplog.text
+    assert "fast bfloat16 matmul bf16_addmm_out_ off" in caplog.text
 
 
-def test_env_var_turns_the_kernel_off(monkeypatch):
+def test_env_var_turns_the_kernels_off(monkeypatch):
     monkeypatch.setattr(bm, "_state", {})
     monkeypatch.setenv(bm.ENV_VAR, "0")
     assert bm.fast_addmm_available() == (False, f"{bm.ENV_VAR}=0")
+    assert bm.fast_mm_nt_available() == (False, f"{bm.ENV_VAR}=0")
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (3, 4, 17), (5, 5, 16), (7, 11, 64), (31, 40, 70), (64, 64, 64),
+                                   (20, 33, 143), (96, 130, 257), (4, 17, 9, 130)])
+@pytest.mark.parametrize("same", [True, False])
+def test_mm_nt_kernel_equals_torch_bitwise(shape, same):
+    """``a @ b.mT`` (torch's dot-product loop): every part of the dot (k below and above
+    64, k mod 16), the 3 x 3 tiles' remainders, X X^T and two matrices, batches."""
+    op = _kernel("bf16_mm_nt_out_")
+    *lead, m, n, k = shape
+    g = torch.Generator().manual_seed(sum(shape) + same)
+    a = torch.randn(*lead, m, k, generator=g).bfloat16()
+    b = a if same else torch.randn(*lead, n, k, generator=g).bfloat16()
+    out = torch.empty(*lead, m, b.shape[-2], dtype=torch.bfloat16)
+    op(a, b, out)
+    assert _same_bits(out, a @ b.mT)
+
+
+def test_mm_nt_kernel_equals_torch_on_special_values():
+    """NaN, infinities, signed zeros, subnormal and huge values; and an overflowing
+    product in each part of the dot: fused in the 64-wide and 16-wide parts (finite),
+    unfused in the last k mod 16 terms (infinite), as torch's loop computes them."""
+    op = _kernel("bf16_mm_nt_out_")
+    g = torch.Generator().manual_seed(11)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-39, -3e-40,
+                             2.0 ** 64, -2.0 ** 63, 3e38])
+    a, b = torch.randn(19, 150, generator=g), torch.randn(23, 150, generator=g)
+    for t in (a, b):
+        idx = torch.randint(0, t.numel(), (12,), generator=g)
+        t.view(-1)[idx] = specials[torch.randint(0, len(specials), (12,), generator=g)]
+    a, b = a.bfloat16(), b.bfloat16()
+    out = torch.empty(19, 23, dtype=torch.bfloat16)
+    op(a, b, out)
+    assert _same_bits(out, a @ b.mT)
+    for k, first, second in ((128, 0, 64), (32, 0, 8), (17, 0, 16)):  # main, 16-wide, scalar tail
+        x = torch.zeros(2, k)
+        x[:, first], x[:, second] = -2.0 ** 63, 2.0 ** 64
+        y = torch.zeros(2, k)
+        y[:, first], y[:, second] = 2.0 ** 64, 2.0 ** 64
+        x, y = x.bfloat16(), y.bfloat16()
+        out = torch.empty(2, 2, dtype=torch.bfloat16)
+        op(x, y, out)
+        assert _same_bits(out, x @ y.mT), (k, out, x @ y.mT)
+
+
+def test_mm_nt_takes_the_kernel_only_where_it_applies(monkeypatch):
+    spy = _Spy(_kernel("bf16_mm_nt_out_"))
+    monkeypatch.setitem(bm._state, "bf16_mm_nt_out_", spy)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    for a, b, calls in ((x, x, 1), (x[:, :48], x[:, :48], 0), (x.T.contiguous().T, x, 0), (x[:3, :3], x[:3, :3], 0),
+                        (x.float(), x.float(), 0)):
+        before = spy.calls
+        got = bm.mm_nt(a, b)
+        assert spy.calls - before == calls, (a.shape, a.stride())
+        assert torch.equal(got.float(), (a @ b.mT).float())
 
 
 @pytest.mark.parametrize("shape", [(96, 200), (200, 96), (128, 128), (50, 70)])

@@ -21,6 +21,25 @@
 // (one AVX2 lane each, four accumulators per lane), so the bits are equal whatever the
 // CPU; _bf16_matmul.py checks them against torch on every process before using it, since
 // a torch build may route a product elsewhere (measured: docs/performance.md).
+//
+// [Note: torch's bfloat16 dot-product matmul]
+// A product with a transposed second operand, a @ b.T with both row-major (Newton-Schulz's
+// X X^T), takes another loop instead, one vectorized dot product per output (aten's
+// bf16_dot_with_fp32_arith, ~10 GFLOP/s on AVX2): for each output, of rows a_i and b_j,
+//
+//   acc[t] = fused multiply-adds of a_il b_jl over l = t, t + 64, t + 128, ... below
+//            64 floor(k / 64)   (t = 0..63: eight registers of eight lanes, t = 8r + lane);
+//   s      = the registers summed r + 4 into r, then r + 2, then r + 1 (lanewise), then
+//            the lanes of what is left: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7));
+//   s     += the same lane sum of an 8-lane accumulator of fused multiply-adds over the
+//            rest below 16 floor(k / 16), in order (16 at a time: 8 lanes, then the next 8);
+//   s     += a_il b_jl for the last k mod 16 terms one by one (product, then sum; unfused);
+//   out    = bf16(s).
+//
+// Here each output's 64 accumulators are computed register by register (eight passes over
+// the rows, each taking every eighth 8-float run) for a 3 x 3 tile of outputs at once, so
+// nine outputs share each load; the accumulators, their order and every rounding are
+// those above.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
@@ -154,6 +173,75 @@ void addmm_one(Mat a, Mat b, const Mat* c, int64_t m, int64_t n, int64_t k, floa
     });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// the lane sum of torch's AVX2 vec_reduce_all (plus)
+inline float lane_sum(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+    return _mm256_cvtss_f32(v);
+}
+
+// the rest of one output's dot product after its 64 accumulators (eight registers)
+inline float dot_rest(const float* a, const float* b, int64_t k, __m256* x) {
+    for (int i = 0; i < 4; ++i) x[i] = _mm256_add_ps(x[i], x[i + 4]);
+    for (int i = 0; i < 2; ++i) x[i] = _mm256_add_ps(x[i], x[i + 2]);
+    float s = lane_sum(_mm256_add_ps(x[0], x[1]));
+    const int64_t k64 = k & ~int64_t{63}, k16 = k & ~int64_t{15};
+    __m256 t = _mm256_setzero_ps();
+    for (int64_t l = k64; l < k16; l += 16) {
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(a + l), _mm256_loadu_ps(b + l), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(a + l + 8), _mm256_loadu_ps(b + l + 8), t);
+    }
+    s = s + lane_sum(t);  // always added, as torch does (-0 + 0 is +0)
+    for (int64_t l = k16; l < k; ++l) {
+        const float prod = a[l] * b[l];
+        s = s + prod;
+    }
+    return s;
+}
+
+// out (m x n, row-major) = a (m x k) @ b (n x k).T with the dot-product loop's bits
+void mm_nt_one(const float* af, const float* bf, int64_t m, int64_t n, int64_t k, uint16_t* out) {
+    constexpr int T = 3;  // a T x T tile of outputs shares each load
+    const int64_t k64 = k & ~int64_t{63};
+    const int64_t tiles_i = (m + T - 1) / T, tiles_j = (n + T - 1) / T;
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, T * n * k));
+    at::parallel_for(0, tiles_i, grain, [&](int64_t t0, int64_t t1) {
+        __m256 acc8[T][T][8];
+        for (int64_t ti = t0; ti < t1; ++ti) {
+            const int64_t i0 = ti * T;
+            const int ri = static_cast<int>(std::min<int64_t>(T, m - i0));
+            const float* ar[T];
+            for (int i = 0; i < T; ++i) ar[i] = af + std::min<int64_t>(i0 + i, m - 1) * k;
+            for (int64_t tj = 0; tj < tiles_j; ++tj) {
+                const int64_t j0 = tj * T;
+                const int rj = static_cast<int>(std::min<int64_t>(T, n - j0));
+                const float* br[T];
+                for (int j = 0; j < T; ++j) br[j] = bf + std::min<int64_t>(j0 + j, n - 1) * k;
+                for (int r = 0; r < 8; ++r) {  // register r: elements 8r..8r+7 of every 64
+                    __m256 acc[T][T];
+                    for (int i = 0; i < T; ++i)
+                        for (int j = 0; j < T; ++j) acc[i][j] = _mm256_setzero_ps();
+                    for (int64_t l = 8 * r; l < k64; l += 64) {
+                        __m256 av[T], bv[T];
+                        for (int i = 0; i < T; ++i) av[i] = _mm256_loadu_ps(ar[i] + l);
+                        for (int j = 0; j < T; ++j) bv[j] = _mm256_loadu_ps(br[j] + l);
+                        for (int i = 0; i < T; ++i)
+                            for (int j = 0; j < T; ++j) acc[i][j] = _mm256_fmadd_ps(av[i], bv[j], acc[i][j]);
+                    }
+                    for (int i = 0; i < T; ++i)
+                        for (int j = 0; j < T; ++j) acc8[i][j][r] = acc[i][j];
+                }
+                for (int i = 0; i < ri; ++i)
+                    for (int j = 0; j < rj; ++j)
+                        out[(i0 + i) * n + j0 + j] = to_bf16(dot_rest(ar[i], br[j], k, acc8[i][j]));
+            }
+        }
+    });
+}
+#endif  // __AVX2__ && __FMA__
+
 Mat view(const at::Tensor& t, int64_t batch) {
     const int64_t d = t.dim();
     const auto* base = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -192,12 +280,49 @@ void bf16_addmm_out_cpu(const at::Tensor& a, const at::Tensor& b, const c10::opt
     }
 }
 
+// out = a @ b.mT with the dot-product loop's bits ([Note: torch's bfloat16 dot-product
+// matmul]); a (m, k) and b (n, k) row-major, or 3-D batches of them; out contiguous
+void bf16_mm_nt_out_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t d = a.dim();
+    TORCH_CHECK((d == 2 || d == 3) && b.dim() == d && out.dim() == d,
+                "bf16_mm_nt_out_: a, b and out must all be 2-D or all 3-D, got ", a.sizes(), ", ", b.sizes(),
+                ", ", out.sizes());
+    for (const at::Tensor* t : {&a, &b, &out}) {
+        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                    "bf16_mm_nt_out_: contiguous CPU bfloat16 tensors only, got ", t->scalar_type(), " on ",
+                    t->device(), " (contiguous: ", t->is_contiguous(), ")");
+    }
+    const int64_t batch = d == 3 ? a.size(0) : 1;
+    const int64_t m = a.size(d - 2), k = a.size(d - 1), n = b.size(d - 2);
+    TORCH_CHECK(b.size(d - 1) == k && out.size(d - 2) == m && out.size(d - 1) == n &&
+                    (d == 2 || (b.size(0) == batch && out.size(0) == batch)),
+                "bf16_mm_nt_out_: shapes ", a.sizes(), " @ ", b.sizes(), ".mT -> ", out.sizes(), " do not match");
+    const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+    const auto* bp = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    const bool same = ap == bp;  // X X^T: convert once
+    std::vector<float> af(static_cast<size_t>(m * k)), bf(same ? 0 : static_cast<size_t>(n * k));
+    for (int64_t e = 0; e < batch; ++e) {
+        for (int64_t i = 0; i < m * k; ++i) af[i] = from_bf16(ap[e * m * k + i]);
+        if (!same)
+            for (int64_t i = 0; i < n * k; ++i) bf[i] = from_bf16(bp[e * n * k + i]);
+        mm_nt_one(af.data(), same ? af.data() : bf.data(), m, n, k, o + e * m * n);
+    }
+#else
+    TORCH_CHECK(false, "bf16_mm_nt_out_: built without AVX2 and FMA (the dot-product loop's order is "
+                "AVX2's); use a @ b.mT");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
     m.def("bf16_addmm_out_(Tensor a, Tensor b, Tensor? c, float alpha, float beta, Tensor(a!) out) -> ()");
+    m.def("bf16_mm_nt_out_(Tensor a, Tensor b, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
     m.impl("bf16_addmm_out_", &bf16_addmm_out_cpu);
+    m.impl("bf16_mm_nt_out_", &bf16_mm_nt_out_cpu);
 }

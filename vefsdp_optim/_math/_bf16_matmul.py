@@ -30,7 +30,7 @@ import threading
 import torch
 from torch import Tensor
 
-__all__ = ["ENV_VAR", "MIN_WORK", "addmm", "fast_addmm_available"]
+__all__ = ["ENV_VAR", "MIN_WORK", "addmm", "fast_addmm_available", "fast_mm_nt_available", "mm_nt"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,19 @@ ENV_VAR = "VEFSDP_BF16_MATMUL"
 MIN_WORK = 1 << 15
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "op": the operator or None, "why": the reason it is off
+_state: dict[str, object] = {}  # kernel name -> its operator or None; "why:" + name -> why it is off
 
 
-def _probe(op) -> str | None:
-    """Why the kernel differs from torch here (None: equal on every probe)."""
+def _differs(op_name: str, got: Tensor, want: Tensor, shape: str, how: str) -> str | None:
+    if torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        return None
+    return (f"{op_name} differs from torch on a {shape} probe ({how}): this torch or CPU takes "
+            "another kernel")
+
+
+def _probe_addmm(op) -> str | None:
+    """Why ``bf16_addmm_out_`` differs from torch's addmm / baddbmm here (None: equal on
+    every probe)."""
     g = torch.Generator().manual_seed(20261127)
     # (batch or 0, m, k, n): k mod 4 = 0..3, remainders of 8 columns and 3 rows, products
     # below and above 16**3 (oneDNN's lower bound on CPUs that have it) and one larger
@@ -63,19 +71,43 @@ def _probe(op) -> str | None:
                 want = torch.addmm(c, a, b, beta=beta, alpha=alpha) if beta else torch.mm(a, b)
             got = torch.empty_like(want)
             op(a, b, c if beta else None, alpha, beta, got)
-            if not torch.equal(got, want):
-                return (f"differs from torch's bfloat16 {'baddbmm' if batch else 'addmm'} on a "
-                        f"{(*lead, m, k)} @ {(*lead, k, n)} probe (beta={beta}, alpha={alpha}): this "
-                        "torch or CPU takes another kernel")
+            why = _differs("bf16_addmm_out_", got, want, f"{(*lead, m, k)} @ {(*lead, k, n)}",
+                           f"beta={beta}, alpha={alpha}")
+            if why:
+                return why
     return None
 
 
-def _op():
-    """The kernel if it may run in this process, else None (decided once)."""
-    if "op" in _state:
-        return _state["op"]
+def _probe_mm_nt(op) -> str | None:
+    """Why ``bf16_mm_nt_out_`` differs from torch's ``a @ b.mT`` here (None: equal)."""
+    g = torch.Generator().manual_seed(20261128)
+    # (batch or 0, m, n, k): k mod 64 and mod 16 each part of the dot product, remainders
+    # of the 3 x 3 tiles, X X^T (one tensor twice) and two tensors
+    shapes = [(0, 2, 2, 2), (0, 3, 4, 17), (0, 13, 19, 37), (0, 33, 41, 70), (0, 64, 64, 64),
+              (0, 40, 44, 143), (0, 96, 130, 257), (3, 17, 9, 34), (2, 48, 40, 200)]
+    for batch, m, n, k in shapes:
+        lead = (batch,) if batch else ()
+        a = torch.randn(*lead, m, k, generator=g).bfloat16()
+        for b in (torch.randn(*lead, n, k, generator=g).bfloat16(), a):
+            want = a @ b.mT
+            got = torch.empty_like(want)
+            op(a, b, got)
+            why = _differs("bf16_mm_nt_out_", got, want, f"{tuple(a.shape)} @ {tuple(b.shape)}.mT",
+                           "X X^T" if b is a else "two matrices")
+            if why:
+                return why
+    return None
+
+
+_PROBES = {"bf16_addmm_out_": _probe_addmm, "bf16_mm_nt_out_": _probe_mm_nt}
+
+
+def _op(name: str):
+    """The kernel ``name`` if it may run in this process, else None (decided once)."""
+    if name in _state:
+        return _state[name]
     with _lock:
-        if "op" not in _state:
+        if name not in _state:
             op, why = None, None
             if os.environ.get(ENV_VAR, "1") == "0":
                 why = f"{ENV_VAR}=0"
@@ -86,34 +118,61 @@ def _op():
                 if ops is None:
                     why = f"the native library is unavailable: {fused_unavailable_reason()}"
                 else:
-                    with torch.no_grad():
-                        why = _probe(ops.bf16_addmm_out_)
+                    candidate = getattr(ops, name)
+                    try:
+                        with torch.no_grad():
+                            why = _PROBES[name](candidate)
+                    except RuntimeError as e:  # e.g. a build without AVX2 refuses the dot-product order
+                        why = f"{name} cannot run here: {e}"
                     if why is None:
-                        op = ops.bf16_addmm_out_
+                        op = candidate
             if why is not None:
-                logger.info("fast bfloat16 addmm off (%s); torch's own runs", why)
-            _state["why"] = why
-            _state["op"] = op
-    return _state["op"]
+                logger.info("fast bfloat16 matmul %s off (%s); torch's own runs", name, why)
+            _state["why:" + name] = why
+            _state[name] = op
+    return _state[name]
 
 
 def fast_addmm_available() -> tuple[bool, str | None]:
-    """(whether the kernel runs in this process, why not)."""
-    return _op() is not None, _state.get("why")  # type: ignore[return-value]
+    """(whether the addmm kernel runs in this process, why not)."""
+    return _op("bf16_addmm_out_") is not None, _state.get("why:bf16_addmm_out_")  # type: ignore[return-value]
+
+
+def fast_mm_nt_available() -> tuple[bool, str | None]:
+    """(whether the ``a @ b.mT`` kernel runs in this process, why not)."""
+    return _op("bf16_mm_nt_out_") is not None, _state.get("why:bf16_mm_nt_out_")  # type: ignore[return-value]
+
+
+def _plain(*ts: Tensor) -> bool:
+    """CPU bfloat16, row-major, no autograd."""
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts) and all(
+        t.is_contiguous() for t in ts[:2]) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
+def mm_nt(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b.mT`` (2-D, or 3-D batches), bit for bit; the kernel of [Note: fast bfloat16
+    addmm] where it applies (``a`` and ``b`` row-major, as ``X`` in ``X @ X.T``)."""
+    if (a.dim() in (2, 3) and b.dim() == a.dim() and a.shape[:-2] == b.shape[:-2]
+            and a.shape[-1] == b.shape[-1] and min(a.shape[-2], b.shape[-2], a.shape[-1]) >= 2
+            and a.shape[-2] * b.shape[-2] * a.shape[-1] >= MIN_WORK and _plain(a, b)):
+        op = _op("bf16_mm_nt_out_")
+        if op is not None:
+            out = torch.empty((*a.shape[:-1], b.shape[-2]), dtype=torch.bfloat16)
+            op(a, b, out)
+            return out
+    return a @ b.mT
 
 
 def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """``torch.addmm(c, a, b, beta=beta, alpha=alpha)`` (2-D) or ``torch.baddbmm`` (3-D),
     bit for bit; the kernel of [Note: fast bfloat16 addmm] where it applies."""
     batched = a.dim() == 3
-    if (a.device.type == "cpu" and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
+    if (a.dim() in (2, 3) and b.dim() == a.dim() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
             and a.shape[-2] * a.shape[-1] * b.shape[-1] >= MIN_WORK
-            and c.dtype == torch.bfloat16 and a.dim() in (2, 3) and b.dim() == a.dim()
-            and a.is_contiguous() and b.is_contiguous() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
-            and c.shape == (*a.shape[:-1], b.shape[-1]) and c.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or c.requires_grad))
-            and (not batched or a.shape[0] == b.shape[0])):
-        op = _op()
+            and c.shape == (*a.shape[:-1], b.shape[-1]) and (not batched or a.shape[0] == b.shape[0])
+            and _plain(a, b, c)):
+        op = _op("bf16_addmm_out_")
         if op is not None:
             out = torch.empty(c.shape, dtype=torch.bfloat16)
             op(a, b, c if beta != 0 else None, float(alpha), float(beta), out)

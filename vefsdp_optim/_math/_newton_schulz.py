@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._bf16_matmul import addmm
+from ._bf16_matmul import addmm, mm_nt
 from ._polar_express import POLAR_EXPRESS, POLAR_EXPRESS_SAFETY, polar_express_coefficients
 
 __all__ = [
@@ -122,8 +122,9 @@ def zeropower_via_newtonschulz(
     # torch's version divides a bfloat16 input in place; ours divides only its own cast
     x = x.div(norm) if x.data_ptr() == grad.data_ptr() else x.div_(norm)
     for a, b, c in schedule:
-        gram = x @ x.T  # (short, short)
-        # torch.addmm's bits; faster where torch runs its reference loop ([Note: fast bfloat16 addmm])
+        # torch's bits (x @ x.T, torch.addmm); faster where torch runs its reference
+        # loops ([Note: fast bfloat16 addmm])
+        gram = mm_nt(x, x)  # (short, short)
         gram_update = addmm(gram, gram, gram, beta=b, alpha=c)
         x = addmm(x, gram_update, x, beta=a)
     if tall:
@@ -155,7 +156,7 @@ def zeropower_via_newtonschulz_batched(
     norms = norms * POLAR_EXPRESS_SAFETY + eps if polar else norms.clamp(min=eps)
     x = x.div(norms) if x.data_ptr() == grads.data_ptr() else x.div_(norms)
     for a, b, c in schedule:
-        gram = x @ x.mT  # (batch, short, short)
+        gram = mm_nt(x, x)  # (batch, short, short): x @ x.mT
         gram_update = addmm(gram, gram, gram, beta=b, alpha=c)  # torch.baddbmm's bits
         x = addmm(x, gram_update, x, beta=a)
     if tall:
