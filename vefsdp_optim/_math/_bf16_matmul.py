@@ -1,24 +1,28 @@
-"""``torch.addmm`` / ``torch.baddbmm`` of bfloat16 CPU matrices with torch's bits, fast
-where torch runs its reference loop.
+"""``torch.addmm`` / ``torch.baddbmm`` and ``a @ b.mT`` of bfloat16 CPU matrices with
+torch's bits, fast where torch runs its reference loops.
 
 [Note: fast bfloat16 addmm] On a CPU that oneDNN cannot run bfloat16 products on (no
-AVX-512, no AMX: an AVX2 CPU such as AMD Zen 3), torch computes a bfloat16 ``addmm`` of
-two row-major matrices with its reference loop, at about 1 GFLOP/s, some 40x slower than
-its float32 products there. Newton-Schulz spends most of its time in two such products
-per iteration (``X X^T`` squared and ``(b A + c A^2) X``). ``_csrc/bf16_matmul.cpp``
-computes the same values in the same order ([Note: torch's bfloat16 reference matmul]
-there: four running sums per output, products and sums rounded one at a time, the fused
-``beta c + alpha s``, round to nearest even), eight outputs per vector, so its bits are
-torch's, at 20-40 GFLOP/s on that CPU.
+AVX-512, no AMX: an AVX2 CPU such as AMD Zen 3), torch computes bfloat16 products with
+its own loops: ``addmm`` of two row-major matrices with a scalar reference loop (~1
+GFLOP/s, some 40x slower than its float32 products there), ``a @ b.T`` of two row-major
+matrices with a vectorized dot product per output (~10 GFLOP/s). Newton-Schulz is three
+such products per iteration (``X X^T``, then ``(b A + c A^2)`` and its product with
+``X``). ``_csrc/bf16_matmul.cpp`` computes each loop's values in the same order with
+the same roundings ([Note: torch's bfloat16 reference matmul] and [Note: torch's
+bfloat16 dot-product matmul] there), laid out for the vector units (eight outputs of a
+row per vector for the first; a 3 x 3 tile of outputs sharing each load for the second),
+so its bits are torch's, at 20-40 GFLOP/s on that CPU.
 
-Where it runs: products of at least ``MIN_WORK`` multiply-adds, both operands row-major (``contiguous``; torch's other layouts take other
-loops: ``X X^T`` goes to a vectorized dot product that is fast already), every side at
-least 2 (torch has matrix-vector paths), CPU bfloat16, no autograd. And only where the
-kernel equals torch on this process's torch and CPU: on first use, both are run on a
-fixed set of probes (every ``k mod 4``, with and without ``c``, 2-D and batched, sizes on
-both sides of oneDNN's small-product threshold); any difference (a CPU where oneDNN takes
-bfloat16 products, another torch) turns it off for the process, and torch's op runs, as
-it does where the library cannot be built. ``VEFSDP_BF16_MATMUL=0`` turns it off.
+Where they run: products of at least ``MIN_WORK`` multiply-adds, ``a`` and ``b``
+row-major (``contiguous``; other layouts take other torch loops, and keep them), every
+side at least 2 (torch has matrix-vector paths), CPU bfloat16, no autograd, not under
+torch.compile. And only where the kernel equals torch on this process's torch and CPU:
+on first use, both are run on a fixed set of probes (every ``k mod 4``; for the dot
+product every part of it: ``k`` mod 64 and mod 16; with and without ``c``, 2-D and
+batched, sizes on both sides of oneDNN's small-product threshold); any difference (a CPU
+where oneDNN takes bfloat16 products, a torch with other loops) turns that kernel off for
+the process, and torch's op runs, as it does where the library cannot be built.
+``VEFSDP_BF16_MATMUL=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -144,8 +148,9 @@ def fast_mm_nt_available() -> tuple[bool, str | None]:
 
 
 def _plain(*ts: Tensor) -> bool:
-    """CPU bfloat16, row-major, no autograd."""
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts) and all(
+    """CPU bfloat16, row-major, no autograd, not under torch.compile (the kernels have
+    no fake implementation to trace; torch's ops compile)."""
+    return not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts) and all(
         t.is_contiguous() for t in ts[:2]) and not (
         torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
