@@ -179,6 +179,16 @@ def test_mm_nt_kernel_equals_torch_bitwise(shape, same):
     assert _same_bits(out, a @ b.mT)
 
 
+def test_mm_nt_kernel_on_two_views_of_one_storage():
+    """``a`` the first rows of ``b`` (one data pointer, fewer rows): each read as itself."""
+    op = _kernel("bf16_mm_nt_out_")
+    x = torch.randn(40, 70, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for a, b in ((x[:25], x), (x, x[:25])):
+        out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+        op(a, b, out)
+        assert _same_bits(out, a @ b.mT)
+
+
 def test_mm_nt_kernel_equals_torch_on_special_values():
     """NaN, infinities, signed zeros, subnormal and huge values; and an overflowing
     product in each part of the dot: fused in the 64-wide and 16-wide parts (finite),

@@ -301,7 +301,7 @@ void bf16_mm_nt_out_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tens
     const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
     const auto* bp = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    const bool same = ap == bp;  // X X^T: convert once
+    const bool same = ap == bp && m == n;  // X X^T: convert once
     std::vector<float> af(static_cast<size_t>(m * k)), bf(same ? 0 : static_cast<size_t>(n * k));
     for (int64_t e = 0; e < batch; ++e) {
         for (int64_t i = 0; i < m * k; ++i) af[i] = from_bf16(ap[e * m * k + i]);
