@@ -68,8 +68,10 @@ def dion_src() -> str | None:
 
 def cpu_flags() -> dict[str, bool]:
     """The CPU features that set bfloat16 matmul speed, which dominates Newton-Schulz on
-    the CPU: AVX-512 BF16 (``vdpbf16ps``) and AMX tiles; without them bf16 matmuls are
-    emulated through float32 and both optimizers slow down alike."""
+    the CPU: AVX-512 BF16 (``vdpbf16ps``) and AMX tiles (oneDNN). Without them torch runs
+    bfloat16 products in its own loops (1-10 GFLOP/s): the peers' Newton-Schulz does, ours
+    takes kernels with those loops' bits ([Note: fast bfloat16 addmm]; ``ns_kernels()``
+    says whether they ran)."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -80,6 +82,18 @@ def cpu_flags() -> dict[str, bool]:
     except OSError:
         pass
     return {k: k in flags for k in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
+
+
+def ns_kernels() -> str:
+    """Whether our Newton-Schulz ran on this library's bfloat16 matmul kernels (a note for
+    the reports: they change our speed on CPUs without bfloat16 units, never the bits)."""
+    from vefsdp_optim._math._bf16_matmul import fast_addmm_available, fast_mm_nt_available
+
+    parts = []
+    for name, (ok, why) in (("addmm", fast_addmm_available()), ("X X^T", fast_mm_nt_available())):
+        parts.append(f"{name} on" if ok else f"{name} off ({why})")
+    return ("ours: Newton-Schulz's bfloat16 products through the library's kernels with torch's bits "
+            f"([Note: fast bfloat16 addmm]): {', '.join(parts)}; the peers run torch's own")
 
 
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
@@ -174,10 +188,11 @@ def run(quick: bool = True) -> dict:
              "CPU flags that set bf16 matmul speed (Newton-Schulz is most of the step: see "
              f"matmul_share): {', '.join(f'{k}={v}' for k, v in flags.items())}"
              + ("" if flags.get("avx512_bf16") or flags.get("amx_bf16") else
-                "; no native bf16 matmul here: both optimizers emulate it, and absolute times "
+                "; no native bf16 matmul here: torch runs its own loops, and absolute times "
                 "are far from a modern CPU's"),
              "one intra-op thread per rank; on this machine ranks share "
-             f"{os.cpu_count()} cores, so W=4 and any concurrent load blur the ratios"]
+             f"{os.cpu_count()} cores, so W=4 and any concurrent load blur the ratios",
+             ns_kernels()]
     if not have:
         notes[1] = "CPU flags: /proc/cpuinfo not readable; avx512_bf16 / amx presence unknown"
     if src is None:

@@ -76,7 +76,7 @@ from ._common import (
     stats,
     synchronize,
 )
-from .bench_muon_dion import DION_ENV, cpu_flags, dion_src
+from .bench_muon_dion import DION_ENV, cpu_flags, dion_src, ns_kernels
 
 NAME = "muon_sweep"
 PLOT = Path(__file__).resolve().parent / "out" / f"{NAME}.png"
@@ -458,6 +458,7 @@ def sweep(cases: list[Case], quick: bool, what: str | None = None, plot: Path = 
         "torch.compile runs in those; its dynamo caches are reset before each case, as in a fresh process)",
         "CPU flags that set bf16 matmul speed (Newton-Schulz is most of a large matrix's step): "
         + ", ".join(f"{k}={v}" for k, v in flags.items()),
+        ns_kernels(),
     ]
     if pe is not True:
         notes.append(f"ours with Polar Express: pending (Muon(ns_coefficients='polar_express') raised {pe})")

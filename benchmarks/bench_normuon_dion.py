@@ -48,7 +48,7 @@ from ._common import (
     spawn,
     stats,
 )
-from .bench_muon_dion import DION_ENV, cpu_flags, dion_src
+from .bench_muon_dion import DION_ENV, cpu_flags, dion_src, ns_kernels
 from .bench_muon_sweep import _interleave_cpu
 
 WORLD = 2
@@ -159,6 +159,7 @@ def run(quick: bool = True) -> dict:
         "peers and the scheduler, which a loaded machine stretches; gloo's transport threads not counted); "
         "load: 1-minute load average when each run's timing began",
         "CPU flags that set bf16 matmul speed: " + ", ".join(f"{k}={v}" for k, v in flags.items()),
+        ns_kernels(),
         "Dion normalizes each rank's row shard of the orthogonalized update on FSDP2 (its Frobenius "
         "rescale uses the shard's norm: not the single-device result at W > 1); ours normalizes "
         "whole matrices on their owner (bitwise the single-device result) and sends float32 back",
