@@ -45,6 +45,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
