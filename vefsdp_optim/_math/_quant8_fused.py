@@ -163,7 +163,8 @@ def _compile(name: str, flags: list[str], build_dir: str, cxx: str) -> None:
 
 def _build() -> Any:
     """Build (or load from the on-disk cache) the library; returns its operators'
-    namespace (``adam8bit_step_``, and ``bf16_addmm_out_`` of _bf16_matmul.py)."""
+    namespace (``adam8bit_step_``, and ``bf16_addmm_out_`` / ``bf16_mm_nt_out_`` of
+    _bf16_matmul.py)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
