@@ -157,7 +157,7 @@ def main() -> int:
     opt = torch.optim.AdamW([pa], lr=1e-3, fused=True)
     fused_ms = _median_ms(lambda i: opt.step(), a.reps)
     rows = []
-    for tile in (512, 1024, 2048, 4096, 8192):
+    for tile in (256, 512, 1024, 2048, 4096, 8192):
         for warps in (1, 2, 4, 8, 16):
             if warps * 32 > tile:
                 continue
