@@ -124,14 +124,16 @@ def _grad(n, gen, step):
 
 @needs_triton
 @needs_cxx
-@pytest.mark.parametrize("n,bs,decoupled,wd,maximize", [
-    (5000, 256, True, 1e-2, False),  # 19 blocks and a short tail block of 136
-    (100, 256, False, 0.0, False),  # a parameter smaller than one block
-    (333, 7, True, 0.0, False),  # block size 7 (padded to 8 in the tile), short tail
-    (64, 1, False, 0.5, True),  # block size 1, Adam's L2 term, maximize
-    (2 * 2048 + 300, 2048, False, 0.1, False),  # block size 2048 (one block a program), Adam
+@pytest.mark.parametrize("n,bs,decoupled,wd,maximize,off64", [
+    (5000, 256, True, 1e-2, False, False),  # 19 blocks and a short tail block of 136
+    (5000, 256, True, 1e-2, False, True),  # the same with int64 offsets (tensors >= 2**30)
+    (100, 256, False, 0.0, False, False),  # a parameter smaller than one block
+    (333, 7, True, 0.0, False, False),  # block size 7 (padded to 8 in the tile), short tail
+    (333, 7, True, 0.0, False, True),
+    (64, 1, False, 0.5, True, False),  # block size 1, Adam's L2 term, maximize
+    (2 * 2048 + 300, 2048, False, 0.1, False, False),  # block size 2048 (one block a program), Adam
 ])
-def test_triton_equals_c_and_eager_bitwise(device, n, bs, decoupled, wd, maximize):
+def test_triton_equals_c_and_eager_bitwise(device, monkeypatch, n, bs, decoupled, wd, maximize, off64):
     gen = torch.Generator().manual_seed(n + bs)
     p = torch.randn(n, generator=gen)
     runs = {b: (p.clone(), _state(n, bs, "cpu")) for b in ("triton", "c", "eager")}
@@ -139,6 +141,8 @@ def test_triton_equals_c_and_eager_bitwise(device, n, bs, decoupled, wd, maximiz
     hp = _hp(bs, decoupled, wd, maximize, "cpu")
     from vefsdp_optim._math import _quant8_triton as qt
 
+    if off64:  # the int64 offsets, which only tensors of 2**30 elements and more take
+        monkeypatch.setattr(qt, "_OFF32_LIMIT", 0)
     with _Spy(qt, "run_triton_step_") as spy:
         for step in range(1, 6):
             g = _grad(n, gen, step)
@@ -172,8 +176,8 @@ def test_triton_bf16_param_and_grad(device):
 
 
 @needs_triton
-@pytest.mark.parametrize("block_size", [256, 7])
-def test_triton_kernel_compiles_for_cuda_without_contraction(block_size):
+@pytest.mark.parametrize("block_size,off64", [(256, False), (7, False), (256, True)])
+def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64):
     """Compiled for an H100 (sm_90) with Triton's own ptxas, no GPU needed: every multiply
     and add stays apart (no fma), division and square root are IEEE round-to-nearest,
     and nothing flushes subnormals to zero."""
@@ -188,10 +192,10 @@ def test_triton_kernel_compiles_for_cuda_without_contraction(block_size):
            "stab_ptr": "*i32", "utab_ptr": "*i32", "n": "i64", "bs": "i32", "nb": "i32",
            **dict.fromkeys(("c_wd", "wd", "w1", "beta2", "w2", "bc2", "eps", "neg_step",
                             "FLT_MAX"), "fp32"),
-           **dict.fromkeys(("MAXIMIZE", "WD_MODE", "ROWS", "BLOCK"), "constexpr")}
+           **dict.fromkeys(("MAXIMIZE", "WD_MODE", "ROWS", "BLOCK", "OFF64"), "constexpr")}
     src = ASTSource(fn=triton.jit(qt._adam8bit_step_kernel), signature=sig,
                     constexprs={"MAXIMIZE": True, "WD_MODE": 2, "ROWS": cfg["ROWS"],
-                                "BLOCK": cfg["BLOCK"]})
+                                "BLOCK": cfg["BLOCK"], "OFF64": off64})
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False})

@@ -49,6 +49,7 @@ MAX_BLOCK = 4096  # largest (power-of-two padded) block one program holds
 _TILE = 256
 _PER_THREAD = 4
 _FLT_MAX = 3.4028234663852886e38
+_OFF32_LIMIT = 1 << 30  # tensors below it index in int32 (the grid's padding is < 2**14)
 
 _lock = threading.Lock()
 _jitted: dict[bool, Any] = {}  # interpreter or not -> triton.jit of the kernel
@@ -98,11 +99,14 @@ def _block(block_size: int) -> int:
 def _adam8bit_step_kernel(p_ptr, g_ptr, mc_ptr, ma_ptr, vc_ptr, va_ptr, scode_ptr, ucode_ptr,
                           stab_ptr, utab_ptr, n, bs, nb, c_wd, wd, w1, beta2, w2, bc2, eps,
                           neg_step, FLT_MAX, MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr, OFF64: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) block indices
     cols = tl.arange(0, BLOCK)  # (BLOCK,)
     row_ok = rows < nb
-    offs = rows.to(tl.int64)[:, None] * bs + cols[None, :]  # (ROWS, BLOCK)
+    if OFF64:
+        offs = rows.to(tl.int64)[:, None] * bs + cols[None, :]  # (ROWS, BLOCK)
+    else:  # n < 2**30: every offset of the grid, padding included, fits int32
+        offs = rows[:, None] * bs + cols[None, :]
     mask = row_ok[:, None] & (cols[None, :] < bs) & (offs < n)
     am = tl.load(ma_ptr + rows, mask=row_ok, other=0.0)  # (ROWS,)
     av = tl.load(va_ptr + rows, mask=row_ok, other=0.0)
@@ -183,5 +187,6 @@ def run_triton_step_(
     grid = (-(-nb // cfg["ROWS"]),)
     _kernel()[grid](p, g, mc, ma, vc, va, *tables, n, block_size, nb, c_wd, wd, w1, beta2, w2,
                     bc2, eps, neg_step, _FLT_MAX, MAXIMIZE=bool(flags & 1), WD_MODE=wd_mode,
-                    ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+                    ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], OFF64=n >= _OFF32_LIMIT,
+                    num_warps=cfg["num_warps"],
                     enable_fp_fusion=False)
