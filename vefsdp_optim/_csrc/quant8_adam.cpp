@@ -10,8 +10,9 @@
 // The AVX2 paths (x86-64 without AVX-512: AMD Zen 1-3, Intel before Skylake-X) are the
 // AVX-512 ones at 8 lanes, with vector masks for mask registers and, for the table
 // lookups, scalar loads inserted into vectors (Zen 3 has no permute over a 256-entry
-// table, and its 8-lane gathers are slower than 8 loads: lut8_ps, lut8_epi32); each
-// sits beside its AVX-512 twin, which it leaves untouched.
+// table, and its 8-lane gathers are slower than 8 loads: lut8_ps, lut8_epi32), and the
+// requantization by division ([Note: AVX2 requantization by division]); each sits
+// beside its AVX-512 twin, which it leaves untouched.
 #include "quant8_adam.h"
 
 #include <float.h>
@@ -25,7 +26,7 @@
 #if defined(__AVX512F__)
 #define VEFSDP_LANES 16
 #else
-#define VEFSDP_LANES 8  // AVX2; the portable loops list no vectors to redo
+#define VEFSDP_LANES 8  // AVX2 and the portable loops, which list no vectors to redo
 #endif
 
 namespace vefsdp {
@@ -186,19 +187,13 @@ static inline __m512i codes16(__m512 q, const uint32_t* tab, __mmask16* near) {
     return _mm512_mask_add_epi32(lo8, up, lo8, _mm512_set1_epi32(1));
 }
 #elif defined(__AVX2__)
-/* codes16 at 8 lanes, the packed table read by lut8_epi32: *near is all ones in the
-   lanes near a midpoint or a bucket's end (u and mid share their high 16 bits, so
-   |u - mid| <= 0xFFFF: a signed compare) */
-static inline __m256i codes8(__m256 q, const uint32_t* tab, __m256i* near) {
+/* code_of for 8 values q, the packed table read by lut8_epi32 (the midpoint compared as
+   in codes16) */
+static inline __m256i codes8(__m256 q, const uint32_t* tab) {
     const __m256i u = _mm256_castps_si256(q), low = _mm256_set1_epi32(0xFFFF);
     const __m256i e = lut8_epi32(tab, _mm256_srli_epi32(u, 16));
     const __m256i mid = _mm256_or_si256(_mm256_andnot_si256(low, u), _mm256_and_si256(e, low));
     const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_castsi256_ps(mid), _CMP_GT_OQ));
-    const __m256i far = _mm256_cmpgt_epi32(_mm256_abs_epi32(_mm256_sub_epi32(u, mid)), _mm256_set1_epi32(8));
-    const __m256i end = _mm256_cmpeq_epi32(
-        _mm256_and_si256(_mm256_add_epi32(u, _mm256_set1_epi32(8)), _mm256_set1_epi32(0xFFF0)),
-        _mm256_setzero_si256());
-    *near = _mm256_or_si256(_mm256_xor_si256(far, _mm256_set1_epi32(-1)), end);
     return _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // up: -1 where the code is one more
 }
 
@@ -230,7 +225,9 @@ static inline uint32_t hmax8(__m256i x) {
    bucket's ends for a neighbour's. Those vectors (~7% in blocks of 256, nearly all for
    the block's absmax, whose normed value 1.0 sits at a bucket's end) are listed and
    redone with the division after the block's other vectors.
-   So every code is the division's, which the tests check against the eager ops. */
+   So every code is the division's, which the tests check against the eager ops.
+
+   The AVX2 paths divide instead ([Note: AVX2 requantization by division]). */
 struct QPlan {  // the requantization of one moment of one block
     const float* x;       // the block's new moment (len)
     uint8_t* out;         // its codes (len)
@@ -243,10 +240,7 @@ struct QPlan {  // the requantization of one moment of one block
     int32_t* redo;  // the vectors near a midpoint, redone with the division at the end
     int64_t nredo;  // (len / 16 + 1 slots: one is written for every vector)
 #elif defined(__AVX2__)
-    __m256 vr, vs;  // as above, 8 lanes
-    bool fast;
-    int32_t* redo;  // len / 8 + 1 slots
-    int64_t nredo;
+    __m256 vs;  // scale
 #endif
 };
 
@@ -265,12 +259,8 @@ static inline void qplan_init(QPlan* q, const float* x, int64_t len, float scale
     q->redo = redo;
     q->nredo = 0;
 #elif defined(__AVX2__)
-    const float r = 1.0f / scale;
-    q->vr = _mm256_set1_ps(r);
     q->vs = _mm256_set1_ps(scale);
-    q->fast = scale >= FLT_MIN && r >= FLT_MIN && scale <= FLT_MAX;
-    q->redo = redo;
-    q->nredo = 0;
+    (void)redo;
 #else
     (void)redo;
 #endif
@@ -296,19 +286,17 @@ static inline void qvec(QPlan& q, int64_t i) {
     q.nredo += near != 0;
 }
 #elif defined(__AVX2__)
-/* the 8 codes at i (i + 8 <= len) by the division */
-static inline void qvec_exact(const QPlan& q, int64_t i) {
-    __m256i unused;
-    store8(q.out + i, codes8(_mm256_div_ps(_mm256_loadu_ps(q.x + i), q.vs), q.tab, &unused));
-}
+/* [Note: AVX2 requantization by division]
+   On a Zen 3 the AVX-512 paths' product with the reciprocal, its test for a nearby
+   midpoint and the list of vectors to redo cost more than the division they save: a
+   256-bit division issues every ~3.3 cycles there, and the step, bound by its table
+   lookups, has room for two more per 8 elements. Dividing is also the eager path's
+   operation itself. Measured in docs/performance.md (0.85x the step with the
+   reciprocal, one and two threads). */
 
-/* the 8 codes at i (i + 8 <= len); near a midpoint, listed as in the AVX-512 qvec */
+/* the 8 codes at i (i + 8 <= len) */
 static inline void qvec(QPlan& q, int64_t i) {
-    if (!q.fast) return qvec_exact(q, i);
-    __m256i near;
-    store8(q.out + i, codes8(_mm256_mul_ps(_mm256_loadu_ps(q.x + i), q.vr), q.tab, &near));
-    q.redo[q.nredo] = (int32_t)i;
-    q.nredo += !_mm256_testz_si256(near, near);
+    store8(q.out + i, codes8(_mm256_div_ps(_mm256_loadu_ps(q.x + i), q.vs), q.tab));
 }
 #endif
 
@@ -321,8 +309,6 @@ static void qrest(QPlan& q, int64_t i) {
     q.nredo = 0;
 #elif defined(__AVX2__)
     for (; i + 8 <= q.len; i += 8) qvec(q, i);
-    for (int64_t j = 0; j < q.nredo; ++j) qvec_exact(q, q.redo[j]);
-    q.nredo = 0;
 #endif
     for (; i < q.len; ++i) q.out[i] = code_of(q.x[i] / q.scale, q.tab);
 }
@@ -455,6 +441,31 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
     *uv_out = uv;
 }
 
+/* [Note: prefetch ahead of the block]
+   Where the step's tensors come from memory (a step after others, as in training: the
+   model's other optimizer steps and the backward leave the cache with other data), the
+   block's loads wait on memory at each start of a stream; the hardware's prefetchers
+   do not run far enough ahead of the kernel's ~3 GB/s. So each block first asks for
+   the block kPrefetchBlocks ahead: its parameter and gradient (one request per 64-byte
+   line) and its codes. Measured on a Zen 3 (AVX2, docs/performance.md): the step 0.86-0.90x
+   with the caches emptied before it, 0.88-0.90x without, unchanged on a problem in
+   cache. The AVX-512 paths leave it out: a prefetch measured slower there (on a Xeon,
+   with the step's data in cache), and not re-measured since. */
+constexpr int64_t kPrefetchBlocks = 4;
+
+static inline void prefetch_block(const float* p, const float* g, const uint8_t* mc,
+                                  const uint8_t* vc, int64_t lo, int64_t bs, int64_t n) {
+    const int64_t hi = lo + bs < n ? lo + bs : n;
+    for (int64_t e = lo; e < hi; e += 16) {
+        __builtin_prefetch(p + e);
+        __builtin_prefetch(g + e);
+    }
+    for (int64_t e = lo; e < hi; e += 64) {
+        __builtin_prefetch(mc + e);
+        __builtin_prefetch(vc + e);
+    }
+}
+
 /* [Note: requantization one block behind]
    Block k's update is bound by its divisions and square roots, the requantization by
    its table gathers; so the loop over block k's vectors also requantizes the vectors
@@ -468,6 +479,9 @@ static void run_blocks(float* __restrict__ p, const float* __restrict__ g, uint8
     QPlan qm = {}, qv = {};  // the previous block's requantization (len 0: none)
     for (int64_t lo = 0, k = 0; lo < n; lo += bs, ++k) {
         const int64_t len = n - lo < bs ? n - lo : bs;
+#if !defined(__AVX512F__)
+        prefetch_block(p, g, mc, vc, lo + kPrefetchBlocks * bs, bs, n);
+#endif
         float* sm = scratch + (k & 1) * 2 * bs;
         float* sv = sm + bs;
         uint8_t* __restrict__ mb = mc + lo;
