@@ -40,22 +40,23 @@ def _hp(bs, decoupled, wd, maximize):
 
 
 class _Spy:
-    """Counts calls of the kernel (run_fused_step_) while installed."""
+    """Counts the kernel's calls (run_fused_steps_) and the tensors they step while installed."""
 
     def __init__(self):
-        self.calls = 0
-        self._orig = qf.run_fused_step_
+        self.calls = self.tensors = 0
+        self._orig = qf.run_fused_steps_
 
     def __enter__(self):
         def spy(*a, **k):
             self.calls += 1
+            self.tensors += len(a[0])
             return self._orig(*a, **k)
 
-        qf.run_fused_step_ = spy
+        qf.run_fused_steps_ = spy
         return self
 
     def __exit__(self, *exc):
-        qf.run_fused_step_ = self._orig
+        qf.run_fused_steps_ = self._orig
 
 
 @needs_cc
@@ -156,6 +157,58 @@ def test_block_runs_equal_whole_tensor(fused):
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("fused", [True, False])
+def test_multi_tensor_step_equals_one_call_per_tensor(threads, fused):
+    """[Note: one call for many tensors]: adam8bit_multi_tensor_step_ gives each tensor the
+    bits of its own adam8bit_block_step_: tensors of uneven sizes (short last blocks, an
+    empty one, one smaller than a block), their own step counts, a bfloat16 parameter and
+    a non-contiguous absmax, on runs of blocks that span tensors at 2 and 3 threads."""
+    from vefsdp_optim._math import adam8bit_multi_tensor_step_
+
+    bs = 256
+    sizes = [70_001, 0, 100, 90_000, 30_003]  # 752 blocks: runs of 256 blocks a thread
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randn(n, generator=gen) for n in sizes]
+    ps[3] = ps[3].bfloat16()
+    refs = [p.clone() for p in ps]
+    states = [_state(n, bs) for n in sizes]
+    ref_states = [[t.clone() for t in st] for st in states]
+    wide = torch.zeros(-(-sizes[4] // bs), 2)
+    states[4][3] = wide[:, 0]  # tensor 4's exp_avg_sq absmax: a non-contiguous view
+    steps = [3, 1, 7, 2, 5]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in range(3):
+            gs = [_hard_grad(max(n, 1), bs, k + 1, gen)[:n] for n in sizes]
+            gs[3] = gs[3].bfloat16()
+            now = [s + k for s in steps]
+            adam8bit_multi_tensor_step_(ps, gs, states, steps=now, fused=fused, **_hp(bs, True, 1e-2, False))
+            for p, g, st, step in zip(refs, gs, ref_states, now, strict=True):
+                adam8bit_block_step_(p, g, *st, step=step, fused=fused, **_hp(bs, True, 1e-2, False))
+            for i in range(len(sizes)):
+                assert _equal(ps[i].float(), refs[i].float()), (k, i)
+                for a, b in zip(states[i], ref_states[i], strict=True):
+                    assert torch.equal(a, b), (k, i)
+    finally:
+        torch.set_num_threads(saved)
+    assert not torch.equal(states[4][3], torch.zeros_like(states[4][3]))  # written through the view
+
+
+def test_multi_tensor_step_rejects_mismatched_lists():
+    from vefsdp_optim._math import adam8bit_multi_tensor_step_
+
+    p, g = torch.zeros(300), torch.zeros(300)
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        adam8bit_multi_tensor_step_([p], [g], [_state(300, 256)], steps=[1, 2], **_hp(256, True, 0.0, False))
+    with pytest.raises(ValueError, match="4 tensors"):
+        adam8bit_multi_tensor_step_([p], [g], [_state(300, 256)[:3]], steps=[1], **_hp(256, True, 0.0, False))
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        adam8bit_multi_tensor_step_([p], [g], [_state(300, 256)], steps=[True], **_hp(256, True, 0.0, False))
+
+
+@needs_cc
 def test_kernel_bf16_param_and_grad():
     p = torch.randn(3, 100).bfloat16()
     pe = p.clone()
@@ -182,12 +235,13 @@ def _opt_run(fused, steps=3, **kw):
 def test_optimizer_uses_kernel_by_default_and_env_var_turns_it_off(monkeypatch):
     with _Spy() as spy:
         got = _opt_run(None)
-    assert spy.calls == 3 * 2  # two 8-bit tensors (the 10x10 one keeps fp32 moments)
+    # two 8-bit tensors (the 10x10 one keeps fp32 moments), one kernel call a step
+    assert (spy.calls, spy.tensors) == (3, 3 * 2)
     monkeypatch.setenv(qf.ENV_VAR, "0")
     with _Spy() as spy:
         off = _opt_run(None)
         forced = _opt_run(True)  # fused=True wins over the environment variable
-    assert spy.calls == 3 * 2
+    assert (spy.calls, spy.tensors) == (3, 3 * 2)
     for a, b, c in zip(got, off, forced, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -263,14 +317,14 @@ def _sharded_vs_single_device(kind, name):
         q = [nn.Parameter(t.clone()) for t in init]
         refs.append((q, cls(q, fused=fused, **kw)))
     x = torch.randn(8, 37, generator=torch.Generator().manual_seed(11 + rank))
-    calls = 0  # kernel calls of the sharded optimizer on this rank
+    calls = 0  # tensors the sharded optimizer's kernel calls stepped on this rank
     with _Spy() as spy:
         for _ in range(3):
             opt.zero_grad()
             model(x).backward()  # each rank its own batch; the gradient is their average
-            before = spy.calls
+            before = spy.tensors
             opt.step()
-            calls += spy.calls - before
+            calls += spy.tensors - before
             for q, ref in refs:
                 for qi, p in zip(q, ps, strict=True):
                     qi.grad = p.grad.full_tensor().clone()

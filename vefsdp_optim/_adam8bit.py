@@ -10,7 +10,7 @@ import torch
 
 from vefsdp_optim._math import (
     TableQuantizer,
-    adam8bit_block_step_,
+    adam8bit_multi_tensor_step_,
     check_adam_hparams,
     dynamic_code_map,
     num_blocks,
@@ -155,35 +155,55 @@ class _Adam8bitBase(BlockOptimizer):
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext,
         group: dict[str, Any],
     ) -> None:
+        self._update_blocks([(p, g, state, ctx)], group)
+
+    def _update_blocks(self, work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]],
+                       group: dict[str, Any]) -> None:
+        """``update_block`` on each ``(p, g, state, ctx)`` of ``group``, all in one
+        ``adam8bit_multi_tensor_step_`` (one kernel call on the CPU; the same bits as
+        one call each)."""
         bs = group["block_size"]
-        if ctx.start % bs != 0 and not ctx.is_whole:
-            raise AssertionError(
-                f"8-bit Adam slice starts at flat offset {ctx.start}, not a multiple of "
-                f"block_size {bs}, in a parameter of shape {tuple(ctx.shape)}")
-        if state["exp_avg_codes"].numel() != p.numel():
-            raise AssertionError(
-                f"8-bit state covers {state['exp_avg_codes'].numel()} elements but the compute "
-                f"slice has {p.numel()}: the compute layout changed between steps")
-        state["step"] += 1
-        signed, unsigned = self._code_maps(p.device)
+        for p, _, state, ctx in work:
+            if ctx.start % bs != 0 and not ctx.is_whole:
+                raise AssertionError(
+                    f"8-bit Adam slice starts at flat offset {ctx.start}, not a multiple of "
+                    f"block_size {bs}, in a parameter of shape {tuple(ctx.shape)}")
+            if state["exp_avg_codes"].numel() != p.numel():
+                raise AssertionError(
+                    f"8-bit state covers {state['exp_avg_codes'].numel()} elements but the compute "
+                    f"slice has {p.numel()}: the compute layout changed between steps")
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]]] = {}
+        for w in work:  # one device per bucket (make_buckets); one call per device otherwise
+            by_device.setdefault(w[0].device, []).append(w)
         beta1, beta2 = group["betas"]
-        adam8bit_block_step_(
-            p, g, state["exp_avg_codes"], state["exp_avg_absmax"], state["exp_avg_sq_codes"],
-            state["exp_avg_sq_absmax"], step=int(state["step"].item()), lr=group["lr"],
-            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            decoupled=self.decoupled, block_size=bs, signed_code=signed, unsigned_code=unsigned,
-            quantizers=self._table_quantizers(p.device), maximize=group["maximize"],
-            fused=self.fused)
+        for device, ws in by_device.items():
+            step_tensors = [state["step"] for _, _, state, _ in ws]
+            torch._foreach_add_(step_tensors, 1)
+            signed, unsigned = self._code_maps(device)
+            adam8bit_multi_tensor_step_(
+                [p for p, _, _, _ in ws], [g for _, g, _, _ in ws],
+                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+                 for _, _, st, _ in ws],
+                steps=[int(t.item()) for t in step_tensors], lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
+                block_size=bs, signed_code=signed, unsigned_code=unsigned,
+                quantizers=self._table_quantizers(device), maximize=group["maximize"], fused=self.fused)
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        out: list[list[torch.Tensor]] = [[] for _ in items]
+        out: list[list[torch.Tensor]] = [[ins[0]] for ins in inputs]
         fp32 = []  # small tensors: fused fp32 Adam(W) (one param group per bucket)
+        by_group: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]]] = {}
         for i, it in enumerate(items):
-            if self.is_quantized(it.view.shape, it.group):
-                out[i] = self.compute(it, inputs[i])
-            else:
+            if not self.is_quantized(it.view.shape, it.group):
                 fp32.append(i)
-                out[i] = [inputs[i][0]]
+                continue
+            p, g = inputs[i]
+            if p.numel():
+                ctx = it.ctx(it.compute)
+                by_group.setdefault(id(it.group), []).append((p, g, self._block_state(it, p, ctx), ctx))
+        groups = {id(it.group): it.group for it in items}
+        for gid, work in by_group.items():
+            self._update_blocks(work, groups[gid])
         if fp32:
             adam_bucket_([self.state[items[i].param] for i in fp32], [inputs[i][0] for i in fp32],
                          [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled,

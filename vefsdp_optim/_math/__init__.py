@@ -5,7 +5,8 @@ tensors and hyperparameters, documented as torch's functional optimizers are, an
 definition a reader can take for the algorithm:
 
     AdamW, Adam         adamw_step_            (torch.optim.adamw.adamw's single-tensor bits)
-    8-bit Adam(W)       adam8bit_block_step_   (a run of whole quantization blocks)
+    8-bit Adam(W)       adam8bit_block_step_   (a run of whole quantization blocks;
+                        adam8bit_multi_tensor_step_ for many at once)
     Shampoo             shampoo_step_          (a run of whole tiles: row bands of a matrix)
     SOAP                soap_step_             (a whole tensor; any slice without factors)
     Muon                muon_step_             (a whole tensor: momentum, Newton-Schulz per
@@ -16,7 +17,8 @@ The optimizer classes and the step loop only route data to them: which rank, whi
 slice, the exchange. Where batching across blocks is needed for speed, the batched form
 is the same function on each block, bit for bit (tests/test_math_functional.py):
 ``adam_foreach_`` (torch's multi-tensor Adam over a bucket) and ``adamw_step_`` over a
-whole flat store; the fused 8-bit kernels inside ``adam8bit_block_step_``; Muon's
+whole flat store; ``adam8bit_multi_tensor_step_`` (the fused 8-bit kernels over a
+bucket, one call on the CPU); Muon's
 batched Newton-Schulz (``muon_orthogonalise_batched`` in _muon.py) and NorMuon's batched
 normalization (``normuon_normalize_batched_``, run by ``normuon_orthogonalise_batched``).
 Muon runs its step in three phases on different ranks ([Note: Muon's phases] in _muon.py
@@ -61,6 +63,7 @@ from ._polar_express import (
 from ._quant8 import (
     TableQuantizer,
     adam8bit_block_step_,
+    adam8bit_multi_tensor_step_,
     dequantize_blockwise,
     dequantize_table,
     dynamic_code_map,
@@ -98,6 +101,7 @@ __all__ = [
     "SoapState",
     "TableQuantizer",
     "adam8bit_block_step_",
+    "adam8bit_multi_tensor_step_",
     "adam_foreach_",
     "adamw_step_",
     "check_adam_hparams",

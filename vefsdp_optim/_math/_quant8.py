@@ -30,6 +30,7 @@ decade: 0.9/128 unsigned, 0.9/64 signed.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -38,6 +39,7 @@ __all__ = [
     "TableQuantizer",
     "adam8bit_block_step_",
     "adam8bit_hparams",
+    "adam8bit_multi_tensor_step_",
     "dequantize_blockwise",
     "dequantize_table",
     "dynamic_code_map",
@@ -355,62 +357,115 @@ def adam8bit_block_step_(
     (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets callers build
     the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
     gives ``dequantize_blockwise``'s values, bit for bit (see [Note: table quantizer]).
+    Many tensors at once: :func:`adam8bit_multi_tensor_step_`.
     """
-    if grad.numel() != param.numel():
-        raise ValueError(
-            f"grad must have the parameter's {param.numel()} elements, got {grad.numel()}"
-        )
-    if exp_avg_codes.numel() != param.numel() or exp_avg_sq_codes.numel() != param.numel():
-        raise ValueError(
-            f"moment codes must have the parameter's {param.numel()} elements, got "
-            f"{exp_avg_codes.numel()} and {exp_avg_sq_codes.numel()}"
-        )
+    adam8bit_multi_tensor_step_(
+        [param], [grad], [(exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)],
+        steps=[step], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        decoupled=decoupled, block_size=block_size, signed_code=signed_code,
+        unsigned_code=unsigned_code, quantizers=quantizers, maximize=maximize, fused=fused)
+
+
+def adam8bit_multi_tensor_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    states: Sequence[Sequence[Tensor]],
+    *,
+    steps: Sequence[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    block_size: int,
+    signed_code: Tensor,
+    unsigned_code: Tensor,
+    quantizers: tuple[TableQuantizer, TableQuantizer] | None = None,
+    maximize: bool = False,
+    fused: bool | None = None,
+) -> None:
+    """:func:`adam8bit_block_step_` on each ``(params[i], grads[i], *states[i])`` with
+    ``step=steps[i]`` (``states[i]``: the exp_avg codes and absmax, then the exp_avg_sq
+    codes and absmax), the same bits as one call per tensor. The shared arguments are
+    checked and the backend chosen once, and on the C++ kernel all tensors go in one
+    call ([Note: one call for many tensors] in ``_csrc/quant8_adam_op.cpp``): an
+    optimizer's per-tensor overhead is then a few checks."""
+    n = len(params)
+    if len(grads) != n or len(states) != n or len(steps) != n:
+        raise ValueError(f"params, grads, states and steps must have one entry per tensor, got "
+                         f"{n}, {len(grads)}, {len(states)} and {len(steps)}")
     if fused is not None and not isinstance(fused, bool):
         raise ValueError(f"fused must be None, True or False, got {fused!r}")
     _check_block_size(block_size)
-    nb = num_blocks(param.numel(), block_size)
-    if exp_avg_absmax.numel() != nb or exp_avg_sq_absmax.numel() != nb:
-        raise ValueError(
-            f"absmax must have ceil({param.numel()} / {block_size}) = {nb} elements, got "
-            f"{exp_avg_absmax.numel()} and {exp_avg_sq_absmax.numel()}")
+    for param, grad, state in zip(params, grads, states, strict=True):
+        if len(state) != 4:
+            raise ValueError("each state must hold 4 tensors (exp_avg codes and absmax, exp_avg_sq "
+                             f"codes and absmax), got {len(state)}")
+        numel = param.numel()
+        if grad.numel() != numel:
+            raise ValueError(f"grad must have the parameter's {numel} elements, got {grad.numel()}")
+        if state[0].numel() != numel or state[2].numel() != numel:
+            raise ValueError(
+                f"moment codes must have the parameter's {numel} elements, got "
+                f"{state[0].numel()} and {state[2].numel()}")
+        nb = num_blocks(numel, block_size)
+        if state[1].numel() != nb or state[3].numel() != nb:
+            raise ValueError(
+                f"absmax must have ceil({numel} / {block_size}) = {nb} elements, got "
+                f"{state[1].numel()} and {state[3].numel()}")
     if quantizers is None:
         quantizers = (TableQuantizer(signed_code), TableQuantizer(unsigned_code))
-    hp = adam8bit_hparams(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                          weight_decay=weight_decay)
-    state = (exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)
-    flat = param.reshape(-1)
-    p32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
+    by_step: dict[int, tuple[float, ...]] = {}
+    for step in steps:
+        if type(step) is not int or step not in by_step:  # adam8bit_hparams rejects bools, floats, < 1
+            by_step[step] = adam8bit_hparams(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                             weight_decay=weight_decay)
+    if n == 0:
+        return
+    hps = [by_step[step] for step in steps]
     from ._quant8_backend import select_backend
 
-    device_type = "+".join(sorted({t.device.type for t in (param, grad, *state)}))  # "cpu", ...
+    # "cpu", "cuda", ...; tensors on several devices take the eager ops ("cpu+cuda")
+    device_type = "+".join(sorted({t.device.type for param, grad, state in zip(params, grads, states, strict=True)
+                                   for t in (param, grad, *state)}))
     backend = select_backend(device_type, block_size, max(q.k for q in quantizers), fused)
+    flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
+    p32s = []
+    for param in params:
+        flat = param.reshape(-1)
+        p32s.append(flat if flat.dtype == torch.float32 and flat.is_contiguous()
+                    else flat.float().contiguous())
     if backend != "eager":
+        g32s = [grad.reshape(-1).float().contiguous() for grad in grads]
+        works = [[t if t.is_contiguous() else t.contiguous() for t in state] for state in states]
+        tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
+                  quantizers[1].packed)
         if backend == "c":
             from . import _quant8_fused
 
-            run = _quant8_fused.run_fused_step_
+            _quant8_fused.run_fused_steps_(p32s, g32s, *(list(w) for w in zip(*works, strict=True)),
+                                           hps, [flags] * n, block_size, tables)
         else:
             from . import _quant8_triton
 
-            run = _quant8_triton.run_triton_step_
-        g32 = grad.reshape(-1).float().contiguous()
-        work = [t if t.is_contiguous() else t.contiguous() for t in state]
-        flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
-        tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
-                  quantizers[1].packed)
-        run(p32, g32, work[0], work[1], work[2], work[3], hp, flags, block_size, tables)
-        for t, w in zip(state, work, strict=True):
-            if w.data_ptr() != t.data_ptr():
-                t.copy_(w)
+            for p32, g32, work, hp in zip(p32s, g32s, works, hps, strict=True):
+                _quant8_triton.run_triton_step_(p32, g32, *work, hp, flags, block_size, tables)
+        for state, work in zip(states, works, strict=True):
+            for t, w in zip(state, work, strict=True):
+                if w.data_ptr() != t.data_ptr():
+                    t.copy_(w)
     else:
-        exp_avg = dequantize_table(exp_avg_codes, exp_avg_absmax, signed_code, block_size)
-        exp_avg_sq = dequantize_table(exp_avg_sq_codes, exp_avg_sq_absmax, unsigned_code,
-                                      block_size)
-        _adam_eager_(p32, grad.reshape(-1).float(), exp_avg, exp_avg_sq, hp, maximize=maximize,
-                     wd_on=weight_decay != 0, decoupled=decoupled)
-        for moment, codes, absmax, quantize in (
-                (exp_avg, exp_avg_codes, exp_avg_absmax, quantizers[0]),
-                (exp_avg_sq, exp_avg_sq_codes, exp_avg_sq_absmax, quantizers[1])):
-            absmax.copy_(quantize(moment, block_size, out=codes)[1])
-    if p32.data_ptr() != param.data_ptr():
-        param.copy_(p32.view(param.shape))
+        for p32, grad, state, hp in zip(p32s, grads, states, hps, strict=True):
+            codes_m, absmax_m, codes_v, absmax_v = state
+            exp_avg = dequantize_table(codes_m, absmax_m, signed_code, block_size)
+            exp_avg_sq = dequantize_table(codes_v, absmax_v, unsigned_code, block_size)
+            _adam_eager_(p32, grad.reshape(-1).float(), exp_avg, exp_avg_sq, hp, maximize=maximize,
+                         wd_on=weight_decay != 0, decoupled=decoupled)
+            for moment, codes, absmax, quantize in (
+                    (exp_avg, codes_m, absmax_m, quantizers[0]),
+                    (exp_avg_sq, codes_v, absmax_v, quantizers[1])):
+                absmax.copy_(quantize(moment, block_size, out=codes)[1])
+    for param, p32 in zip(params, p32s, strict=True):
+        if p32.data_ptr() != param.data_ptr():
+            param.copy_(p32.view(param.shape))

@@ -7,8 +7,9 @@ parameter, the gradient and two one-byte codes and writes the parameter and the 
 kernel below does the whole step block by block: dequantize both moments through the
 256-value code maps, the Adam / AdamW update with the block's absmax kept in registers,
 and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
-packed bucket table]; with AVX-512 a gather from it, with AVX2 8 loads, by a product with the
-reciprocal of the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``),
+packed bucket table]; with AVX-512 a gather from it, by a product with the reciprocal of
+the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``; with
+AVX2 8 loads, by the division: [Note: AVX2 requantization by division]),
 with two blocks' new moments in a cache-resident scratch of ~4 * block_size floats. The
 data are read once and written once. Runs of whole blocks go to torch's intra-op threads
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
@@ -45,7 +46,8 @@ reciprocal and redone exactly for the vectors near a midpoint (listed without a 
 redone after the block: a branch per vector mispredicts on every block's absmax). Tried
 and dropped (slower, figures in docs/performance.md): the absmax folded into the update
 loop as scalar C (gcc then vectorizes neither), both moments' requantizations in one loop
-(also with one moment by gather and one by search), software prefetch, and on the
+(also with one moment by gather and one by search), software prefetch on the AVX-512
+paths (the AVX2 paths prefetch: [Note: prefetch ahead of the block]), and on the
 AVX-512 paths the table lookups as scalar loads and the dequantization by a gather from
 the code map (on the AVX2 paths of a Zen 3, the scalar loads won). The kernel is
 C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
@@ -75,12 +77,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["ENV_VAR", "fused_kernel", "fused_unavailable_reason", "run_fused_step_"]
+__all__ = ["ENV_VAR", "fused_kernel", "fused_unavailable_reason", "run_fused_steps_"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +166,7 @@ def _compile(name: str, flags: list[str], build_dir: str, cxx: str) -> None:
 
 def _build() -> Any:
     """Build (or load from the on-disk cache) the library; returns its operators'
-    namespace (``adam8bit_step_``, and ``bf16_addmm_out_`` / ``bf16_mm_nt_out_`` of
+    namespace (``adam8bit_steps_``, and ``bf16_addmm_out_`` / ``bf16_mm_nt_out_`` of
     _bf16_matmul.py)."""
     cxx = _compiler()
     if cxx is None:
@@ -204,7 +207,7 @@ def fused_kernel() -> Any:
     """The built kernel (a torch operator), or None (then ``fused_unavailable_reason()``
     says why). Builds on the first call; never raises."""
     ops = native_ops()
-    return None if ops is None else ops.adam8bit_step_
+    return None if ops is None else ops.adam8bit_steps_
 
 
 def native_ops() -> Any:
@@ -230,16 +233,20 @@ def fused_unavailable_reason() -> str | None:
     return _reason
 
 
-def run_fused_step_(
-    p: Tensor, g: Tensor, mc: Tensor, ma: Tensor, vc: Tensor, va: Tensor,
-    hp: tuple[float, ...], flags: int, block_size: int, tables: tuple[Tensor, ...],
+def run_fused_steps_(
+    p: Sequence[Tensor], g: Sequence[Tensor], mc: Sequence[Tensor], ma: Sequence[Tensor],
+    vc: Sequence[Tensor], va: Sequence[Tensor], hp: Sequence[tuple[float, ...]],
+    flags: Sequence[int], block_size: int, tables: tuple[Tensor, ...],
 ) -> None:
-    """Run the kernel in place on contiguous CPU tensors: ``p``, ``g`` float32 (n,),
-    ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),); ``hp``:
-    ``adam8bit_hparams``; ``tables``: the signed code, the unsigned code, and the
+    """Run the kernel in place on lists of contiguous CPU tensors, one entry per tensor
+    ([Note: one call for many tensors] in ``quant8_adam_op.cpp``): ``p``, ``g`` float32
+    (n,), ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),); ``hp``:
+    each tensor's ``adam8bit_hparams``; ``flags``: each tensor's bits (1 maximize, 2
+    weight decay, 4 decoupled); ``tables``: the signed code, the unsigned code, and the
     ``packed`` tables of their ``TableQuantizer``. The caller checks them, and that
     ``fused_kernel()`` is not None (the operator checks them again)."""
     op = fused_kernel()
     if op is None:
-        raise AssertionError(f"run_fused_step_ called without a kernel: {_reason}")
-    op(p, g, mc, ma, vc, va, block_size, list(hp), flags, *tables)
+        raise AssertionError(f"run_fused_steps_ called without a kernel: {_reason}")
+    op(list(p), list(g), list(mc), list(ma), list(vc), list(va), block_size,
+       [c for h in hp for c in h], list(flags), *tables)
