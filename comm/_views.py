@@ -7,6 +7,7 @@ step loop never branches on the parameter's kind. See [Note: views alias storage
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -106,26 +107,24 @@ def sharded_view(t: object) -> ShardedView:
         return view
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"sharded_view expects a tensor or a parameter, got {type(t).__name__}; supported: {_SUPPORTED}")
+    kind = type(t)
+    if kind is torch.Tensor or kind is nn.Parameter or kind is nn.Buffer:
+        if not t.is_contiguous():
+            raise NotImplementedError(
+                f"non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not "
+                f"supported: its flat storage is not row-major; pass a contiguous tensor"
+            )
+        return _trusted_view(t.detach().view(-1), _whole_layout(t.numel()), None, t.shape, 0)
+    if isinstance(t, _dtensor_type()):
+        return _dtensor_view(t)
+    raise NotImplementedError(f"tensor subclass {kind.__name__} is not supported; supported: {_SUPPORTED}")
+
+
+@functools.cache
+def _dtensor_type() -> type:
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        return _dtensor_view(t)
-    if type(t) not in (torch.Tensor, nn.Parameter, nn.Buffer):
-        raise NotImplementedError(
-            f"tensor subclass {type(t).__name__} is not supported; supported: {_SUPPORTED}"
-        )
-    if not t.is_contiguous():
-        raise NotImplementedError(
-            f"non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not "
-            f"supported: its flat storage is not row-major; pass a contiguous tensor"
-        )
-    return ShardedView(
-        local=t.detach().view(-1),
-        layout=RaggedShard.whole(t.numel(), 1, 0),
-        process_group=None,
-        shape=t.shape,
-        rank=0,
-    )
+    return DTensor
 
 
 def _dtensor_view(dt: torch.Tensor) -> ShardedView:
@@ -158,13 +157,25 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
     if not checked:  # the first view of this placement: every check of ShardedView
         return ShardedView(local=local.detach().view(-1), layout=layout, process_group=process_group,
                            shape=shape, rank=rank)
-    # the fields were checked when the meta was built: skip ShardedView's checks (a step
-    # asks for two views of every parameter)
+    # the fields were checked when the meta was built
+    return _trusted_view(local.detach().view(-1), layout, process_group, shape, rank)
+
+
+def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_group: dist.ProcessGroup | None,
+                  shape: torch.Size, rank: int) -> ShardedView:
+    """A ShardedView of fields that are valid by construction, without its checks (a
+    step asks for two views of every parameter: ~10 us each on a CPU)."""
     view = object.__new__(ShardedView)
-    for name, value in (("local", local.detach().view(-1)), ("layout", layout), ("process_group", process_group),
+    for name, value in (("local", local), ("layout", layout), ("process_group", process_group),
                         ("shape", shape), ("rank", rank)):
         object.__setattr__(view, name, value)
     return view
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_layout(numel: int) -> RaggedShard:
+    """The layout of an unsharded tensor of ``numel`` elements."""
+    return RaggedShard.whole(numel, 1, 0)
 
 
 # [Note: N-D placements]

@@ -23,6 +23,7 @@ from ._block_optimizer import BlockContext, BlockOptimizer
 from ._registry import register_optimizer
 from ._state_format import ELEMENTWISE, REPLICATED
 from ._step_loop import StepItem
+from ._torch_compat import foreach_add_
 
 __all__ = ["AdamW8bit", "Adam8bit"]
 
@@ -178,7 +179,7 @@ class _Adam8bitBase(BlockOptimizer):
         beta1, beta2 = group["betas"]
         for device, ws in by_device.items():
             step_tensors = [state["step"] for _, _, state, _ in ws]
-            torch._foreach_add_(step_tensors, 1)
+            foreach_add_(step_tensors, 1)
             signed, unsigned = self._code_maps(device)
             adam8bit_multi_tensor_step_(
                 [p for p, _, _, _ in ws], [g for _, g, _, _ in ws],

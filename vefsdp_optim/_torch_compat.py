@@ -45,7 +45,7 @@ __all__ = [
     "device_dtype_check_for_fused", "to_scalar",
     "tree_flatten", "tree_map", "tree_unflatten",
     "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
-    "foreach_lerp_",
+    "foreach_lerp_", "foreach_add_",
     "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
@@ -94,6 +94,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._VF.tensordot": TESTED,
     # NorMuon's batched second moments (_math._normuon): one lerp_ per moment tensor
     "torch._foreach_lerp_": TESTED,
+    # 8-bit Adam's step counts (_adam8bit): one add for a bucket's tensors, as torch.optim's
+    "torch._foreach_add_": TESTED,
 }
 
 # Private names the library *defines*, on its subclass of torch's FSDPModule
@@ -120,6 +122,7 @@ unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counte
 # small tensor's call (SOAP rotates every gradient through several per step)
 tensordot = torch._VF.tensordot
 foreach_lerp_ = torch._foreach_lerp_
+foreach_add_ = torch._foreach_add_
 
 
 def dtensor_local(dt: Any) -> torch.Tensor:
