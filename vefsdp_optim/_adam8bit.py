@@ -160,9 +160,9 @@ class _Adam8bitBase(BlockOptimizer):
 
     def _update_blocks(self, work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]],
                        group: dict[str, Any]) -> None:
-        """``update_block`` on each ``(p, g, state, ctx)`` of ``group``, all in one
-        ``adam8bit_multi_tensor_step_`` (one kernel call on the CPU; the same bits as
-        one call each)."""
+        """``update_block`` on each ``(p, g, state, ctx)`` of ``group`` (one device, as a
+        bucket is), all in one ``adam8bit_multi_tensor_step_`` (one kernel call on the
+        CPU; the same bits as one call each)."""
         bs = group["block_size"]
         for p, _, state, ctx in work:
             if ctx.start % bs != 0 and not ctx.is_whole:
@@ -173,27 +173,24 @@ class _Adam8bitBase(BlockOptimizer):
                 raise AssertionError(
                     f"8-bit state covers {state['exp_avg_codes'].numel()} elements but the compute "
                     f"slice has {p.numel()}: the compute layout changed between steps")
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]]] = {}
-        for w in work:  # one device per bucket (make_buckets); one call per device otherwise
-            by_device.setdefault(w[0].device, []).append(w)
+        step_tensors = [state["step"] for _, _, state, _ in work]
+        foreach_add_(step_tensors, 1)
+        device = work[0][0].device
+        signed, unsigned = self._code_maps(device)
         beta1, beta2 = group["betas"]
-        for device, ws in by_device.items():
-            step_tensors = [state["step"] for _, _, state, _ in ws]
-            foreach_add_(step_tensors, 1)
-            signed, unsigned = self._code_maps(device)
-            adam8bit_multi_tensor_step_(
-                [p for p, _, _, _ in ws], [g for _, g, _, _ in ws],
-                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
-                 for _, _, st, _ in ws],
-                steps=[int(t.item()) for t in step_tensors], lr=group["lr"], beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
-                block_size=bs, signed_code=signed, unsigned_code=unsigned,
-                quantizers=self._table_quantizers(device), maximize=group["maximize"], fused=self.fused)
+        adam8bit_multi_tensor_step_(
+            [p for p, _, _, _ in work], [g for _, g, _, _ in work],
+            [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+             for _, _, st, _ in work],
+            steps=[int(t.item()) for t in step_tensors], lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
+            block_size=bs, signed_code=signed, unsigned_code=unsigned,
+            quantizers=self._table_quantizers(device), maximize=group["maximize"], fused=self.fused)
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[ins[0]] for ins in inputs]
-        fp32 = []  # small tensors: fused fp32 Adam(W) (one param group per bucket)
-        by_group: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]]] = {}
+        fp32 = []  # small tensors: fused fp32 Adam(W) (one param group and device per bucket)
+        work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]] = []
         for i, it in enumerate(items):
             if not self.is_quantized(it.view.shape, it.group):
                 fp32.append(i)
@@ -201,10 +198,9 @@ class _Adam8bitBase(BlockOptimizer):
             p, g = inputs[i]
             if p.numel():
                 ctx = it.ctx(it.compute)
-                by_group.setdefault(id(it.group), []).append((p, g, self._block_state(it, p, ctx), ctx))
-        groups = {id(it.group): it.group for it in items}
-        for gid, work in by_group.items():
-            self._update_blocks(work, groups[gid])
+                work.append((p, g, self._block_state(it, p, ctx), ctx))
+        if work:
+            self._update_blocks(work, items[0].group)
         if fp32:
             adam_bucket_([self.state[items[i].param] for i in fp32], [inputs[i][0] for i in fp32],
                          [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled,
