@@ -22,6 +22,7 @@ from ._step_loop import (
     StepItem,
     check_consistent,
     exchange,
+    gc_paused,
     make_buckets,
 )
 
@@ -220,6 +221,11 @@ class BlockOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with gc_paused():  # [Note: no collection during a step]
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         entries: list[StepEntry] = []
         items = [it for gi, group in enumerate(self.param_groups)
                  for it in self._collect(group, gi, entries)]
@@ -245,7 +251,6 @@ class BlockOptimizer(Optimizer):
             if id(it.param) not in self._validated and self.state.get(it.param):
                 validate_state(self, it.param, it.group)
                 self._validated.add(id(it.param))
-        return loss
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Hook: the parameters of ``group`` left to the step loop. A subclass may first
@@ -270,18 +275,18 @@ class BlockOptimizer(Optimizer):
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
                                          compute is None or compute != view.layout, view.process_group))
                 continue
-            if p.device.type == "meta":
+            if p.is_meta:
                 raise NotImplementedError(
                     f"{type(self).__name__} cannot step parameters on the meta device (shape "
                     f"{tuple(p.shape)}); materialize them first (module.to_empty(device=...) and "
                     "initialisation), then step")
             if p.grad.is_sparse:
                 raise NotImplementedError(f"{type(self).__name__} does not support sparse gradients")
-            if torch.is_complex(p):
+            if p.is_complex():
                 raise NotImplementedError(f"{type(self).__name__} does not support complex parameters")
             view = sharded_view(p)
             gview = sharded_view(p.grad)
-            if gview.layout != view.layout:
+            if gview.layout is not view.layout and gview.layout != view.layout:
                 raise ValueError(
                     f"gradient layout {gview.layout} differs from parameter layout "
                     f"{view.layout} for a parameter of shape {tuple(view.shape)}")
