@@ -39,7 +39,8 @@ _SUPPORTED = (
 class ShardedView:
     """One tensor reduced to what an optimizer needs.
 
-    ``local`` is a 1-D view (no copy) of this rank's part of the tensor under ``layout``:
+    ``local`` is a 1-D view (no copy; a 1-D tensor outside autograd is its own) of this
+    rank's part of the tensor under ``layout``:
     its slice ``layout.local(rank)`` of the row-major flat storage for a RaggedShard, its
     box (or run of one) in the box's row-major order for a BoxShard ([Note: boxes in flat
     order]); writing into it writes the tensor. ``process_group`` is the shard process
@@ -162,9 +163,12 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A detached 1-D view of contiguous ``t`` (a 1-D tensor needs no ``view``: one op,
-    not two, ~4 us a parameter on a CPU)."""
-    return t.detach() if t.dim() == 1 else t.detach().view(-1)
+    """A detached 1-D view of contiguous ``t``. Each view is an op of ~2-4 us on a CPU,
+    which a step over many small tensors notices, so: a 1-D plain tensor outside autograd
+    (a gradient) is its own view, and another 1-D tensor needs only ``detach``."""
+    if t.dim() == 1:
+        return t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
+    return t.detach().view(-1)
 
 
 def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_group: dist.ProcessGroup | None,
@@ -172,10 +176,16 @@ def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_g
     """A ShardedView of fields that are valid by construction, without its checks (a
     step asks for two views of every parameter: ~10 us each on a CPU)."""
     view = object.__new__(ShardedView)
-    for name, value in (("local", local), ("layout", layout), ("process_group", process_group),
-                        ("shape", shape), ("rank", rank)):
-        object.__setattr__(view, name, value)
+    _SET_LOCAL(view, local)  # the slots' own setters: frozen=True guards only __setattr__
+    _SET_LAYOUT(view, layout)
+    _SET_PROCESS_GROUP(view, process_group)
+    _SET_SHAPE(view, shape)
+    _SET_RANK(view, rank)
     return view
+
+
+_SET_LOCAL, _SET_LAYOUT, _SET_PROCESS_GROUP, _SET_SHAPE, _SET_RANK = (
+    getattr(ShardedView, name).__set__ for name in ("local", "layout", "process_group", "shape", "rank"))
 
 
 @functools.lru_cache(maxsize=4096)

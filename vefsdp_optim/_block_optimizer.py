@@ -297,8 +297,9 @@ class BlockOptimizer(Optimizer):
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
             items.append(StepItem(p, view, gview.local, req, compute, group))
-            entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
-                                     view.process_group))
+            if view.process_group is not None:  # check_consistent skips the others
+                entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
+                                         view.process_group))
         if whole:
             self._assign_owners([items[i] for i in whole])
         return items
