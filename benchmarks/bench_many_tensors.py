@@ -1,0 +1,146 @@
+"""The step's cost per parameter: many small parameters, one process, one intra-op thread.
+
+    python -m benchmarks.bench_many_tensors [--quick|--full] [--out benchmarks/out/many_tensors.json]
+
+A model with hundreds or thousands of parameters (norms, biases, per-head or per-expert
+weights) pays an optimizer's per-parameter cost on every step, on top of the
+arithmetic. For K parameters of E elements each (plain tensors, the same random
+gradients fed to all, alternating order, medians; one intra-op thread):
+
+- vefsdp_optim.AdamW against torch.optim.AdamW (foreach): the same arithmetic (ours
+  calls torch's multi-tensor implementation per bucket), so the ratio is our step
+  loop's cost per parameter;
+- vefsdp_optim.AdamW8bit against torch.optim.AdamW (foreach), at E >= 4096 (the
+  8-bit threshold);
+- the same two with the cyclic garbage collector left on during the step, so that the
+  pause of [Note: no collection during a step] (vefsdp_optim/_step_loop.py) is
+  measured alone, in the same run.
+
+Each row gives the step's median and mean (a full collection every few steps moves the
+mean, not the median; throughput is the mean), the mean's cost per parameter, the
+paired ratio of medians to torch's step and the ratio of the means, and the collector's
+collections per step (young, middle and full generation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from ._common import cli, paired_ratio, result, stats
+
+CASES_QUICK = [(1000, 64), (1000, 4096), (200, 16384)]
+CASES_FULL = [(1000, 64), (300, 64), (1000, 4096), (300, 4096), (200, 16384), (50, 65536)]
+
+
+@contextlib.contextmanager
+def _collector_on_during_steps():
+    """The library's step with the collector left on (its state before the pause)."""
+    import vefsdp_optim._block_optimizer as bo
+
+    saved = getattr(bo, "gc_paused", None)
+    if saved is None:  # a library without the pause
+        yield
+        return
+    bo.gc_paused = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        bo.gc_paused = saved
+
+
+def _runs(k: int, e: int) -> dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]]:
+    """name -> (params, optimizer, collector on during its step)."""
+    from vefsdp_optim import AdamW, AdamW8bit
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(e, generator=g) * 0.02 for _ in range(k)]
+
+    def params() -> list[nn.Parameter]:
+        return [nn.Parameter(t.clone()) for t in init]
+
+    runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]] = {}
+    ps = params()
+    runs["torch.optim.AdamW (foreach)"] = (ps, torch.optim.AdamW(ps, lr=1e-3, foreach=True), False)
+    ps = params()
+    runs["vefsdp_optim.AdamW"] = (ps, AdamW(ps, lr=1e-3), False)
+    ps = params()
+    runs["vefsdp_optim.AdamW, collector on"] = (ps, AdamW(ps, lr=1e-3), True)
+    if e >= 4096:
+        ps = params()
+        runs["vefsdp_optim.AdamW8bit"] = (ps, AdamW8bit(ps, lr=1e-3), False)
+        ps = params()
+        runs["vefsdp_optim.AdamW8bit, collector on"] = (ps, AdamW8bit(ps, lr=1e-3), True)
+    return runs
+
+
+def bench_case(k: int, e: int, steps: int, warmup: int) -> list[dict]:
+    runs = _runs(k, e)
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    collections: dict[str, list[int]] = {n: [0, 0, 0] for n in names}
+    g = torch.Generator().manual_seed(1)
+    for step in range(warmup + steps):
+        grads = [torch.randn(e, generator=g) * 1e-3 for _ in range(k)]
+        for name in names if step % 2 == 0 else names[::-1]:
+            ps, opt, collector_on = runs[name]
+            for p, gr in zip(ps, grads, strict=True):
+                p.grad = gr
+            ctx = _collector_on_during_steps() if collector_on else contextlib.nullcontext()
+            with ctx:
+                before = [s["collections"] for s in gc.get_stats()]
+                t0 = time.perf_counter()
+                opt.step()
+                dt = time.perf_counter() - t0
+                after = [s["collections"] for s in gc.get_stats()]
+            if step >= warmup:
+                times[name].append(dt)
+                for i in range(3):
+                    collections[name][i] += after[i] - before[i]
+    base = times[names[0]]
+    rows = []
+    for name in names:
+        mean = statistics.fmean(times[name])
+        rows.append(dict(
+            case=f"{k} x {e}", optimizer=name, step_ms=stats(times[name], 1e3), mean_ms=mean * 1e3,
+            us_per_param=mean * 1e6 / k,
+            ratio_vs_torch=paired_ratio(times[name], base),
+            mean_ratio_vs_torch=mean / statistics.fmean(base),
+            gc_per_step="/".join(f"{c / steps:.2f}" for c in collections[name])))
+    return rows
+
+
+def run(quick: bool = True) -> dict:
+    """Every case of the grid (quick: 3 cases, 18 timed steps; full: 6 cases, 40)."""
+    t0 = time.perf_counter()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    steps, warmup = (18, 2) if quick else (40, 3)
+    rows: list[dict] = []
+    try:
+        for k, e in CASES_QUICK if quick else CASES_FULL:
+            rows += bench_case(k, e, steps, warmup)
+    finally:
+        torch.set_num_threads(saved)
+    headline = [{"comparison": f"{r['optimizer']} mean step / torch.optim.AdamW (foreach)'s, {r['case']}",
+                 "ratio": r["mean_ratio_vs_torch"]}
+                for r in rows if "collector on" not in r["optimizer"] and not r["optimizer"].startswith("torch")]
+    notes = ["K parameters x E elements, plain tensors, one intra-op thread; the optimizers in alternating "
+             "order; us_per_param from the mean step",
+             "gc_per_step: the cyclic collector's collections per step, generations 0/1/2",
+             "'collector on': the same optimizer with the collector left on during its step ([Note: no "
+             "collection during a step] undone, the rest of the library as it is)"]
+    return result("many_tensors", rows, notes, headline=headline, wall_s=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(run, "many_tensors", argv)
+
+
+if __name__ == "__main__":
+    main()
