@@ -97,7 +97,15 @@ def sharded_view(t: object) -> ShardedView:
     and non-contiguous tensors raise NotImplementedError; non-tensors without the
     protocol raise TypeError.
     """
-    hook = getattr(type(t), "__sharded_view__", None)
+    kind = type(t)
+    if kind is torch.Tensor or kind is nn.Parameter or kind is nn.Buffer:  # first: the common case
+        if not t.is_contiguous():
+            raise NotImplementedError(
+                f"non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not "
+                f"supported: its flat storage is not row-major; pass a contiguous tensor"
+            )
+        return _trusted_view(_flat(t), _whole_layout(t.numel()), None, t.shape, 0)
+    hook = getattr(kind, "__sharded_view__", None)
     if hook is not None:
         view = hook(t)
         if not isinstance(view, ShardedView):
@@ -108,14 +116,6 @@ def sharded_view(t: object) -> ShardedView:
         return view
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"sharded_view expects a tensor or a parameter, got {type(t).__name__}; supported: {_SUPPORTED}")
-    kind = type(t)
-    if kind is torch.Tensor or kind is nn.Parameter or kind is nn.Buffer:
-        if not t.is_contiguous():
-            raise NotImplementedError(
-                f"non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not "
-                f"supported: its flat storage is not row-major; pass a contiguous tensor"
-            )
-        return _trusted_view(_flat(t), _whole_layout(t.numel()), None, t.shape, 0)
     if isinstance(t, _dtensor_type()):
         return _dtensor_view(t)
     raise NotImplementedError(f"tensor subclass {kind.__name__} is not supported; supported: {_SUPPORTED}")

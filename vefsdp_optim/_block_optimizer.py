@@ -292,7 +292,7 @@ class BlockOptimizer(Optimizer):
                     f"{view.layout} for a parameter of shape {tuple(view.shape)}")
             req = self.requirement(view.shape, group)
             compute = self._compute_layout(req, view)
-            may_move = compute is None or compute != view.layout
+            may_move = compute is None or (compute is not view.layout and compute != view.layout)
             if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
