@@ -4,14 +4,14 @@
 
 A model with hundreds or thousands of parameters (norms, biases, per-head or per-expert
 weights) pays an optimizer's per-parameter cost on every step, on top of the
-arithmetic. For K parameters of E elements each (plain tensors, the same random
+arithmetic. For K parameters of one shape (plain tensors, the same random
 gradients fed to all, alternating order, medians; one intra-op thread):
 
 - vefsdp_optim.AdamW against torch.optim.AdamW (foreach): the same arithmetic (ours
   calls torch's multi-tensor implementation per bucket), so the ratio is our step
   loop's cost per parameter;
-- vefsdp_optim.AdamW8bit against torch.optim.AdamW (foreach), at E >= 4096 (the
-  8-bit threshold);
+- vefsdp_optim.AdamW8bit against torch.optim.AdamW (foreach), at 4096 elements and
+  more (the 8-bit threshold);
 - the same two with the cyclic garbage collector left on during the step, so that the
   pause of [Note: no collection during a step] (vefsdp_optim/_step_loop.py) is
   measured alone, in the same run.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import statistics
 import time
 
@@ -34,8 +35,10 @@ from torch import nn
 
 from ._common import cli, paired_ratio, result, stats
 
-CASES_QUICK = [(1000, 64), (1000, 4096), (200, 16384)]
-CASES_FULL = [(1000, 64), (300, 64), (1000, 4096), (300, 4096), (200, 16384), (50, 65536)]
+# (K, shape): K parameters of that shape (1-D: norms and biases; 2-D: weights)
+CASES_QUICK = [(1000, (64,)), (1000, (8, 8)), (1000, (64, 64)), (200, (128, 128))]
+CASES_FULL = [(1000, (64,)), (1000, (8, 8)), (300, (64,)), (1000, (4096,)), (1000, (64, 64)),
+              (300, (64, 64)), (200, (128, 128)), (50, (256, 256))]
 
 
 @contextlib.contextmanager
@@ -54,12 +57,13 @@ def _collector_on_during_steps():
         bo.gc_paused = saved
 
 
-def _runs(k: int, e: int) -> dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]]:
+def _runs(k: int, shape: tuple[int, ...]) -> dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]]:
     """name -> (params, optimizer, collector on during its step)."""
     from vefsdp_optim import AdamW, AdamW8bit
 
     g = torch.Generator().manual_seed(0)
-    init = [torch.randn(e, generator=g) * 0.02 for _ in range(k)]
+    init = [torch.randn(shape, generator=g) * 0.02 for _ in range(k)]
+    e = math.prod(shape)
 
     def params() -> list[nn.Parameter]:
         return [nn.Parameter(t.clone()) for t in init]
@@ -79,14 +83,14 @@ def _runs(k: int, e: int) -> dict[str, tuple[list[nn.Parameter], torch.optim.Opt
     return runs
 
 
-def bench_case(k: int, e: int, steps: int, warmup: int) -> list[dict]:
-    runs = _runs(k, e)
+def bench_case(k: int, shape: tuple[int, ...], steps: int, warmup: int) -> list[dict]:
+    runs = _runs(k, shape)
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
     collections: dict[str, list[int]] = {n: [0, 0, 0] for n in names}
     g = torch.Generator().manual_seed(1)
     for step in range(warmup + steps):
-        grads = [torch.randn(e, generator=g) * 1e-3 for _ in range(k)]
+        grads = [torch.randn(shape, generator=g) * 1e-3 for _ in range(k)]
         for name in names if step % 2 == 0 else names[::-1]:
             ps, opt, collector_on = runs[name]
             for p, gr in zip(ps, grads, strict=True):
@@ -107,7 +111,7 @@ def bench_case(k: int, e: int, steps: int, warmup: int) -> list[dict]:
     for name in names:
         mean = statistics.fmean(times[name])
         rows.append(dict(
-            case=f"{k} x {e}", optimizer=name, step_ms=stats(times[name], 1e3), mean_ms=mean * 1e3,
+            case=f"{k} x {tuple(shape)}", optimizer=name, step_ms=stats(times[name], 1e3), mean_ms=mean * 1e3,
             us_per_param=mean * 1e6 / k,
             ratio_vs_torch=paired_ratio(times[name], base),
             mean_ratio_vs_torch=mean / statistics.fmean(base),
@@ -116,21 +120,21 @@ def bench_case(k: int, e: int, steps: int, warmup: int) -> list[dict]:
 
 
 def run(quick: bool = True) -> dict:
-    """Every case of the grid (quick: 3 cases, 18 timed steps; full: 6 cases, 40)."""
+    """Every case of the grid (quick: 4 cases, 18 timed steps; full: 8 cases, 40)."""
     t0 = time.perf_counter()
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     steps, warmup = (18, 2) if quick else (40, 3)
     rows: list[dict] = []
     try:
-        for k, e in CASES_QUICK if quick else CASES_FULL:
-            rows += bench_case(k, e, steps, warmup)
+        for k, shape in CASES_QUICK if quick else CASES_FULL:
+            rows += bench_case(k, shape, steps, warmup)
     finally:
         torch.set_num_threads(saved)
     headline = [{"comparison": f"{r['optimizer']} mean step / torch.optim.AdamW (foreach)'s, {r['case']}",
                  "ratio": r["mean_ratio_vs_torch"]}
                 for r in rows if "collector on" not in r["optimizer"] and not r["optimizer"].startswith("torch")]
-    notes = ["K parameters x E elements, plain tensors, one intra-op thread; the optimizers in alternating "
+    notes = ["K parameters of one shape, plain tensors, one intra-op thread; the optimizers in alternating "
              "order; us_per_param from the mean step",
              "gc_per_step: the cyclic collector's collections per step, generations 0/1/2",
              "'collector on': the same optimizer with the collector left on during its step ([Note: no "

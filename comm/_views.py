@@ -164,11 +164,12 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A detached 1-D view of contiguous ``t``. Each view is an op of ~2-4 us on a CPU,
-    which a step over many small tensors notices, so: a 1-D plain tensor outside autograd
-    (a gradient) is its own view, and another 1-D tensor needs only ``detach``."""
-    if t.dim() == 1:
-        return t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
-    return t.detach().view(-1)
+    which a step over many small tensors notices, so a plain tensor outside autograd (a
+    gradient) needs no ``detach`` (and a 1-D one is its own view), and another 1-D
+    tensor needs only ``detach``."""
+    if type(t) is torch.Tensor and not t.requires_grad:
+        return t if t.dim() == 1 else t.view(-1)
+    return t.detach() if t.dim() == 1 else t.detach().view(-1)
 
 
 def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_group: dist.ProcessGroup | None,
