@@ -10,6 +10,7 @@ from torch import nn
 
 import vefsdp_optim
 from vefsdp_optim.comm import sharded_view
+from vefsdp_optim.comm._views import step_grad_view
 
 OPTIMIZERS = ["AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP", "NorMuon"]
 SHAPES = [(64, 32), (32,), (5000,), (16, 16), (6, 10)]
@@ -139,3 +140,22 @@ def test_flat_view_shares_storage_and_is_detached(make):
     assert v._base is None or v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     v.add_(1.0)  # writes through to t
     assert torch.equal(t.detach().reshape(-1), v)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4), (0,)])
+def test_step_grad_view_is_the_gradient_without_a_detach(shape):
+    g = torch.randn(shape)
+    v = step_grad_view(g)
+    ref = sharded_view(g)
+    assert v.layout == ref.layout and v.shape == ref.shape and v.process_group is None
+    assert v.local.data_ptr() == g.data_ptr() and torch.equal(v.local, g.reshape(-1))
+    assert (v.local is g) == (len(shape) == 1)
+    assert ref.local is not g  # the public view stays a detached one
+
+
+def test_step_grad_view_falls_back_to_sharded_view():
+    p = nn.Parameter(torch.randn(3, 4))  # requires grad: detached, as sharded_view does
+    v = step_grad_view(p)
+    assert not v.local.requires_grad and v.local.data_ptr() == p.data_ptr()
+    with pytest.raises(NotImplementedError, match="non-contiguous"):
+        step_grad_view(torch.randn(4, 3).t())

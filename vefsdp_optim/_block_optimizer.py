@@ -10,6 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
+from vefsdp_optim.comm._views import step_grad_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 from ._flat_store import ReplanReport, apply_requirements, flat_store
@@ -259,8 +260,9 @@ class BlockOptimizer(Optimizer):
         return group["params"]
 
     def _collect(self, group: dict[str, Any], gi: int, entries: list[StepEntry]) -> list[StepItem]:
-        """The step items of param group ``gi``; appends an entry per parameter, with a
-        gradient or not, to ``entries`` ([Note: consistent steps])."""
+        """The step items of param group ``gi``; appends to ``entries`` an entry per
+        parameter without a gradient and per sharded parameter with one ([Note:
+        consistent steps] compares the sharded ones)."""
         items = []
         whole: list[int] = []
         claimed = self.claim_params(group)
@@ -285,7 +287,7 @@ class BlockOptimizer(Optimizer):
             if p.is_complex():
                 raise NotImplementedError(f"{type(self).__name__} does not support complex parameters")
             view = sharded_view(p)
-            gview = sharded_view(p.grad)
+            gview = step_grad_view(p.grad)
             if gview.layout is not view.layout and gview.layout != view.layout:
                 raise ValueError(
                     f"gradient layout {gview.layout} differs from parameter layout "
