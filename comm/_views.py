@@ -103,7 +103,7 @@ def sharded_view(t: object) -> ShardedView:
                 f"non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not "
                 f"supported: its flat storage is not row-major; pass a contiguous tensor"
             )
-        return _trusted_view(_flat(t), _whole_layout(t.numel()), None, t.shape, 0)
+        return _plain_view(t, _flat(t))
     hook = getattr(kind, "__sharded_view__", None)
     if hook is not None:
         view = hook(t)
@@ -173,8 +173,13 @@ def step_grad_view(g: object) -> ShardedView:
     autograd is not detached, and a 1-D one is its own flat view, which saves ~2-4 us a
     parameter on a CPU. Anything else goes to :func:`sharded_view`."""
     if type(g) is torch.Tensor and not g.requires_grad and g.is_contiguous():
-        return _trusted_view(g if g.dim() == 1 else g.view(-1), _whole_layout(g.numel()), None, g.shape, 0)
+        return _plain_view(g, g if g.dim() == 1 else g.view(-1))
     return sharded_view(g)
+
+
+def _plain_view(t: torch.Tensor, local: torch.Tensor) -> ShardedView:
+    """The view of unsharded ``t`` whose flat form is ``local``."""
+    return _trusted_view(local, _whole_layout(t.numel()), None, t.shape, 0)
 
 
 def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_group: dist.ProcessGroup | None,

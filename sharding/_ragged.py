@@ -36,6 +36,14 @@ class RaggedShard:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # identity first: the step loop compares each parameter's layout with itself
+        if self is other:
+            return True
+        if type(other) is not RaggedShard:
+            return NotImplemented
+        return self.extents == other.extents
+
     def __post_init__(self) -> None:
         ext = tuple(
             (_as_int("extent start", s), _as_int("extent length", n)) for s, n in self.extents

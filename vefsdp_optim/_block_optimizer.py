@@ -288,13 +288,13 @@ class BlockOptimizer(Optimizer):
                 raise NotImplementedError(f"{type(self).__name__} does not support complex parameters")
             view = sharded_view(p)
             gview = step_grad_view(p.grad)
-            if gview.layout is not view.layout and gview.layout != view.layout:
+            if gview.layout != view.layout:
                 raise ValueError(
                     f"gradient layout {gview.layout} differs from parameter layout "
                     f"{view.layout} for a parameter of shape {tuple(view.shape)}")
             req = self.requirement(view.shape, group)
             compute = self._compute_layout(req, view)
-            may_move = compute is None or (compute is not view.layout and compute != view.layout)
+            may_move = compute is None or compute != view.layout
             if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))

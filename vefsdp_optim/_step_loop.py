@@ -89,7 +89,7 @@ class StepItem:
 
     @property
     def moves(self) -> bool:
-        return self.compute is not self.view.layout and self.compute != self.view.layout
+        return self.compute != self.view.layout
 
     def ctx(self, layout: RaggedShard | BoxShard) -> BlockContext:
         rank = self.view.rank
