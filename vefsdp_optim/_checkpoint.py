@@ -213,7 +213,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     marker = _commit.read_marker(path)
     reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify)
     saved = reader.read_metadata().state_dict_metadata
-    flat, _ = flatten_state_dict(state_dict)
+    flat, mapping = flatten_state_dict(state_dict)
+    if _empty_stateless_entries(state_dict, flat, mapping, saved):
+        flat, _ = flatten_state_dict(state_dict)
     missing = sorted(k for k in flat if k not in saved)
     shapes = []
     for k, v in flat.items():
@@ -237,6 +239,87 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
         if refused:
             raise refused[0] from None
         raise
+
+
+# [Note: stateless parameters in a checkpoint]
+# A parameter that had no optimizer state when the checkpoint was written (never
+# stepped yet) has no entry in it, while the fresh optimizer's state dict asks for one:
+# get_optimizer_state_dict first steps with zero gradients (DCP's _init_optim_state),
+# which gives every parameter state. Plain dcp.load then fails with "Missing key", for
+# torch.optim as for ours. load() instead empties such an entry, in place, when the
+# checkpoint holds the same optimizer's param groups (so it was saved, and only this
+# parameter's state is absent) and lacks every key of the entry; a partly missing entry
+# is still an error. The optimizer's load_state_dict then leaves that parameter without
+# state ([Note: no state saved, none loaded] in _state_format.py). Both of torch's
+# optimizer state dict forms are recognised: nested ({"state": {fqn: {key: value}},
+# "param_groups": [...]}) and flattened ({"state.<fqn>.<key>": value,
+# "param_groups.<fqn>.<key>": value}).
+
+
+def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any], mapping: dict[str, Any],
+                             saved: Mapping[str, Any]) -> bool:
+    """Empty the optimizer state entries of ``state_dict`` that the checkpoint lacks wholly
+    ([Note: stateless parameters in a checkpoint]); True when any was emptied."""
+    entries: dict[tuple, list[str]] = {}  # (container path, entry key) -> flat keys
+    names: dict[int, set[str]] = {}  # id(flattened optimizer dict) -> its parameter names
+    for key in flat:
+        path = mapping[key]
+        for i, part in enumerate(path):
+            if part == "state" and i + 1 < len(path) and _is_optim_dict(_get(state_dict, path[:i])):
+                entries.setdefault((tuple(path[:i]), "state", path[i + 1]), []).append(key)
+                break
+            fqn = _flat_fqn(_get(state_dict, path[:i]), part, names) if isinstance(part, str) else None
+            if fqn is not None:  # flattened form: "state.<fqn>.<state key>"
+                entries.setdefault((tuple(path[:i]), f"state.{fqn}"), []).append(key)
+                break
+    emptied = False
+    for where, keys in entries.items():
+        if any(k in saved for k in keys):
+            continue
+        container = _get(state_dict, where[0])
+        prefix = ".".join(str(x) for x in where[0])
+        prefix = prefix + "." if prefix else ""
+        if len(where) == 3:  # nested form: the checkpoint must hold this optimizer's param groups
+            if not any(k.startswith(prefix + "param_groups") for k in saved):
+                continue
+            container["state"][where[2]] = {}
+        else:  # flattened form: and this parameter's own param group entries
+            fqn = where[1][len("state."):]
+            if not any(k.startswith(f"{prefix}param_groups.{fqn}.") for k in saved):
+                continue
+            for k in keys:
+                container.pop(mapping[k][len(where[0])], None)
+        emptied = True
+    return emptied
+
+
+def _flat_fqn(container: Any, part: str, names: dict[int, set[str]]) -> str | None:
+    """The parameter name in the flattened optimizer state key ``part``
+    ("state.<fqn>.<state key>", both may hold dots), found among the names of the
+    container's "param_groups.<fqn>.<group key>" entries (group keys hold none)."""
+    if not part.startswith("state.") or not isinstance(container, Mapping):
+        return None
+    known = names.get(id(container))
+    if known is None:
+        known = names[id(container)] = {
+            k[len("param_groups."):].rpartition(".")[0] for k in container
+            if isinstance(k, str) and k.startswith("param_groups.")}
+    rest = part[len("state."):]
+    cut = [i for i, c in enumerate(rest) if c == "."]
+    for i in reversed(cut):  # the longest known name followed by a dot
+        if rest[:i] in known:
+            return rest[:i]
+    return None
+
+
+def _get(root: Any, path: tuple) -> Any:
+    for part in path:
+        root = root[part]
+    return root
+
+
+def _is_optim_dict(d: Any) -> bool:
+    return isinstance(d, Mapping) and isinstance(d.get("state"), Mapping) and "param_groups" in d
 
 
 def _weights_only_planner(where: str) -> Any:

@@ -52,6 +52,9 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 #     flatten_optimizer_state_dict, torchtitan) rebuild an entry from the live keys and
 #     give back {} for a live key that was not saved, which load ignores
 #     (_saved_entry; [Note: Shampoo's live state keys are its saved keys]).
+#   - a parameter without state when it was saved (not yet stepped: a param group
+#     added later, an expert that got no tokens) saves an empty entry and has no
+#     state after loading, [Note: no state saved, none loaded].
 # validate_state() checks each parameter's live state against this declaration after
 # the step that creates it, so an undeclared or mismatched entry fails there, not at a
 # load at another world size.
@@ -103,10 +106,26 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
+        elif p in opt.state:  # [Note: no state saved, none loaded]
+            del opt.state[p]
+            opt._validated.discard(id(p))
     for g, sg in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in sg.items():
             if k not in ("params", CLASS_KEY):
                 g[k] = v
+
+
+# [Note: no state saved, none loaded]
+# torch.optim.Optimizer.load_state_dict replaces the whole state: a parameter whose
+# entry is missing or empty has no state afterwards, and its next step is its first
+# (Adam's bias correction counts from 1, SOAP and Shampoo start their factors). Our
+# load first creates every parameter's state with a zero step (_zero_step) so that the
+# saved tensors can be copied into the live ones in place; the state of a parameter
+# without a saved entry on this rank is then deleted again, as torch would have it. The
+# entry is per rank: a rank whose slice of a parameter is empty saves and loads none.
+# Through DCP at another world size the fresh optimizer's template asks for state the
+# checkpoint never had; vefsdp_optim.load empties such entries ([Note: stateless
+# parameters in a checkpoint] in _checkpoint.py) so that they arrive here empty.
 
 
 def _saved_entry(saved: Any) -> Any:
