@@ -99,3 +99,24 @@ def test_dcp_load_still_names_a_partly_missing_entry(tmp_path) -> None:
     vefsdp_optim.save({"model": m.state_dict()}, tmp_path / "m")
     with pytest.raises(ValueError, match="missing from the checkpoint"):
         vefsdp_optim.load({"model": m.state_dict(), "optim": get_optimizer_state_dict(m, fresh)}, tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_into_a_live_optimizer_creates_missing_state(name: str) -> None:
+    """A live optimizer whose parameter has not stepped yet takes that parameter's saved
+    state (as torch.optim does); it was dropped when any other parameter had state."""
+    a, b = _model(), _model()
+    oa, ob = _opt(name, a), _opt(name, b)
+    for s in range(2, 4):  # a: every parameter steps; b: the late ones never do
+        _grads(a, s)
+        oa.step()
+        _grads(b, s - 2)
+        ob.step()
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    b.load_state_dict(a.state_dict())
+    for s in range(4, STEPS + 2):
+        for m, o in ((a, oa), (b, ob)):
+            _grads(m, s)
+            o.step()
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y), (name, (x - y).abs().max())

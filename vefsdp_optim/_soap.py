@@ -12,7 +12,7 @@ import torch
 from vefsdp_optim._math._soap import SoapGeometry, SoapHparams, SoapState, soap_geometry, soap_step_
 from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
 
-from ._block_optimizer import BlockContext, BlockOptimizer
+from ._block_optimizer import BlockContext, BlockOptimizer, aligned
 from ._registry import register_optimizer
 from ._state_format import ELEMENTWISE, REPLICATED, WHOLE, validate_state
 from ._step_loop import StepItem
@@ -214,7 +214,7 @@ class SOAP(BlockOptimizer):
                 if ctx.length == 0:
                     continue
                 state.update(self.init_state(flat, ctx, group))
-            self.update_block(flat, g.view(-1), state, ctx, group)
+            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)  # [Note: aligned gradients]
             if id(p) not in self._validated:
                 validate_state(self, p, group)
                 self._validated.add(id(p))

@@ -101,8 +101,9 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
     pairs = list(zip(_params_in_order(opt), ids, strict=True))
     checked = [_check_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
                for (p, group), sid in pairs]
-    if not _has_state(opt) and any(saved_state.get(sid) for _, sid in pairs):
-        _zero_step(opt)  # create the state with the optimizer's own code
+    create = _to_create(opt, [(p, bool(saved_state.get(sid))) for (p, _), sid in pairs])
+    if create:
+        _zero_step(opt, create)  # create the state with the optimizer's own code
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
@@ -143,19 +144,53 @@ def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, 
     return [(p, g) for g in opt.param_groups for p in g["params"]]
 
 
-def _has_state(opt: BlockOptimizer) -> bool:
-    return any(bool(v) for v in opt.state.values())
+# [Note: state created alike on every rank]
+# Loading copies saved tensors into live state, so a parameter with a saved entry but
+# no live state first gets its state from a step with zero gradients and lr 0
+# (_zero_step). That step is collective over each parameter's shard process group, and
+# whether a rank needs it is rank-local: a rank holding no state of a parameter (an
+# empty slice, or not the owner of a whole-tensor requirement) saved an empty entry.
+# So each rank's wish is OR-ed over the parameter's shard process group (one small
+# all_reduce per process group, on its device) and every rank steps the same
+# parameters, the others' gradients set aside for the step; a rank deciding alone would
+# hang or abort the collective. A rank whose state the step also touched gets it
+# overwritten by the import, or deleted where it saved none ([Note: no state saved,
+# none loaded]).
 
 
-def _zero_step(opt: BlockOptimizer) -> None:
-    """One step with zero gradients and lr 0 (as DCP's _init_optim_state), with every
-    parameter and gradient restored after: it only creates the state."""
+def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, bool]]) -> set[int]:
+    """ids of the parameters whose state the load must create: saved here without live
+    state on some rank of their shard process group ([Note: state created alike on every
+    rank])."""
+    import torch.distributed as dist
+
+    out: set[int] = set()
+    by_group: dict[Any, list[tuple[torch.Tensor, bool]]] = {}
+    for p, has_saved in wanted:
+        need = has_saved and not opt.state.get(p)
+        view = sharded_view(p)
+        if view.process_group is None:
+            if need:
+                out.add(id(p))
+        else:
+            by_group.setdefault(view.process_group, []).append((p, need))
+    for process_group, items in by_group.items():
+        device = sharded_view(items[0][0]).local.device
+        flags = torch.tensor([int(need) for _, need in items], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+        out.update(id(p) for (p, _), f in zip(items, flags.tolist(), strict=True) if f)
+    return out
+
+
+def _zero_step(opt: BlockOptimizer, create: set[int]) -> None:
+    """One step with lr 0 and zero gradients for the parameters in ``create`` (ids; as
+    DCP's _init_optim_state), none for the others, with every parameter and gradient
+    restored after: it only creates the state."""
     saved = []
     for p, _ in _params_in_order(opt):
-        if p.requires_grad:
-            local = sharded_view(p).local
-            saved.append((p, p.grad, local, local.clone()))
-            p.grad = torch.zeros_like(p)
+        local = sharded_view(p).local
+        saved.append((p, p.grad, local, local.clone()))
+        p.grad = torch.zeros_like(p) if id(p) in create else None
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
