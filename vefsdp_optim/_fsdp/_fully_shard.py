@@ -35,7 +35,7 @@ from ._group import ShardGroup, check_shard_group_consistent
 from ._module import FSDPModule, state_of
 from ._param import ManagedParam, TensorParallel
 from ._sharded_tensor import ShardedParameter
-from ._state import FSDPState
+from ._state import FSDPState, ParamOutsideUse
 
 __all__ = ["fully_shard", "FSDPModule", "FSDPState", "replaced_by_fully_shard"]
 
@@ -186,6 +186,12 @@ def fully_shard(
     for m in modules:
         _move_buffers(m, device)
     state = FSDPState(modules, shard_group, reshard_after_forward, mp_policy)
+    for mp in params:  # [Note: use outside forward]
+        use = ParamOutsideUse(state, mp)
+        mp.sharded.bind_outside_use(use)
+        if mp.requires_grad:
+            mp.sharded.register_hook(use.guard)
+            mp.on_unsharded_grad = use.unsharded_grad
     state.originals.update({id(mp.original): mp.original for mp in params})
     _REPLACED.update({id(mp.original): mp.original for mp in params})
     for mp in params:

@@ -226,6 +226,15 @@ class ShardGroup:
             store.attach_grads(fresh=self.grad_state is GradState.IDLE, grad_settings=grad_settings)
         self._set_grad(GradState.ACCUMULATING)
 
+    def add_grad(self, p: ManagedParam, grad: torch.Tensor) -> None:
+        """Add ``grad`` (``p``'s global shape) to ``p``'s unsharded gradient, between
+        ``attach_grads`` and ``reduce_grads`` ([Note: use outside forward] in _state.py)."""
+        for store in self.stores:
+            if any(q is p for q in store.params):
+                store.add_grad(p, grad)
+                return
+        raise AssertionError(f"{p.fqn} is not a parameter of this shard group")
+
     def reduce_grads(self) -> None:
         """End of this shard group's backward: launch the reduction unless accumulating without sync.
 

@@ -10,6 +10,7 @@ accumulates straight into the gradient buffer ([Note: grads into the buffer]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,8 @@ class ManagedParam:
     sharded: nn.Parameter  # ShardedParameter; local data: master.local_view(fqn)
     unsharded: nn.Parameter | None  # 0-d params are planned as (1,) and viewed back
     tp: TensorParallel | None  # [Note: fully_shard over tensor parallel]; shape is then TP-local
+    # hook on the unsharded face's gradient, before AccumulateGrad ([Note: use outside forward])
+    on_unsharded_grad: Callable[[torch.Tensor], None] | None
 
     def __init__(self, fqn: str, slots: list[tuple[nn.Module, str]], shape: torch.Size,
                  requires_grad: bool) -> None:
@@ -110,6 +113,7 @@ class ManagedParam:
         self.requires_grad = requires_grad
         self.unsharded = None
         self.tp = None
+        self.on_unsharded_grad = None
 
     def _sharded_args(self, layout: RaggedShard, process_group: ProcessGroup | None, rank: int,
                       runs: list[RaggedShard] | None) -> tuple:
@@ -145,6 +149,8 @@ class ManagedParam:
     def make_unsharded(self, full: torch.Tensor) -> None:
         """Create the unsharded leaf aliasing ``full`` (a view of the global buffer)."""
         self.unsharded = nn.Parameter(self.unsharded_face(full), requires_grad=self.requires_grad)
+        if self.requires_grad and self.on_unsharded_grad is not None:
+            self.unsharded.register_hook(self.on_unsharded_grad)
 
     def register(self, sharded: bool) -> None:
         p = self.sharded if sharded else self.unsharded

@@ -360,7 +360,7 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     full: dict[int, torch.Tensor] = {}  # id(sharded) -> its gathered tensor (one per object)
     for a in flat:
         if isinstance(a, cls) and id(a) not in full:
-            full[id(a)] = a.full_tensor()
+            full[id(a)] = a._gather_full()
     plain_flat = [full[id(a)] if isinstance(a, cls) else a for a in flat]
     local_args, local_kwargs = tree_unflatten(plain_flat, spec)
     out = func(*local_args, **local_kwargs)

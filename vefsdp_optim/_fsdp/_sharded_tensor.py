@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,37 @@ from ._sharded_dispatch import dispatch
 if TYPE_CHECKING:
     from vefsdp_optim._flat_store import FlatStore
 
-__all__ = ["ShardedParameter", "flat_range_boxes"]
+__all__ = ["OutsideUse", "ShardedParameter", "flat_range_boxes"]
+
+
+class OutsideUse(Protocol):
+    """How fully_shard routes a parameter's uses outside its module's forward
+    ([Note: use outside forward] in _state.py)."""
+
+    def forward(self) -> None:
+        """A differentiable ``full_tensor()`` of the parameter was taken."""
+
+    def backward(self, grad: torch.Tensor) -> None:
+        """Its gradient (a plain tensor of the global shape), into the shard group's reduction."""
+
+
+class _FullTensor(torch.autograd.Function):
+    """``full_tensor()`` of a fully_shard parameter under grad mode: the gathered copy;
+    its gradient goes to the shard group, none to the sharded face."""
+
+    @staticmethod
+    def forward(p: ShardedParameter, use: OutsideUse) -> torch.Tensor:  # noqa: ANN205
+        return p._gather_full()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+        ctx.use = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        ctx.use.backward(grad)
+        return None, None
+
 
 class ShardedParameter(torch.Tensor):
     """A tensor of global ``shape`` stored as this rank's part under ``layout``: its slice
@@ -43,6 +73,7 @@ class ShardedParameter(torch.Tensor):
     _process_group: dist.ProcessGroup | None  # None iff layout.world_size == 1
     _rank: int
     _store: FlatStore | None = None  # fully_shard's parameters: the store they live in
+    _outside_use: OutsideUse | None = None  # fully_shard's parameters: [Note: use outside forward]
 
     @staticmethod
     def __new__(
@@ -98,6 +129,10 @@ class ShardedParameter(torch.Tensor):
         """Declare the store this parameter lives in (fully_shard, once)."""
         self._store = store
 
+    def bind_outside_use(self, use: OutsideUse) -> None:
+        """Declare where this parameter's uses outside its module's forward go (fully_shard, once)."""
+        self._outside_use = use
+
     def rebind_(self, local: torch.Tensor, layout: RaggedShard, process_group: dist.ProcessGroup | None,
                 rank: int) -> None:
         """Point this same object at new local data and layout (a re-plan)."""
@@ -116,7 +151,20 @@ class ShardedParameter(torch.Tensor):
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole tensor, gathered from every rank (a plain tensor, new storage)."""
+        """The whole tensor, gathered from every rank (a plain tensor, new storage).
+
+        For a fully_shard parameter that requires grad, under grad mode, differentiable
+        as FSDP2's ``DTensor.full_tensor()``: its gradient joins the shard group's
+        reduction ([Note: use outside forward] in _state.py).
+        """
+        use = self._outside_use
+        if use is not None and self.requires_grad and torch.is_grad_enabled():
+            use.forward()
+            return _FullTensor.apply(self, use)
+        return self._gather_full()
+
+    def _gather_full(self) -> torch.Tensor:
+        """``full_tensor()`` outside autograd (one all-gather)."""
         w = self._layout.world_size
         local = self._local.detach()
         if w == 1:
@@ -134,6 +182,20 @@ class ShardedParameter(torch.Tensor):
         for r, part in enumerate(parts):
             full[lay.local_index(r, full.device)] = part
         return full.view(self.shape)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedParameter:
+        """A copy with its own local data over the same layout and process group (a
+        process group is shared, never copied; as for DTensor and its mesh): what
+        ``copy.deepcopy(optimizer.state_dict())`` needs. The copy is bound to no store."""
+        if id(self) in memo:
+            return memo[id(self)]
+        local = self._local.detach().clone()
+        out = ShardedParameter(local, self._layout, self._process_group, self.shape, self._rank,
+                               requires_grad=self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """The storage of this rank's local data, its store's buffer (no copy).

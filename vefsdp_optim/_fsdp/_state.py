@@ -26,8 +26,10 @@ from vefsdp_optim._torch_compat import (
 from ._group import ShardGroup
 from ._lifecycle import Role, TrainingState, advance
 from ._module import FSDPModule, state_of
+from ._param import ManagedParam
 
-__all__ = ["FSDPState", "ctx_final_callback", "finish_completed_reductions", "wait_reductions"]
+__all__ = ["FSDPState", "ParamOutsideUse", "ctx_final_callback", "finish_completed_reductions",
+           "wait_reductions"]
 
 
 class _RootContext:
@@ -217,6 +219,49 @@ class FSDPState:
                 return [] if prev is self or prev.in_backward else [prev]
         return []
 
+    def outside_grad(self, mp: ManagedParam, grad: torch.Tensor) -> None:
+        """The gradient of ``mp.sharded.full_tensor()`` ([Note: use outside forward]): the
+        shard group enters its backward as for a use in forward, and ``grad`` is added
+        where autograd puts the unsharded parameter's."""
+        shard_group = self.shard_group
+        if shard_group is None:
+            raise AssertionError(f"{mp.fqn}: a managed parameter without a shard group")
+        if mp.tp is not None:
+            raise NotImplementedError(
+                f"fully_shard: {self.param_name(mp)} is tensor parallel; a gradient through its "
+                "full_tensor() is not supported: use it in the forward of its module")
+        if mp.unsharded is None:  # never gathered: make the unsharded face
+            shard_group.unshard()
+        self.enter_backward(grad)
+        shard_group.add_grad(mp, grad)
+
+    def enter_backward(self, grad: torch.Tensor) -> None:
+        """Start this shard group's backward for a gradient that came around its module's
+        outputs ([Note: use outside forward]), as its pre-backward hook would."""
+        alone = self.ctx is None and not self.in_backward  # no root forward ran yet
+        self._pre_backward(grad)
+        if alone:
+            queue_autograd_callback(self._finish_alone)
+
+    def _finish_alone(self) -> None:
+        """The final callback of a backward before any root forward (no root context)."""
+        self.post_backward(final=True)
+        self.uses, self.untracked = 0, False
+
+    def param_name(self, mp: ManagedParam) -> str:
+        """``mp``'s name under the root module, for errors (before the first forward: its
+        name in this shard group, and the module's class)."""
+        root = next((s for s in self.ctx.states if s.is_root), None) if self.ctx is not None else None
+        if root is not None:
+            faces = (mp.sharded, mp.unsharded)
+            for n, p in root.module.named_parameters(remove_duplicate=False):
+                if any(p is f for f in faces):
+                    return n  # the first of tied names
+        cls = type(self.module)
+        if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:  # the user's class
+            cls = cls.__bases__[1]
+        return f"{cls.__name__}.{mp.fqn}"
+
     def post_backward(self, final: bool = False) -> None:
         """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
 
@@ -247,6 +292,80 @@ class FSDPState:
                 ctx.reducing.append(shard_group)
             else:
                 shard_group.wait_reduce()
+
+
+# [Note: use outside forward]
+# A shard group's backward starts at its module's outputs (pre-backward hooks) and ends at
+# its inputs or at the root's final callback; a gradient is reduced only if it reaches the
+# unsharded face in that window. The ways around the module's forward:
+#  - an op on the sharded face (``x @ child.weight.T`` in a parent's forward), which is
+#    this rank's slice there: the gradient goes to the sharded leaf, unreduced (this
+#    rank's full gradient or, for ops the slices compute locally, [Note: sharded
+#    dispatch], its slice of one, which no reduction can average). FSDP2 refuses that mix
+#    of DTensor and plain tensor; we raise at the first such gradient, naming the
+#    parameter (a hook on each sharded face). A parameter used nowhere gets no gradient,
+#    hence no error, as under FSDP2;
+#  - ``p.full_tensor()``, FSDP2's DTensor way: differentiable for a parameter that
+#    requires grad, under grad mode. A gathered copy (new storage, which no reshard
+#    frees) whose backward starts the shard group's backward and adds the gradient, in
+#    param_dtype, where autograd puts the unsharded face's. It counts as a forward without
+#    a post-backward hook ([Note: repeated use]): one reduction, by the final callback,
+#    averaged over the ranks (FSDP2 leaves each shard its own rank's gradient);
+#  - ``module.unshard()``, then the unsharded face, FSDP2's other way: a hook on that face
+#    starts the shard group's backward at its first gradient, before AccumulateGrad, as
+#    the module's pre-backward would, so the gradient is attached and reduced, not dropped.
+# Before any forward of the root (no root context) such a backward queues its own final
+# callback.
+
+
+class ParamOutsideUse:
+    """The ``OutsideUse`` of one managed parameter ([Note: use outside forward]), and its
+    hooks on both faces. Weak references: the faces that hold it are reachable from both."""
+
+    __slots__ = ("_state", "_param")
+
+    def __init__(self, state: FSDPState, mp: ManagedParam) -> None:
+        self._state = weakref.ref(state)
+        self._param = weakref.ref(mp)
+
+    def _both(self) -> tuple[FSDPState, ManagedParam]:
+        state, mp = self._state(), self._param()
+        if state is None or mp is None:
+            raise AssertionError("a fully_shard parameter outlived its shard group")
+        return state, mp
+
+    def forward(self) -> None:
+        state, _ = self._both()
+        state.untracked = True  # reduced by the final callback ([Note: repeated use])
+
+    def backward(self, grad: torch.Tensor) -> None:
+        state, mp = self._both()
+        state.outside_grad(mp, grad)
+
+    def unsharded_grad(self, grad: torch.Tensor) -> None:
+        """Hook on the unsharded face, before AccumulateGrad: a gradient that reaches it
+        while the shard group is not in its backward (a module gathered by ``unshard()``
+        and its parameters used outside its forward) starts that backward, so that the
+        gradient is attached and reduced, not dropped."""
+        state, _ = self._both()
+        if not state.in_backward:
+            state.enter_backward(grad)
+
+    def guard(self, grad: torch.Tensor | None) -> None:
+        """Tensor hook on the sharded face: any gradient there bypasses the reduction."""
+        if grad is None:  # full_tensor()'s backward sends none
+            return
+        state, mp = self._both()
+        name = state.param_name(mp)
+        module = name.rpartition(".")[0] or "the module"
+        raise RuntimeError(
+            f"fully_shard: parameter {name} got a gradient through its sharded face: it was used "
+            "outside the forward of the fully_shard'd module that holds it (e.g. in a parent's "
+            "forward), where it is only this rank's slice, so its gradient would bypass the shard "
+            "group's reduction and it would silently not train. Call the module, so that fully_shard "
+            f"gathers its parameters for its forward; or call {module}.unshard() before the use, as "
+            f"FSDP2 asks; or use {name}.full_tensor(), differentiable as FSDP2's DTensor.full_tensor() "
+            "([Note: use outside forward])")
 
 
 def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201

@@ -410,6 +410,20 @@ class DtypeStore:
             if p.requires_grad and p.unsharded is not None:
                 p.unsharded.grad = p.unsharded_face(self.compute.grad_full_view(p.fqn))
 
+    def add_grad(self, p: ManagedParam, grad: torch.Tensor) -> None:
+        """Add ``grad`` to ``p``'s unsharded ``.grad`` as AccumulateGrad would (a gradient
+        from outside autograd's path to it: [Note: use outside forward] in _state.py)."""
+        u = p.unsharded
+        if u is None or not p.requires_grad:
+            raise AssertionError(f"{p.fqn}: a gradient for a parameter without an unsharded face")
+        self._on_grad(grad)  # [Note: lazy gradient buffer]: maybe the store's first gradient
+        with torch.no_grad():
+            g = grad.detach().reshape(u.shape)
+            if u.grad is None:  # a copy: autograd may hand the same tensor to other nodes
+                u.grad = g.to(u.dtype, memory_format=torch.contiguous_format, copy=True)
+            else:
+                u.grad.add_(g)
+
     def complete_grads(self, grad_settings: GradSettings) -> None:
         """End of a backward: a lazy buffer gets its bytes now (zero where no gradient
         came), with the gradients autograd made copied in ([Note: lazy gradient buffer])."""
