@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -49,7 +49,7 @@ def _worker(rank: int, world_size: int, init_file: str, inbox, outbox) -> None:
         try:
             torch.manual_seed(0)
             result = fn(*args, **kwargs)
-            pickle.dumps(result)  # fail here, with a message, rather than in the queue's thread
+            ForkingPickler.dumps(result)  # fail here, with a message, rather than in the queue's thread
             outbox.put((rank, True, result))
         except BaseException as e:  # noqa: BLE001 - report every failure to the parent
             outbox.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -82,6 +82,8 @@ class BlockOptimizer(Optimizer):
         self._validated: set[int] = set()  # ids of parameters whose state validate_state passed
         # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
+        # id(param) -> (storage layout, owner rank) of its whole-tensor compute ([Note: owners stay])
+        self._pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 _check_not_replaced(p, type(self).__name__)
@@ -323,6 +325,16 @@ class BlockOptimizer(Optimizer):
         self._compute_cache[key] = compute
         return compute
 
+    # [Note: owners stay]
+    # The rank that computes a whole tensor (its owner) is chosen by balancing the whole
+    # tensors that step together ([Note: owner assignment]), so it would move when that
+    # set changes: a parameter of the param group without a gradient, one added later.
+    # State kept by the owner (SOAP's factors and eigenbases, [Note: SOAP state]) would
+    # then be missing where the tensor is computed. So a parameter keeps the owner of
+    # its first step for as long as its storage layout stays the same (a re-plan or a
+    # load at another world size chooses again); only parameters new to the step are
+    # balanced. Every rank pins the same owners: they follow from the same layouts and
+    # costs in the same order.
     def _assign_owners(self, items: list[StepItem]) -> None:
         by_process_group: dict[int, list[StepItem]] = {}
         for it in items:
@@ -338,7 +350,14 @@ class BlockOptimizer(Optimizer):
                 if len(self._owner_cache) > 64:
                     self._owner_cache.clear()
                 self._owner_cache[key] = owners
+            pinned = self._pinned_owners
             for it, owner in zip(its, owners, strict=True):
+                key = id(it.param)
+                kept = pinned.get(key)
+                if kept is not None and kept[0] == it.view.layout:  # [Note: owners stay]
+                    owner = kept[1]
+                else:
+                    pinned[key] = (it.view.layout, owner)
                 it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
 
     def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:

@@ -25,11 +25,11 @@ __all__ = ["SOAP"]
 # in the work shape) and per factor dim i "GG.{i}" (the factor, the reference's
 # state['GG'][i]) and "Q.{i}" (its eigenbasis, state['Q'][i]), all WHOLE: saved whole by
 # the owner, loaded whole by the owner at any world size. Tensors without one are Adam
-# element by element on any slice: the moments ELEMENTWISE. An owner is fixed by the
-# parameters that step together; if it changed (a parameter of the group stepped
-# without a gradient) the new owner would have no factors, so each whole parameter
-# remembers the compute layout of its last step and a step that would compute it
-# elsewhere raises, on every rank alike, before its exchange. A step rebinds the moments
+# element by element on any slice: the moments ELEMENTWISE. The owner stays the same
+# from step to step ([Note: owners stay] in _block_optimizer.py); each whole parameter
+# still remembers the compute layout of its last step, and a step that would compute it
+# elsewhere (which would find no factors there) raises, on every rank alike, before its
+# exchange. A step rebinds the moments
 # and bases to new tensors where the reference rebinds its own (their memory layouts set
 # the bits of the next step's matmuls); the keys stay.
 

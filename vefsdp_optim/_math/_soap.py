@@ -10,6 +10,7 @@ one whole SOAP step. The numerics are those of the reference implementation
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -219,14 +220,22 @@ def soap_eigenbasis(factor: Tensor) -> Tensor:
     """Eigenvectors of a symmetric factor, by decreasing eigenvalue (columns).
 
     ``eigh`` of ``factor + 1e-30 I`` in float32 (float64 for a float64 factor), retried in
-    float64 if it fails; the result in the factor's dtype.
+    float64 if it fails; the result in the factor's dtype. Where that fails too (a
+    non-finite factor, from a non-finite gradient), the identity, with a warning: the
+    reference raises there, which under sharding is one owner rank alone and would leave
+    the others waiting in the step's exchange; the parameter becomes non-finite either way.
     """
     work = factor if factor.dtype in (torch.float32, torch.float64) else factor.float()
     eye = torch.eye(work.shape[0], dtype=work.dtype, device=work.device)
     try:
         _, q = torch.linalg.eigh(work + 1e-30 * eye)
     except (torch.linalg.LinAlgError, RuntimeError):
-        _, q = torch.linalg.eigh(work.double() + 1e-30 * eye.double())
+        try:
+            _, q = torch.linalg.eigh(work.double() + 1e-30 * eye.double())
+        except (torch.linalg.LinAlgError, RuntimeError) as e:
+            warnings.warn(f"SOAP: no eigenbasis for a factor of shape {tuple(factor.shape)} ({e}); a "
+                          "non-finite gradient? The identity is used", RuntimeWarning, stacklevel=2)
+            return eye.to(factor.dtype)
         q = q.to(work.dtype)
     return torch.flip(q, [1]).to(factor.dtype)
 
