@@ -101,11 +101,15 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
     pairs = list(zip(_params_in_order(opt), ids, strict=True))
     checked = [_check_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
                for (p, group), sid in pairs]
-    create = _to_create(opt, [(p, bool(saved_state.get(sid))) for (p, _), sid in pairs])
+    create = _to_create(opt, [(p, group, bool(saved_state.get(sid))) for (p, group), sid in pairs])
     if create:
         _zero_step(opt, create)  # create the state with the optimizer's own code
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:
+            if not opt.state.get(p):
+                raise ValueError(f"optimizer state of parameter {sid!r} is in this rank's state dict, but "
+                                 "this rank does not keep that parameter's state; load each rank's own "
+                                 "state_dict() at the same world size and mesh, or reshard with DCP")
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
         elif p in opt.state:  # [Note: no state saved, none loaded]
             del opt.state[p]
@@ -153,32 +157,43 @@ def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, 
 # So each rank's wish is OR-ed over the parameter's shard process group (one small
 # all_reduce per process group, on its device) and every rank steps the same
 # parameters, the others' gradients set aside for the step; a rank deciding alone would
-# hang or abort the collective. A rank whose state the step also touched gets it
+# hang or abort the collective. The same all_reduce names the rank that saved a whole
+# tensor's owner-held state, and that rank stays its owner ([Note: owners stay]), so the
+# state is created, loaded and used where it was saved. A rank whose state the step also touched gets it
 # overwritten by the import, or deleted where it saved none ([Note: no state saved,
 # none loaded]).
 
 
-def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, bool]]) -> set[int]:
+def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, Any], bool]]) -> set[int]:
     """ids of the parameters whose state the load must create: saved here without live
-    state on some rank of their shard process group ([Note: state created alike on every
-    rank])."""
+    state on some rank of their shard process group. The owner of a whole tensor's saved
+    state computes it from now on ([Note: state created alike on every rank])."""
     import torch.distributed as dist
 
     out: set[int] = set()
-    by_group: dict[Any, list[tuple[torch.Tensor, bool]]] = {}
-    for p, has_saved in wanted:
+    by_group: dict[Any, list[tuple[torch.Tensor, bool, int, Any]]] = {}
+    for p, group, has_saved in wanted:
         need = has_saved and not opt.state.get(p)
         view = sharded_view(p)
         if view.process_group is None:
             if need:
                 out.add(id(p))
-        else:
-            by_group.setdefault(view.process_group, []).append((p, need))
+            continue
+        owner_held = opt.state_layout(view, group) is None
+        holder = view.rank if has_saved and owner_held else -1
+        by_group.setdefault(view.process_group, []).append((p, need, holder, view.layout if owner_held else None))
     for process_group, items in by_group.items():
         device = sharded_view(items[0][0]).local.device
-        flags = torch.tensor([int(need) for _, need in items], dtype=torch.int32, device=device)
+        flags = torch.tensor([int(need) for _, need, _, _ in items] + [h for _, _, h, _ in items],
+                             dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
-        out.update(id(p) for (p, _), f in zip(items, flags.tolist(), strict=True) if f)
+        values = flags.tolist()
+        n = len(items)
+        for (p, _, _, layout), need, holder in zip(items, values[:n], values[n:], strict=True):
+            if need:
+                out.add(id(p))
+            if holder >= 0 and layout is not None:  # [Note: owners stay] in _block_optimizer.py
+                opt._pinned_owners[id(p)] = (layout, holder)
     return out
 
 
