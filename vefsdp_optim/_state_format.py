@@ -101,7 +101,7 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
     pairs = list(zip(_params_in_order(opt), ids, strict=True))
     checked = [_check_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
                for (p, group), sid in pairs]
-    create = _to_create(opt, [(p, group, bool(saved_state.get(sid))) for (p, group), sid in pairs])
+    create = _to_create(opt, [(p, group, saved_state.get(sid) or {}) for (p, group), sid in pairs])
     if create:
         _zero_step(opt, create)  # create the state with the optimizer's own code
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
@@ -164,7 +164,7 @@ def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, 
 # none loaded]).
 
 
-def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, Any], bool]]) -> set[int]:
+def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]) -> set[int]:
     """ids of the parameters whose state the load must create: saved here without live
     state on some rank of their shard process group. The owner of a whole tensor's saved
     state computes it from now on ([Note: state created alike on every rank])."""
@@ -172,16 +172,21 @@ def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, A
 
     out: set[int] = set()
     by_group: dict[Any, list[tuple[torch.Tensor, bool, int, Any]]] = {}
-    for p, group, has_saved in wanted:
+    for p, group, saved in wanted:
+        has_saved = bool(saved)
         need = has_saved and not opt.state.get(p)
         view = sharded_view(p)
         if view.process_group is None:
             if need:
                 out.add(id(p))
             continue
-        owner_held = opt.state_layout(view, group) is None
+        # the state of a whole tensor that only its owner keeps: all of it (state_layout
+        # None), or its extra entries (NorMuon's row second moments)
+        owner_held = opt.state_layout(view, group) is None or (
+            bool(opt.extra_state_prefixes) and opt.requirement(view.shape, group).needs_whole
+            and any(isinstance(k, str) and k.startswith(opt.extra_state_prefixes) for k in saved))
         holder = view.rank if has_saved and owner_held else -1
-        by_group.setdefault(view.process_group, []).append((p, need, holder, view.layout if owner_held else None))
+        by_group.setdefault(view.process_group, []).append((p, need, holder, view.layout))
     for process_group, items in by_group.items():
         device = sharded_view(items[0][0]).local.device
         flags = torch.tensor([int(need) for _, need, _, _ in items] + [h for _, _, h, _ in items],
@@ -192,7 +197,7 @@ def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, A
         for (p, _, _, layout), need, holder in zip(items, values[:n], values[n:], strict=True):
             if need:
                 out.add(id(p))
-            if holder >= 0 and layout is not None:  # [Note: owners stay] in _block_optimizer.py
+            if holder >= 0:  # the same on every rank: [Note: owners stay] in _block_optimizer.py
                 opt._pinned_owners[id(p)] = (layout, holder)
     return out
 
