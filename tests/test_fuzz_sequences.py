@@ -289,7 +289,7 @@ def test_plain_sequences_equal_oracle(name: str, ops: list[tuple]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200 * BUDGET, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=sequences())
 def test_plain_sequences_equal_oracle_long(name: str, ops: list[tuple]) -> None:
     _plain(name, ops)
@@ -404,7 +404,7 @@ def test_sharded_sequences_equal_oracle(kind: str, world: int, ops: list[tuple])
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("kind", ["fsdp2", "fully_shard"])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@settings(max_examples=6 * BUDGET, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(ops=sequences())
 def test_sharded_sequences_equal_oracle_long(kind: str, world: int, ops: list[tuple]) -> None:
     _sharded(kind, world, ops)

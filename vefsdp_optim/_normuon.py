@@ -33,12 +33,12 @@ _VARIANCE = "variance_neuron."  # + global block index: one block's row second m
 # bfloat16. The momentum stays sharded, as Muon's. The entries are saved under these
 # keys, by global block index, by the rank that holds them, so a checkpoint loads at any
 # world size onto whichever rank then computes the block (the keys are the live ones,
-# as Shampoo's tiles: [Note: Shampoo's live state keys are its saved keys]). An owner
-# is fixed by the parameters that step together; if it changed (a parameter of the
-# group stepped without a gradient), the new owner would have no second moment: each
-# parameter keeps the compute layout of its last step (state["compute"], LOCAL), and a
-# step that would compute it elsewhere raises, on every rank alike (the layouts are the
-# same everywhere) and before its exchange, instead of restarting the moment from zero.
+# as Shampoo's tiles: [Note: Shampoo's live state keys are its saved keys]). The owner
+# stays from step to step ([Note: owners stay] in _block_optimizer.py) and, after a
+# load, is the rank that saved the moments; each parameter still keeps the compute
+# layout of its last step (state["compute"], LOCAL), and a step that would compute it
+# elsewhere raises, on every rank alike and before its exchange, instead of restarting
+# the moment from zero.
 
 
 def _check_beta2(value: object) -> None:

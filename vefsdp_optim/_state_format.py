@@ -105,11 +105,7 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
     if create:
         _zero_step(opt, create)  # create the state with the optimizer's own code
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
-        if ok:
-            if not opt.state.get(p):
-                raise ValueError(f"optimizer state of parameter {sid!r} is in this rank's state dict, but "
-                                 "this rank does not keep that parameter's state; load each rank's own "
-                                 "state_dict() at the same world size and mesh, or reshard with DCP")
+        if ok:  # (every rank holds every entry in a full import: the owner takes it)
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
         elif p in opt.state:  # [Note: no state saved, none loaded]
             del opt.state[p]
@@ -158,7 +154,8 @@ def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, 
 # all_reduce per process group, on its device) and every rank steps the same
 # parameters, the others' gradients set aside for the step; a rank deciding alone would
 # hang or abort the collective. The same all_reduce names the rank that saved a whole
-# tensor's owner-held state, and that rank stays its owner ([Note: owners stay]), so the
+# tensor's owner-held state, and where one rank alone did (not a full import, which
+# gives every rank everything), that rank stays its owner ([Note: owners stay]), so the
 # state is created, loaded and used where it was saved. A rank whose state the step also touched gets it
 # overwritten by the import, or deleted where it saved none ([Note: no state saved,
 # none loaded]).
@@ -189,16 +186,18 @@ def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, A
         by_group.setdefault(view.process_group, []).append((p, need, holder, view.layout))
     for process_group, items in by_group.items():
         device = sharded_view(items[0][0]).local.device
-        flags = torch.tensor([int(need) for _, need, _, _ in items] + [h for _, _, h, _ in items],
-                             dtype=torch.int32, device=device)
+        none = -(1 << 30)
+        flags = torch.tensor([int(need) for _, need, _, _ in items] + [h for _, _, h, _ in items]
+                             + [-h if h >= 0 else none for _, _, h, _ in items], dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
         values = flags.tolist()
         n = len(items)
-        for (p, _, _, layout), need, holder in zip(items, values[:n], values[n:], strict=True):
+        for (p, _, _, layout), need, high, low in zip(items, values[:n], values[n:2 * n], values[2 * n:],
+                                                      strict=True):
             if need:
                 out.add(id(p))
-            if holder >= 0:  # the same on every rank: [Note: owners stay] in _block_optimizer.py
-                opt._pinned_owners[id(p)] = (layout, holder)
+            if high >= 0 and high == -low:  # one rank saved it (not a full import on every rank);
+                opt._pinned_owners[id(p)] = (layout, high)  # the same on every rank: [Note: owners stay]
     return out
 
 
