@@ -213,3 +213,12 @@ def load_example(filename: str) -> Any:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def average_like_ranks(g: Any, world_size: int) -> Any:
+    """What ``world_size`` ranks' average of the same gradient ``g`` gives: the sum of W
+    copies over W (the one-device reference of a sharded run is fed this)."""
+    s = g
+    for _ in range(world_size - 1):
+        s = s + g
+    return s / world_size if world_size > 1 else g

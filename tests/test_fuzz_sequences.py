@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist_utils import average_like_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -118,14 +119,6 @@ def _grad(k: int, i: int, nan: int, zero: bool) -> torch.Tensor:
     return g
 
 
-def _average(g: torch.Tensor, w: int) -> torch.Tensor:
-    """What W ranks' average of the same gradient gives: the sum of W copies over W."""
-    s = g
-    for _ in range(w - 1):
-        s = s + g
-    return s / w if w > 1 else g
-
-
 def _groups(params: list[torch.Tensor], added: int) -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = [{"params": params[:2]}, {"params": [params[2]], "lr": 2e-2}]
     if added:
@@ -173,7 +166,7 @@ class _Run:
                 return
             for p, g in zip(self.params, gs, strict=True):
                 if g is not None:
-                    g = _average(g, self.world)
+                    g = average_like_ranks(g, self.world)
                     p.grad = g.clone() if p.grad is None else p.grad + g
         elif kind == "step":
             self.opt.step()
@@ -366,6 +359,8 @@ def _sharded(kind: str, world: int, ops: list[tuple]) -> None:
 
     if kind == "fully_shard":  # see test_fully_shard_unused_parameter_gets_no_gradient
         ops = [("backward", (True,) * P, *op[2:]) if op[0] == "backward" else op for op in ops]
+    if os.environ.get("FUZZ_VERBOSE"):
+        print(f"\n{kind} W={world}: {ops}", flush=True)
     cuts = [k + 1 for k, op in enumerate(ops) if op[0] == "roundtrip" and op[1]]
     bounds = [0, *cuts, len(ops)]
     worlds = [world]

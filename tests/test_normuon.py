@@ -393,33 +393,11 @@ def test_torch_save_round_trip_single_device(tmp_path) -> None:
         assert torch.equal(p.detach(), want[k]), k
 
 
-def _owner_moves(sharded: bool = True) -> dict[str, torch.Tensor]:
-    """Three matrices (FSDP2 at W = 2, or one device): with no gradient for the largest
-    at the second step, the balance alone would move a small one to the other rank,
-    which lacks its row second moments; owners stay ([Note: owners stay]), so the step
-    is one device's."""
-    from torch.distributed.tensor import distribute_tensor
-
-    torch.manual_seed(0)
-    model = _Bag({"a": torch.randn(16, 16), "b": torch.randn(8, 8), "c": torch.randn(8, 8)})
-    if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    opt = vefsdp_optim.NorMuon(model.parameters())
-    for step in range(3):
-        for k, p in model.named_parameters():
-            g = torch.randn(p.shape)
-            p.grad = None if step == 1 and k == "a" else (
-                distribute_tensor(g, p.device_mesh, p.placements) if sharded else g)
-        opt.step()
-    return {k: (p.full_tensor() if sharded else p).detach() for k, p in model.named_parameters()}
-
-
 def test_owners_stay_when_a_parameter_has_no_gradient() -> None:
-    want = _owner_moves(sharded=False)
-    for got in run_distributed(_owner_moves, 2):
+    from test_soap import owner_moves
+
+    want = owner_moves(sharded=False, name="NorMuon")
+    for got in run_distributed(owner_moves, 2, True, "NorMuon"):
         for k in want:
             assert torch.equal(got[k], want[k]), (k, (got[k] - want[k]).abs().max())
 

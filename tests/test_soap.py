@@ -460,10 +460,11 @@ def test_sharded_equals_one_device(world_size: int) -> None:
             assert torch.equal(full[k], want[k]), (kind, k, (full[k] - want[k]).abs().max())
 
 
-def _owner_moves(sharded: bool = True) -> dict[str, torch.Tensor]:
+def owner_moves(sharded: bool = True, name: str = "SOAP") -> dict[str, torch.Tensor]:
     """Three matrices (FSDP2 at W = 2, or one device): with no gradient for the largest
     at the second step, the balance alone would move a small one to another owner, which
-    lacks its factors; owners stay ([Note: owners stay]), so the step is one device's."""
+    lacks its owner-kept state (SOAP's factors, NorMuon's row second moments); owners
+    stay ([Note: owners stay]), so the step is one device's. Shared with test_normuon."""
     from torch.distributed.tensor import distribute_tensor
 
     torch.manual_seed(0)
@@ -473,7 +474,7 @@ def _owner_moves(sharded: bool = True) -> dict[str, torch.Tensor]:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    opt = SOAP(model.parameters())
+    opt = getattr(vefsdp_optim, name)(model.parameters())
     for step in range(3):
         for k, p in model.named_parameters():
             g = torch.randn(p.shape)
@@ -484,8 +485,8 @@ def _owner_moves(sharded: bool = True) -> dict[str, torch.Tensor]:
 
 
 def test_owners_stay_when_a_parameter_has_no_gradient() -> None:
-    want = _owner_moves(sharded=False)
-    for got in run_distributed(_owner_moves, 2):
+    want = owner_moves(sharded=False)
+    for got in run_distributed(owner_moves, 2):
         for k in want:
             assert torch.equal(got[k], want[k]), (k, (got[k] - want[k]).abs().max())
 

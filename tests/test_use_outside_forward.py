@@ -20,7 +20,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from dist_utils import average_like_ranks, run_distributed
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -81,10 +81,7 @@ def _average_like_ranks(model: nn.Module, w: int) -> None:
     """Each rank's gradient is the same: the ranks' average is the sum of W copies over W."""
     for p in model.parameters():
         if p.grad is not None:
-            s = p.grad.clone()
-            for _ in range(w - 1):
-                s = s + p.grad
-            p.grad = s / w
+            p.grad = average_like_ranks(p.grad, w)
 
 
 def _same(ours: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
