@@ -80,6 +80,14 @@ def sequences(draw: Any, max_steps: int = 12) -> list[tuple]:
 
 # Counterexamples found by the fuzz test, shrunk by hypothesis (kept as regression cases).
 REGRESSIONS: dict[str, list[tuple]] = {
+    # found by the long fuzz test (FSDP2, W = 2 -> 3 -> 2): load emptied the state of the
+    # parameters a W = 3 rank saved none of by deleting their keys, so that rank alone had
+    # an empty opt.state and torch's get_optimizer_state_dict stepped it alone: a hang
+    "stateless_rank_after_dcp": [
+        ("zero_grad", True), ("data", 1, "replace"), ("backward", (False, False, True, True), -1, False),
+        ("step",), ("backward", (False, True, True, True), 3, False), ("step",), ("roundtrip", True),
+        ("backward", (False, False, False, False), 0, True), ("step",), ("roundtrip", True),
+    ],
     # NorMuon's row second moments saved by one owner, created by the fresh optimizer's
     # zero step on another: "the checkpoint lacks variance_neuron.0" on one rank and a gloo
     # abort on the others (FSDP2, W = 2); shrunk by hand from the long fuzz test's find
@@ -375,7 +383,7 @@ def _sharded(kind: str, world: int, ops: list[tuple]) -> None:
             load_from = os.path.join(root, str(ph - 1)) if ph else None
             save_to = os.path.join(root, str(ph)) if ph + 1 < len(bounds) - 1 else None
             res = run_distributed(_phase, worlds[ph], kind, ops, start, end, added, load_from, save_to,
-                                  timeout=120)[0]
+                                  timeout=float(os.environ.get("FUZZ_TIMEOUT", "120")))[0]
             for name, r in res.items():
                 if r is not None:
                     results[name] = r

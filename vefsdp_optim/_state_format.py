@@ -107,8 +107,8 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:  # (every rank holds every entry in a full import: the owner takes it)
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
-        elif p in opt.state:  # [Note: no state saved, none loaded]
-            del opt.state[p]
+        elif opt.state.get(p):  # [Note: no state saved, none loaded]
+            opt.state[p] = {}
             opt._validated.discard(id(p))
     for g, sg in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in sg.items():
@@ -122,8 +122,11 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
 # (Adam's bias correction counts from 1, SOAP and Shampoo start their factors). Our
 # load first creates every parameter's state with a zero step (_zero_step) so that the
 # saved tensors can be copied into the live ones in place; the state of a parameter
-# without a saved entry on this rank is then deleted again, as torch would have it. The
+# without a saved entry on this rank is then emptied again, as torch would have it. The
 # entry is per rank: a rank whose slice of a parameter is empty saves and loads none.
+# The emptied entry stays a key of ``opt.state`` (as the step keeps one on every rank):
+# torch's DCP helpers step an optimizer whose ``state`` has no keys at all, a decision
+# each rank takes alone, and a collective step on some ranks only would hang.
 # Through DCP at another world size the fresh optimizer's template asks for state the
 # checkpoint never had; vefsdp_optim.load empties such entries ([Note: stateless
 # parameters in a checkpoint] in _checkpoint.py) so that they arrive here empty.
