@@ -14,8 +14,16 @@ oracle on one device, fed the same (averaged) gradients:
 Results must be equal bit for bit (NaN where NaN), or both runs must raise the same
 error type at the same call. Three harnesses: plain parameters (in this process), and
 FSDP2 and vefsdp_optim.fully_shard at W = 1, 2 and 3 (a DCP round trip moves the run to
-another world size). ``FUZZ_EXAMPLES`` scales the budget; the slow cases run more.
-Counterexamples hypothesis found and shrank are kept in ``REGRESSIONS``.
+another world size). Each backward also leaves some parameters unused (gradient None),
+except on fully_shard (see test_fully_shard_unused_parameter_gets_no_gradient); on the
+sharded harnesses ``p.data`` is replaced through ``p.data.copy_``, since ``p.data =`` does
+not reach a DTensor's local data (nor ours). The oracle models torch's
+``get_optimizer_state_dict``, which first steps an optimizer without state.
+
+``FUZZ_EXAMPLES`` scales the budget (the slow cases run more), ``FUZZ_TIMEOUT`` the
+seconds a sharded phase may take, and ``FUZZ_VERBOSE=1`` prints each sharded sequence
+(a hang shows which). Counterexamples hypothesis found and shrank are kept in
+``REGRESSIONS``.
 """
 
 from __future__ import annotations
