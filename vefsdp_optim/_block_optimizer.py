@@ -379,12 +379,16 @@ class BlockOptimizer(Optimizer):
 # its gradient at an aligned address, copied there when it is not (a copy of the
 # gradient per step and parameter where the store put it off the boundary; never on a
 # fresh tensor), and every layout gives the bits of one device.
+# The check reads the view's offset into its storage, not its address: storages start
+# aligned, and metadata is all a fake tensor (FakeTensorMode, torch.compile) has.
 _ALIGN = 64  # bytes: torch's CPU allocator alignment (CUDA's caching allocator: 512)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy of it when its data is not 64-byte aligned."""
-    return t if t.data_ptr() % _ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
+    """``t``, or a contiguous copy of it when it starts off a 64-byte boundary of its storage."""
+    if (t.storage_offset() * t.element_size()) % _ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:

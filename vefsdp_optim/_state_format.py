@@ -208,11 +208,15 @@ def _zero_step(opt: BlockOptimizer, create: set[int]) -> None:
     """One step with lr 0 and zero gradients for the parameters in ``create`` (ids; as
     DCP's _init_optim_state), none for the others, with every parameter and gradient
     restored after: it only creates the state."""
-    saved = []
+    saved = []  # (param, its gradient, and for the stepped ones their local data and a copy)
     for p, _ in _params_in_order(opt):
-        local = sharded_view(p).local
-        saved.append((p, p.grad, local, local.clone()))
-        p.grad = torch.zeros_like(p) if id(p) in create else None
+        if id(p) in create:
+            local = sharded_view(p).local
+            saved.append((p, p.grad, local, local.clone()))
+            p.grad = torch.zeros_like(p)
+        else:  # not stepped: only its gradient is set aside
+            saved.append((p, p.grad, None, None))
+            p.grad = None
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
@@ -222,7 +226,8 @@ def _zero_step(opt: BlockOptimizer, create: set[int]) -> None:
         for g, lr in zip(opt.param_groups, lrs, strict=True):
             g["lr"] = lr
         for p, grad, local, copy in saved:
-            local.copy_(copy)
+            if local is not None:
+                local.copy_(copy)
             p.grad = grad
 
 
