@@ -145,8 +145,6 @@ def test_toy_cli_bad_input_is_a_clear_error(tmp_path):
 
 
 def _failures() -> dict[str, object]:
-    from torch.distributed.fsdp import fully_shard as fsdp2_shard
-
     out: dict[str, object] = {}
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -165,7 +163,21 @@ def _failures() -> dict[str, object]:
         out["stale_at_build"] = False
     except ValueError as e:
         out["stale_at_build"] = "replaced" in str(e)
-    # one rank drops a gradient: a clear error naming the parameter and the ranks, no hang
+    # one rank drops a gradient: under the debug switch, a clear error naming the parameter
+    # and the ranks, no hang (without it, a user error that may hang: [Note: consistent steps])
+    from vefsdp_optim import _step_loop
+
+    debug, _step_loop.DEBUG = _step_loop.DEBUG, True
+    try:
+        _disagree(out, rank)
+    finally:
+        _step_loop.DEBUG = debug
+    return out
+
+
+def _disagree(out: dict[str, object], rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
     for kind in ("fully_shard", "fsdp2"):
         # 64 x 64 stays split under fully_shard too (a whole one would pad beyond 1%), so
         # Muon exchanges it every step
@@ -185,7 +197,6 @@ def _failures() -> dict[str, object]:
                 break
             opt.zero_grad()
         out[kind] = ("param group 0 parameter 2" in msg and "none on ranks [0]" in msg, msg[:200])
-    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

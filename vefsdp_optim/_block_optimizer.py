@@ -22,6 +22,7 @@ from ._step_loop import (
     StepEntry,
     StepItem,
     check_consistent,
+    check_every_step,
     exchange,
     gc_paused,
     make_buckets,
@@ -84,6 +85,8 @@ class BlockOptimizer(Optimizer):
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
         # id(param) -> (storage layout, owner rank) of its whole-tensor compute ([Note: owners stay])
         self._pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
+        # the step structure last checked; None: check at the next step ([Note: consistent steps])
+        self._checked_structure: list[tuple] | None = None
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 _check_not_replaced(p, type(self).__name__)
@@ -111,7 +114,12 @@ class BlockOptimizer(Optimizer):
         """
         wanted = {p: self.requirement(sharded_view(p).shape, group)
                   for group in self.param_groups for p in group["params"] if flat_store(p) is not None}
+        self._checked_structure = None  # [Note: consistent steps]
         return apply_requirements(wanted, holder=self) if wanted else ReplanReport()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._checked_structure = None  # [Note: consistent steps]
 
     # -- subclass API ---------------------------------------------------------------
 
@@ -185,8 +193,10 @@ class BlockOptimizer(Optimizer):
         ``dcp.load``), from ``torch.load`` of one, or with plain full tensors. Existing
         state tensors are written in place. Raises ValueError naming what differs."""
         if type(self).checkpoint_spec is BlockOptimizer.checkpoint_spec:
-            return super().load_state_dict(state_dict)
-        load_state(self, state_dict)
+            super().load_state_dict(state_dict)
+        else:
+            load_state(self, state_dict)
+        self._checked_structure = None  # [Note: consistent steps]
 
     # -- hooks (defaults: state lives with the blocks) ----------------------------
 
@@ -231,11 +241,14 @@ class BlockOptimizer(Optimizer):
 
     def _step(self) -> None:
         entries: list[StepEntry] = []
+        structure: list[tuple] = []
         items = [it for gi, group in enumerate(self.param_groups)
-                 for it in self._collect(group, gi, entries)]
+                 for it in self._collect(group, gi, entries, structure)]
         for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
             self.state[it.param]
-        check_consistent(entries)
+        if structure != self._checked_structure or check_every_step():  # [Note: consistent steps]
+            check_consistent(entries)
+            self._checked_structure = structure
         buckets = make_buckets(items, self.bucket_numel, self.min_round_numel)
         # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
         # are in flight while bucket k computes
@@ -262,10 +275,12 @@ class BlockOptimizer(Optimizer):
         stores, [Note: fused stores]) and leave out those it updated."""
         return group["params"]
 
-    def _collect(self, group: dict[str, Any], gi: int, entries: list[StepEntry]) -> list[StepItem]:
+    def _collect(self, group: dict[str, Any], gi: int, entries: list[StepEntry],
+                 structure: list[tuple]) -> list[StepItem]:
         """The step items of param group ``gi``; appends to ``entries`` an entry per
         parameter without a gradient and per sharded parameter with one ([Note:
-        consistent steps] compares the sharded ones)."""
+        consistent steps] compares the sharded ones), and to ``structure`` what every
+        sharded parameter's exchange depends on except its gradient."""
         items = []
         whole: list[int] = []
         claimed = self.claim_params(group)
@@ -278,7 +293,10 @@ class BlockOptimizer(Optimizer):
                 view = sharded_view(p)
                 compute = self._compute_layout(self.requirement(view.shape, group), view)
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
-                                         compute is None or compute != view.layout, view.process_group))
+                                         compute is None or compute != view.layout, view.process_group,
+                                         view.local.device))
+                if view.process_group is not None:
+                    structure.append((pos, id(p), id(view.process_group), view.layout, compute))
                 continue
             if p.is_meta:
                 raise NotImplementedError(
@@ -298,13 +316,15 @@ class BlockOptimizer(Optimizer):
             req = self.requirement(view.shape, group)
             compute = self._compute_layout(req, view)
             may_move = compute is None or compute != view.layout
+            if view.process_group is not None:
+                structure.append((pos, id(p), id(view.process_group), view.layout, compute))
             if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
             items.append(StepItem(p, view, gview.local, req, compute, group))
             if view.process_group is not None:  # check_consistent skips the others
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
-                                         view.process_group))
+                                         view.process_group, view.local.device))
         if whole:
             self._assign_owners([items[i] for i in whole])
         return items

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,8 @@ from vefsdp_optim.comm import ShardedView, all_gather_flat, redistribute
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
-    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "exchange",
-    "gc_paused",
+    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "check_every_step",
+    "exchange", "gc_paused",
 ]
 
 
@@ -164,13 +165,32 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # [Note: consistent steps]
 # An exchange needs every rank of its process group to step the same parameters with
 # the same layouts: a rank that skips a parameter (its .grad is None there only) would
-# leave the all_to_all waiting forever. So before the first exchange of every step,
-# each process group that exchanges anything all-gathers one 64-bit fingerprint per
-# rank of (parameter position, has a gradient, shape, storage and compute layouts)
-# over all its parameters: one tiny collective per process group and step. Only on a
-# mismatch does a second gather name the parameters and the ranks that differ. Which
-# process groups check depends only on the global layouts, never on gradients, so
-# every rank checks the same process groups and the check itself cannot hang.
+# leave the all_to_all waiting forever. A check costs a collective and a host sync to
+# read it, so a steady-state step checks nothing. The check runs on the first step
+# after something that every rank does alike changed what a step exchanges:
+# construction, replan(), load_state_dict, add_param_group, or a change of the step's
+# structure (per parameter: its position, identity, process group, storage and compute
+# layouts; a re-plan by another optimizer, an edited structural key or param list),
+# which each rank sees in its own copy. A change of which parameters have gradients is
+# not a trigger: a rank sees only its own gradients, so a check it entered alone would
+# be the hang it guards against. Gradients that differ between ranks are then a user
+# error that may hang, as a torch collective called differently on two ranks does;
+# TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1 (``DEBUG``) checks every step.
+# The check: each process group that exchanges anything all-gathers, on the
+# parameters' device, one 64-bit fingerprint per rank of (position, has a gradient,
+# shape, storage and compute layouts); only on a mismatch does an all_gather_object
+# name the parameters and ranks that differ. Which process groups check depends only
+# on the layouts, never on gradients, so on a step every rank checks, the check cannot
+# hang. BlockOptimizer._step keeps the structure it last checked.
+
+#: check every step ([Note: consistent steps]); from VEFSDP_OPTIM_DEBUG=1 at import,
+#: read at each step, so a test may set it
+DEBUG: bool = os.environ.get("VEFSDP_OPTIM_DEBUG", "") == "1"
+
+
+def check_every_step() -> bool:
+    """Whether each step checks its consistency: ``DEBUG`` or TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    return DEBUG or (dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +203,7 @@ class StepEntry:
     compute: RaggedShard | BoxShard | None  # compute layout; None: no gradient on this rank
     may_move: bool  # the requirement is not met by the storage layout
     process_group: Any  # the shard process group (None at W = 1)
+    device: torch.device  # the parameter's: a check's tensor lives there
 
 
 def check_consistent(entries: list[StepEntry]) -> None:
@@ -202,7 +223,7 @@ def check_consistent(entries: list[StepEntry]) -> None:
         # ints only: hash(None) and str hashes differ between processes
         mine = torch.tensor([hash(tuple((e.position, e.shape, _layout_key(e.layout),
                                          _layout_key(e.compute) if e.compute is not None else ())
-                                        for e in es))], dtype=torch.int64)
+                                        for e in es))], dtype=torch.int64, device=es[0].device)
         every = mine.new_empty(process_group.size())
         all_gather_flat(every, mine, process_group)
         if bool((every == every[0]).all()):

@@ -105,7 +105,7 @@ def move_store(store: DtypeStore, units: dict[str, int], plan: BufferPlan) -> No
     has_grad = [p.sharded.grad is not None for p in store.params]
     if w > 1:
         old.all_gather()
-        _check_same_grads(has_grad, store.settings.process_group)
+        _check_same_grads(has_grad, store.settings.process_group, old.device)
     data = {p.fqn: old.full_view(p.fqn) for p in store.params}
     grads = _gather_grads(store, has_grad) if any(has_grad) else {}
     store.build(units, data, validate=True, plan=plan)
@@ -125,8 +125,11 @@ def move_store(store: DtypeStore, units: dict[str, int], plan: BufferPlan) -> No
         p.sharded.grad = p.sharded.with_local(view)
 
 
-def _check_same_grads(has_grad: list[bool], process_group: torch.distributed.ProcessGroup) -> None:
-    mine = torch.tensor(has_grad, dtype=torch.uint8)
+def _check_same_grads(has_grad: list[bool], process_group: torch.distributed.ProcessGroup,
+                      device: torch.device) -> None:
+    """Raise ValueError on every rank unless all ranks hold the same gradients: one
+    all-gather on the store's device (a CPU tensor has no backend on NCCL)."""
+    mine = torch.tensor(has_grad, dtype=torch.uint8, device=device)
     every = mine.new_empty(process_group.size() * mine.numel())
     all_gather_flat(every, mine, process_group)
     rows = every.view(process_group.size(), -1)
