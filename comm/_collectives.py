@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from vefsdp_optim._torch_compat import all_gather_single, reduce_scatter_single
 from vefsdp_optim.sharding import BufferPlan
 
 __all__ = [
@@ -204,7 +205,7 @@ def all_gather_flat(
             return FlatWork(p2p, 1, output)
         p2p.wait()
         return None
-    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    work = all_gather_single(output, input, group, async_op=async_op)
     return FlatWork(work, 1, output) if async_op else None
 
 
@@ -245,7 +246,7 @@ def reduce_scatter_flat(
             return FlatWork(p2p, 1, output)
         p2p.wait()
         return None
-    work = dist.reduce_scatter_single(output, input, op=rop, group=group, async_op=async_op)
+    work = reduce_scatter_single(output, input, rop, group, async_op=async_op)
     if async_op:
         return FlatWork(work, divide_by, output)
     if divide_by != 1:

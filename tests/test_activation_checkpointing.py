@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import vefsdp_optim
+from vefsdp_optim._torch_compat import ALL_GATHER_NAME
 
 
 class Block(nn.Module):
@@ -51,17 +52,17 @@ def _ac() -> dict[str, float]:
             m.zero_grad()
             loss = m(x).square().sum()
             calls = []
-            orig = torch.distributed.all_gather_single
+            orig = getattr(torch.distributed, ALL_GATHER_NAME)
 
             def counted(*a, _calls=calls, _orig=orig, **k):  # noqa: ANN002, ANN003, ANN202
                 _calls.append(1)
                 return _orig(*a, **k)
 
-            torch.distributed.all_gather_single = counted
+            setattr(torch.distributed, ALL_GATHER_NAME, counted)
             try:
                 loss.backward()
             finally:
-                torch.distributed.all_gather_single = orig
+                setattr(torch.distributed, ALL_GATHER_NAME, orig)
         grads[kind] = _grads(m)
         if kind == "ours":  # one all-gather per resharded group, none from the recompute
             backward_gathers = len(calls)

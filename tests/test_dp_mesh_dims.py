@@ -4,7 +4,8 @@ The group shards over the submesh the names pick (several shard names flattened 
 one dim, as FSDP2 does). Checked at W = 2 and 3 against one device fed the averaged
 gradient and bitwise against the same model sharded with the 1-D submesh passed
 directly; bad names, replicate-only dims and DTensor parameters raise before any
-collective.
+collective. On torch 2.11, which has no DataParallelMeshDims (2.12 brought it), the
+argument raises NotImplementedError naming 2.12 ([Note: torch range]).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_fully_shard import RTOL, _build, _close, _full, _train
+
+from vefsdp_optim._torch_compat import SINCE, DataParallelMeshDims
+
+_DIMS_SINCE = SINCE["torch.distributed.fsdp.DataParallelMeshDims"]
 
 
 def _case() -> dict[str, object]:
@@ -68,6 +73,8 @@ def _case() -> dict[str, object]:
     return out
 
 
+@pytest.mark.skipif(DataParallelMeshDims is None, reason=f"torch {torch.__version__} has no "
+                    f"DataParallelMeshDims (torch {_DIMS_SINCE} added it)")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dp_mesh_dims_picks_the_data_parallel_submesh(world_size: int) -> None:
     results = run_distributed(_case, world_size)
@@ -82,3 +89,25 @@ def test_dp_mesh_dims_picks_the_data_parallel_submesh(world_size: int) -> None:
         assert e["ddp_only"].startswith("NotImplementedError") and "shard" in e["ddp_only"], e
         assert e["not_dims"].startswith("TypeError") and "DataParallelMeshDims" in e["not_dims"], e
         assert e["dtensor"].startswith("NotImplementedError") and "weight" in e["dtensor"], e
+
+
+def _without_dims_case() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vefsdp_optim._fsdp import fully_shard
+
+    spmd = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_shard", "cp"))
+    try:
+        fully_shard(torch.nn.Linear(4, 4), mesh=spmd, dp_mesh_dims=("dp_shard",))
+    except NotImplementedError as e:
+        return f"NotImplementedError: {e}"
+    return "no error"
+
+
+@pytest.mark.skipif(DataParallelMeshDims is not None, reason=f"torch {torch.__version__} has "
+                    "DataParallelMeshDims: the test above runs instead")
+def test_dp_mesh_dims_on_a_torch_without_them_names_the_release() -> None:
+    for msg in run_distributed(_without_dims_case, 2):
+        assert msg.startswith("NotImplementedError"), msg
+        assert f"torch {_DIMS_SINCE} added" in msg and torch.__version__ in msg, msg
+        assert "dp_mesh_dims" in msg and "mesh=" in msg, msg

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 import vefsdp_optim
+from vefsdp_optim._torch_compat import ALL_GATHER_NAME
 
 RTOL = 1e-6
 
@@ -165,7 +166,7 @@ def _module_list() -> dict[str, object]:
         out[f"{kind}_returns_list"] = isinstance(got, list) and len(got) == 2
     out["is_fsdp"] = isinstance(models["ours"].emb, TorchFSDPModule) and isinstance(models["ours"].out, TorchFSDPModule)
     calls: list[int] = []
-    orig = torch.distributed.all_gather_single
+    orig = getattr(torch.distributed, ALL_GATHER_NAME)
 
     def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
@@ -176,11 +177,11 @@ def _module_list() -> dict[str, object]:
         for k, m in models.items():
             opts[k].zero_grad()
             if k == "ours" and step == 2:
-                torch.distributed.all_gather_single = counted
+                setattr(torch.distributed, ALL_GATHER_NAME, counted)
             try:
                 _backward(m, step)
             finally:
-                torch.distributed.all_gather_single = orig
+                setattr(torch.distributed, ALL_GATHER_NAME, orig)
             opts[k].step()
     out["gathers_per_step"] = len(calls)  # blocks and the [emb, out] group, forward + backward
     out["vs_fsdp2"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())

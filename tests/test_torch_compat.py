@@ -89,11 +89,99 @@ def test_declared_range_is_the_pyproject_pin():
 
 def test_make_test_runs_both_ends_of_the_range():
     makefile = (ROOT / "Makefile").read_text()
-    lo_pin = re.search(r"^TORCH_PIN\s*\?=\s*torch==(\S+)", makefile, re.M)
+    lo_pin = re.search(r"^TORCH_LO_PIN\s*\?=\s*torch==(\S+)", makefile, re.M)
     hi_pin = re.search(r"^TORCH_HI_PIN\s*\?=\s*torch==(\S+)", makefile, re.M)
-    assert lo_pin and hi_pin, "Makefile: TORCH_PIN / TORCH_HI_PIN"
+    assert lo_pin and hi_pin, "Makefile: TORCH_LO_PIN / TORCH_HI_PIN"
     assert (lo_pin.group(1), hi_pin.group(1)) == compat.TESTED
     assert re.search(r"^test: test-lo test-hi$", makefile, re.M), "make test runs both"
+    assert re.search(r"^test-lo: \$\(STAMP_LO\)\n.*\n\t\$\(VENV_LO\)/bin/pytest", makefile, re.M)
+    assert re.search(r"^test-hi: \$\(STAMP_HI\)\n.*\n\t\$\(VENV_HI\)/bin/pytest", makefile, re.M)
+    assert set(compat.CHECKED) >= set(compat.TESTED), compat.CHECKED
+
+
+# -- what differs between releases ([Note: torch range]: SINCE and its branches) ----------
+
+
+def _has(dotted: str) -> bool:
+    try:
+        _resolve(dotted)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(compat.SINCE))
+def test_since_matches_the_installed_torch(name):
+    """Each name of SINCE is present exactly from its release on (on either end of the range
+    this checks a different side), and the range's lowest release lacks it."""
+    first = _release(compat.SINCE[name])
+    assert _has(name) == (_release(torch.__version__)[:2] >= first[:2]), (name, torch.__version__)
+    assert _release(compat.TESTED[0]) < first <= _release(compat.TESTED[1]), (name, compat.TESTED)
+
+
+@pytest.mark.parametrize("ours, new, old", [
+    ("all_gather_single", "all_gather_single", "all_gather_into_tensor"),
+    ("reduce_scatter_single", "reduce_scatter_single", "reduce_scatter_tensor"),
+])
+def test_flat_collectives_call_the_installed_torchs_name(ours, new, old, monkeypatch):
+    """The new name where torch has it (the old one is deprecated there), else the old one,
+    looked up at each call (so a wrapper around torch's function sees ours)."""
+    import torch.distributed as dist
+
+    expect = new if hasattr(dist, new) else old
+    assert expect == (compat.ALL_GATHER_NAME if "gather" in ours else compat.REDUCE_SCATTER_NAME)
+    calls = []
+    monkeypatch.setattr(dist, expect, lambda *a, **k: calls.append((a, k)) or "work",
+                        raising=True)
+    out, inp, group = torch.zeros(4), torch.ones(2), object()
+    if ours == "all_gather_single":
+        got = compat.all_gather_single(out, inp, group, async_op=True)
+        assert calls == [((out, inp), {"group": group, "async_op": True})], calls
+    else:
+        got = compat.reduce_scatter_single(inp, out, dist.ReduceOp.SUM, group)
+        assert calls == [((inp, out), {"op": dist.ReduceOp.SUM, "group": group,
+                                       "async_op": False})], calls
+    assert got == "work"
+
+
+def test_data_parallel_mesh_dims_or_a_clear_error():
+    import torch.distributed.fsdp as torch_fsdp
+
+    theirs = getattr(torch_fsdp, "DataParallelMeshDims", None)
+    assert compat.DataParallelMeshDims is theirs
+    if theirs is not None:
+        assert compat.require_data_parallel_mesh_dims("x") is theirs
+        return
+    with pytest.raises(NotImplementedError) as e:
+        compat.require_data_parallel_mesh_dims("fully_shard(dp_mesh_dims=...)")
+    msg = str(e.value)
+    assert "fully_shard(dp_mesh_dims=...)" in msg and "torch 2.12.0 added" in msg, msg
+    assert torch.__version__ in msg and "mesh=" in msg, msg
+
+
+def test_no_module_calls_a_name_that_differs_between_releases():
+    """The names SINCE lists (and the old spellings they replace) are used through
+    _torch_compat only, so the branch on the installed torch is made in one place (an
+    import for type hints only, under ``if TYPE_CHECKING:``, runs nothing)."""
+    names = {n.rsplit(".", 1)[1] for n in compat.SINCE} | {"all_gather_into_tensor",
+                                                           "reduce_scatter_tensor"}
+    found = []
+    for f in LIBRARY:
+        if f == COMPAT:
+            continue
+        tree = ast.parse(f.read_text())
+        hints = {id(c) for n in ast.walk(tree) if isinstance(n, ast.If)
+                 and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"
+                 for b in n.body for c in ast.walk(b)}
+        for n in ast.walk(tree):
+            if id(n) in hints:
+                continue
+            if isinstance(n, ast.Attribute) and n.attr in names:
+                found.append(f"{f.relative_to(ROOT)}:{n.lineno}: .{n.attr}")
+            elif (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torch"
+                  and any(a.name in names for a in n.names)):
+                found.append(f"{f.relative_to(ROOT)}:{n.lineno}: from {n.module} import")
+    assert found == [], found
 
 
 # -- the source scan ----------------------------------------------------------------------

@@ -8,12 +8,18 @@ entry of ``PRIVATE_NAMES`` on the installed torch and scans the other modules fo
 torch names), so moving to a new torch means reading this one file: check each name's
 meaning on the new release, add the release to its entry, widen the range.
 
-The modules outside this one import the public spellings below. Checked: the source of
-each name compared between the releases listed, and the suite passing on them. They have
-the same signature and meaning on every release in the range (2.14 changed type hints and
-messages of ``DeviceMesh._concatenate`` and ``_to_scalar``, and added a padding helper to
-``_StridedShard``), so nothing here branches on the version yet; a name that changes
-gets its branch here.
+Every difference between releases in the range is a branch here, on what the installed
+torch has (never on its version string), and ``SINCE`` names the first release of each
+public name that older releases lack: the flat collectives (``all_gather_single`` /
+``reduce_scatter_single`` from 2.13; before, ``all_gather_into_tensor`` /
+``reduce_scatter_tensor``, the same semantics, deprecated from 2.13) and
+``DataParallelMeshDims`` (2.12; on 2.11 ``fully_shard(dp_mesh_dims=...)`` raises naming
+2.12). The collectives are looked up on ``torch.distributed`` at each call, so a test
+that wraps torch's function counts ours. The private names mean the same, as used here,
+on every release in ``CHECKED``: between them torch changed type hints, moved
+``DeviceMesh._flatten``'s default name and 1-D shortcut out of a helper, let
+``_StridedShard``'s ``split_factor`` be symbolic (we read ``dim`` and ``int(split_factor)``),
+and from 2.15 documents ``torch._foreach_*`` as kept beside a new public ``torch.foreach``.
 
 Not listed: aten operator names in strings (``"_foreach_"``, ``"_fused_adam_"``, matched
 by ``_sharded_dispatch`` as the dispatcher spells them) and torch's public API.
@@ -25,6 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -39,7 +47,7 @@ from torch.serialization import _get_layout as get_layout
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
-    "TORCH_RANGE", "TESTED", "PRIVATE_NAMES", "OVERRIDES",
+    "TORCH_RANGE", "TESTED", "CHECKED", "PRIVATE_NAMES", "OVERRIDES",
     "flatten_state_dict", "set_element", "StorageInfo", "MEM_FORMAT_ENCODING", "get_layout",
     "StridedShard", "dtensor_local", "mesh_flatten", "mesh_concatenate",
     "device_dtype_check_for_fused", "to_scalar",
@@ -49,53 +57,66 @@ __all__ = [
     "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
+    "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single", "DataParallelMeshDims",
+    "require_data_parallel_mesh_dims",
 ]
 
-TORCH_RANGE = ">=2.13,<2.15"  # pyproject.toml's pin
-TESTED = ("2.13.0", "2.14.1")  # the lowest and highest release of the range: make test
+TORCH_RANGE = ">=2.11,<2.16"  # pyproject.toml's pin
+TESTED = ("2.11.0", "2.15.0")  # the lowest and highest release of the range: make test
+# Every release each private name was checked on (its source read, the suite run)
+CHECKED = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
+
+# Public torch names the library uses that the lowest releases of the range lack -> the
+# first release that has them (checked in the installed sources of 2.11.0, 2.13.0 and
+# 2.15.0, and the 2.12.0 wheel's)
+SINCE: dict[str, str] = {
+    "torch.distributed.all_gather_single": "2.13.0",
+    "torch.distributed.reduce_scatter_single": "2.13.0",
+    "torch.distributed.fsdp.DataParallelMeshDims": "2.12.0",
+}
 
 # torch's dotted name -> the releases it was checked on (meaning and signature as used here)
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # checkpoints: DCP internals (_checkpoint, _safe_load)
-    "torch.distributed.checkpoint._nested_dict.flatten_state_dict": TESTED,
-    "torch.distributed.checkpoint._traverse.set_element": TESTED,
-    "torch.distributed.checkpoint.filesystem._StorageInfo": TESTED,
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": TESTED,
-    "torch.serialization._get_layout": TESTED,
+    "torch.distributed.checkpoint._nested_dict.flatten_state_dict": CHECKED,
+    "torch.distributed.checkpoint._traverse.set_element": CHECKED,
+    "torch.distributed.checkpoint.filesystem._StorageInfo": CHECKED,
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": CHECKED,
+    "torch.serialization._get_layout": CHECKED,
     # DTensor and DeviceMesh (comm._views, _fsdp._fully_shard)
-    "torch.distributed.tensor.placement_types._StridedShard": TESTED,
-    "torch.distributed.tensor.DTensor._local_tensor": TESTED,
-    "torch.distributed.device_mesh.DeviceMesh._flatten": TESTED,
-    "torch.distributed.device_mesh.DeviceMesh._concatenate": TESTED,
+    "torch.distributed.tensor.placement_types._StridedShard": CHECKED,
+    "torch.distributed.tensor.DTensor._local_tensor": CHECKED,
+    "torch.distributed.device_mesh.DeviceMesh._flatten": CHECKED,
+    "torch.distributed.device_mesh.DeviceMesh._concatenate": CHECKED,
     # torch.optim's argument checks (_adamw: AdamW's signature and errors)
-    "torch.optim.optimizer._device_dtype_check_for_fused": TESTED,
-    "torch.optim.optimizer._to_scalar": TESTED,
+    "torch.optim.optimizer._device_dtype_check_for_fused": CHECKED,
+    "torch.optim.optimizer._to_scalar": CHECKED,
     # the sharded tensor subclass and its dispatch (_fsdp._sharded_tensor, _sharded_dispatch)
-    "torch.utils._pytree.tree_flatten": TESTED,
-    "torch.utils._pytree.tree_map": TESTED,
-    "torch.utils._pytree.tree_unflatten": TESTED,
-    "torch.Tensor._make_wrapper_subclass": TESTED,
-    "torch._ops.OpOverload._schema": TESTED,
-    "torch.ops.aten._to_copy.default": TESTED,
-    "torch.ops.aten._foreach_norm.Scalar": TESTED,
+    "torch.utils._pytree.tree_flatten": CHECKED,
+    "torch.utils._pytree.tree_map": CHECKED,
+    "torch.utils._pytree.tree_unflatten": CHECKED,
+    "torch.Tensor._make_wrapper_subclass": CHECKED,
+    "torch._ops.OpOverload._schema": CHECKED,
+    "torch.ops.aten._to_copy.default": CHECKED,
+    "torch.ops.aten._foreach_norm.Scalar": CHECKED,
     # fully_shard's buffers, version counters and hooks (_fsdp._store, _group, _state)
-    "torch._foreach_copy_": TESTED,
-    "torch._C._storage_Use_Count": TESTED,
-    "torch.UntypedStorage._cdata": TESTED,
-    "torch.Tensor._version": TESTED,
-    "torch.autograd._unsafe_preserve_version_counter": TESTED,
-    "torch._C._autograd._unsafe_set_version_counter": TESTED,
-    "torch.autograd.Variable._execution_engine": TESTED,
+    "torch._foreach_copy_": CHECKED,
+    "torch._C._storage_Use_Count": CHECKED,
+    "torch.UntypedStorage._cdata": CHECKED,
+    "torch.Tensor._version": CHECKED,
+    "torch.autograd._unsafe_preserve_version_counter": CHECKED,
+    "torch._C._autograd._unsafe_set_version_counter": CHECKED,
+    "torch.autograd.Variable._execution_engine": CHECKED,
     # nn.Module's registries (_fsdp._param, _module, _fully_shard)
-    "torch.nn.Module._parameters": TESTED,
-    "torch.nn.Module._buffers": TESTED,
-    "torch.nn.Module._apply": TESTED,
+    "torch.nn.Module._parameters": CHECKED,
+    "torch.nn.Module._buffers": CHECKED,
+    "torch.nn.Module._apply": CHECKED,
     # SOAP's rotations (_math._soap): torch.tensordot without its Python wrapper
-    "torch._VF.tensordot": TESTED,
+    "torch._VF.tensordot": CHECKED,
     # NorMuon's batched second moments (_math._normuon): one lerp_ per moment tensor
-    "torch._foreach_lerp_": TESTED,
+    "torch._foreach_lerp_": CHECKED,
     # 8-bit Adam's step counts (_adam8bit): one add for a bucket's tensors, as torch.optim's
-    "torch._foreach_add_": TESTED,
+    "torch._foreach_add_": CHECKED,
 }
 
 # Private names the library *defines*, on its subclass of torch's FSDPModule
@@ -177,3 +198,38 @@ def module_buffers(m: nn.Module) -> dict[str, torch.Tensor | None]:
 def module_apply(cls: type, m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The ``_apply`` that follows ``cls`` in ``type(m)``'s MRO (``super(cls, m)._apply``)."""
     return super(cls, m)._apply(*args, **kwargs)
+
+
+# [Note: torch range]: torch.distributed's flat collectives, the new names where torch has
+# them (the old ones warn there); tests wrap getattr(dist, ALL_GATHER_NAME) to count calls
+ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_NAME = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                   else "reduce_scatter_tensor")
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                      async_op: bool = False) -> dist.Work | None:
+    """torch's ``all_gather_single`` (``all_gather_into_tensor`` before 2.13)."""
+    return getattr(dist, ALL_GATHER_NAME)(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp,
+                          group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+    """torch's ``reduce_scatter_single`` (``reduce_scatter_tensor`` before 2.13)."""
+    return getattr(dist, REDUCE_SCATTER_NAME)(output, input, op=op, group=group, async_op=async_op)
+
+
+# torch's named data-parallel dims of an SPMD mesh; None on a torch that lacks them
+DataParallelMeshDims: type | None = getattr(torch_fsdp, "DataParallelMeshDims", None)
+
+
+def require_data_parallel_mesh_dims(what: str) -> type:
+    """torch's DataParallelMeshDims, or NotImplementedError naming ``what`` and the release
+    that brought it."""
+    if DataParallelMeshDims is None:
+        raise NotImplementedError(
+            f"{what} takes torch's DataParallelMeshDims, which torch "
+            f"{SINCE['torch.distributed.fsdp.DataParallelMeshDims']} added; the installed "
+            f"torch {torch.__version__} has none. Pass the data-parallel submesh itself as "
+            "mesh= (e.g. mesh['dp_shard'], or a flattened one), or install torch>=2.12")
+    return DataParallelMeshDims

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    DataParallelMeshDims,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from vefsdp_optim._torch_compat import (
@@ -28,6 +24,7 @@ from vefsdp_optim._torch_compat import (
     mesh_flatten,
     module_buffers,
     module_parameters,
+    require_data_parallel_mesh_dims,
 )
 from vefsdp_optim.comm import dtensor_boxes
 
@@ -36,6 +33,9 @@ from ._module import FSDPModule, state_of
 from ._param import ManagedParam, TensorParallel
 from ._sharded_tensor import ShardedParameter
 from ._state import FSDPState, ParamOutsideUse
+
+if TYPE_CHECKING:  # torch >= 2.12 ([Note: torch range])
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 __all__ = ["fully_shard", "FSDPModule", "FSDPState", "replaced_by_fully_shard"]
 
@@ -73,7 +73,7 @@ def _init_mesh() -> DeviceMesh:
 def _dp_submesh(mesh: DeviceMesh, dims: object, modules: list[nn.Module]) -> DeviceMesh:
     """The 1-D (shard) or 2-D (replicate, shard) data-parallel mesh that ``dims`` names in
     the full SPMD ``mesh``, as FSDP2 takes it out (several names: flattened into one dim)."""
-    if not isinstance(dims, DataParallelMeshDims):
+    if not isinstance(dims, require_data_parallel_mesh_dims("fully_shard(dp_mesh_dims=...)")):
         raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
     names = mesh.mesh_dim_names
     if names is None:
@@ -118,7 +118,8 @@ def fully_shard(
     ``offload_policy``: ``OffloadPolicy()`` (none) or, where the mesh is on the CPU
     already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the shard group, as FSDP2.
     ``dp_mesh_dims``: FSDP2's names of the data-parallel dims of a larger SPMD ``mesh``
-    (``shard=`` and optionally ``replicate=``); the shard group shards over that submesh.
+    (``shard=`` and optionally ``replicate=``); the shard group shards over that submesh
+    (torch >= 2.12, which has ``DataParallelMeshDims``; on 2.11 NotImplementedError).
     Parameters are plain tensors or DTensors of tensor parallelism on a 1-D tp mesh
     (``parallelize_module`` first): each is sharded by its TP-local tensor over ``mesh``,
     model code sees DTensors on the tp mesh, the optimizers see the global tensor
