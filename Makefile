@@ -2,10 +2,13 @@
 # It tests both ends of the declared torch range (pyproject.toml; [Note: torch range] in
 # vefsdp_optim/_torch_compat.py), each in its own venv, with exact pins (an unpinned
 # `torch` resolves to a newer release with several GB of CUDA packages on these machines):
-#   test-lo: .venv, torch 2.13.0 (the CPU wheel, triton 3.9; the dev venv that lint, toy
-#            and the benchmarks use), the suite without the slow cases
-#   test-hi: .venv-torch-hi, torch 2.14.1 (a CUDA build, run on the CPU, with the triton
-#            it pins, 3.8), the whole suite
+#   test-lo: .venv-torch-lo, torch 2.11.0 (a CUDA build, run on the CPU, with the triton
+#            it pins, 3.6), the suite without the slow cases
+#   test-hi: .venv-torch-hi, torch 2.15.0 (a CUDA build, run on the CPU, with the triton
+#            it pins, 3.9), the whole suite
+# test-hi installs torch with PIP_CONSTRAINT=/dev/null: a machine's pip constraints may
+# cap torch below 2.15 (at the releases kept on its disk). The dev venv .venv (torch
+# 2.13.0, the CPU wheel, triton 3.9) is what lint, test-fast, toy and the benchmarks use.
 # Each venv is set up once (wheels on disk or in pip's cache); run times:
 # docs/performance.md.
 PYTHON ?= python3
@@ -13,12 +16,16 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP   = $(VENV)/.deps-stamp
+VENV_LO ?= .venv-torch-lo
+PY_LO    = $(VENV_LO)/bin/python
+TORCH_LO_PIN ?= torch==2.11.0
+STAMP_LO = $(VENV_LO)/.deps-stamp
 VENV_HI ?= .venv-torch-hi
 PY_HI    = $(VENV_HI)/bin/python
-TORCH_HI_PIN ?= torch==2.14.1
+TORCH_HI_PIN ?= torch==2.15.0
 STAMP_HI = $(VENV_HI)/.deps-stamp
 
-.PHONY: venv venv-hi test test-lo test-hi test-fast lint lint-csrc toy bench bench-full gpu-check clean
+.PHONY: venv venv-lo venv-hi test test-lo test-hi test-fast lint lint-csrc toy bench bench-full gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,20 +36,29 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+$(STAMP_LO): pyproject.toml Makefile
+	test -x $(PY_LO) || $(PYTHON) -m venv $(VENV_LO)
+	$(PY_LO) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
+	$(PY_LO) -m pip install -q "$(TORCH_LO_PIN)"
+	$(PY_LO) -m pip install -q "$(TORCH_LO_PIN)" -e ".[dev,triton]"
+	touch $(STAMP_LO)
+
+venv-lo: $(STAMP_LO)
+
 $(STAMP_HI): pyproject.toml Makefile
 	test -x $(PY_HI) || $(PYTHON) -m venv $(VENV_HI)
 	$(PY_HI) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
-	$(PY_HI) -m pip install -q "$(TORCH_HI_PIN)"
-	$(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" -e ".[dev,triton]"
+	PIP_CONSTRAINT=/dev/null $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)"
+	PIP_CONSTRAINT=/dev/null $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" -e ".[dev,triton]"
 	touch $(STAMP_HI)
 
 venv-hi: $(STAMP_HI)
 
 test: test-lo test-hi
 
-test-lo: $(STAMP)
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(VENV)/bin/pytest -q -m "not slow" tests
+test-lo: $(STAMP_LO)
+	$(PY_LO) -m pip install -q --no-deps --no-build-isolation -e .
+	$(VENV_LO)/bin/pytest -q -m "not slow" tests
 
 test-hi: $(STAMP_HI)
 	$(PY_HI) -m pip install -q --no-deps --no-build-isolation -e .
@@ -87,4 +103,4 @@ gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) $(VENV_HI) build dist *.egg-info
+	rm -rf $(VENV) $(VENV_LO) $(VENV_HI) build dist *.egg-info
