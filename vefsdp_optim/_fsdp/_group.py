@@ -23,12 +23,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vefsdp_optim._flat_store import StoreReplan
-from vefsdp_optim._torch_compat import tensor_version, unsafe_set_version_counter
+from vefsdp_optim._torch_compat import tensor_version
 
 from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
 from ._replan import move_store, plan_replan
-from ._store import DtypeStore, GradSettings, PendingReduce, StoreSettings
+from ._store import DtypeStore, GradSettings, PendingGather, PendingReduce, StoreSettings
+from ._streams import NO_STREAMS, CommContext
 
 __all__ = ["ShardGroup", "StoreBinding", "DtypeStore", "check_shard_group_consistent"]
 
@@ -124,12 +125,17 @@ class ShardGroup:
         self.force_sum_reduction = False
         self.requires_all_reduce = True
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None  # set_all_reduce_hook(stream=); not under HSDP
         #: [Note: lazy gradient buffer]: True (default) copies autograd's gradients into the
         #: buffer at the end of backward (FSDP2's memory); False adds into it in place
         self.grad_copy_in = True
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
-        self._gathers: list[Any] = []  # GATHERING: (work, output, version) per store
+        self._gathers: list[PendingGather] = []  # GATHERING: one per store
+        # [Note: fully_shard streams]: the root's, given at its lazy init (before it: none)
+        self.comm = CommContext(NO_STREAMS)
+        self._side_alloc = False  # the gathered buffers were allocated on the copy-in stream
+        self._gather_event: Any = None  # the last all-gather on the side streams (it read compute.local)
         self._reductions: list[tuple[DtypeStore, PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
         # called before a store allocates its gradient buffer: finishes completed reductions
@@ -162,8 +168,13 @@ class ShardGroup:
 
     # -- gather state ------------------------------------------------------------------
 
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather every store; no-op while a gather is pending or still fresh."""
+    def unshard(self, async_op: bool = False, *, overlap: bool = False) -> None:
+        """All-gather every store; no-op while a gather is pending or still fresh.
+
+        ``overlap``: from a hook or a prefetch, so on an accelerator the all-gather runs on
+        the side streams, as FSDP2's implicit prefetch ([Note: fully_shard streams]); the
+        user's ``FSDPModule.unshard`` runs on the current stream, as FSDP2's.
+        """
         self.wait_reduce()  # normally done by the final callback; no-op then
         if self.gather_state is GatherState.GATHERING:
             if not async_op:
@@ -172,9 +183,39 @@ class ShardGroup:
         if self.fresh:
             return
         self._gathered_versions = self._versions()
+        comm = self.comm
+        if comm.active:
+            pending = comm.take_pending(self)  # gathered again into its still-allocated buffer
+            if overlap:
+                self._gather_on_streams(async_op, pending)
+                return
+        if not self._live():
+            self._side_alloc = False  # allocated now, on the current stream
         works = [store.unshard(async_op) for store in self.stores]
         self._gathers = [w for w in works if w is not None] if async_op else []
         self._set_gather(GatherState.GATHERING if self._gathers else GatherState.GATHERED)
+
+    def _live(self) -> bool:
+        return any(store.gathered for store in self.stores)
+
+    def _gather_on_streams(self, async_op: bool, pending: Any) -> None:
+        """[Note: fully_shard streams]: cast and allocate on the copy-in stream, gather on
+        the all-gather stream; the current stream waits in ``wait_unshard``."""
+        comm = self.comm
+        s = comm.streams
+        comm.release(keep=1)  # at most two gathered buffers in flight
+        if pending is not None:  # its readers finished at its reshard's event
+            comm.gather_streams_wait(pending)
+        elif self._live():  # gathered and stale: its readers are on the current stream
+            comm.gather_streams_wait(None)
+        else:
+            self._side_alloc = True
+        s.wait_event(s.copy_in, self._gather_event)  # our last all-gather read compute.local
+        self._gathers = [store.unshard(False, s, s.copy_in, s.all_gather) for store in self.stores]
+        self._gather_event = self._gathers[-1].event if self._gathers else None
+        self._set_gather(GatherState.GATHERING if self._gathers else GatherState.GATHERED)
+        if not async_op:
+            self.wait_unshard()
 
     @property
     def unsharding(self) -> bool:
@@ -183,18 +224,37 @@ class ShardGroup:
 
     def wait_unshard(self) -> None:
         if self.gather_state is GatherState.GATHERING:
-            for work, out, version in self._gathers:
-                work.wait()
-                unsafe_set_version_counter((out,), (version,))
+            for gather in self._gathers:
+                gather.wait(self.comm.streams)
             self._gathers = []
             self._set_gather(GatherState.GATHERED)
 
-    def free(self) -> None:
-        """Free the global (unsharded) buffers; waits for a pending gather first."""
+    def free(self, deferred: bool = False) -> None:
+        """Free the global (unsharded) buffers; waits for a pending gather first.
+
+        ``deferred`` (a hook's reshard): a buffer gathered on the side streams is freed at
+        the all-gather after next ([Note: fully_shard streams]).
+        """
         self.wait_unshard()
+        comm = self.comm
+        if comm.active and self._side_alloc and self._live():
+            comm.take_pending(self)  # a second reshard: its newer event replaces the first
+            if deferred:
+                comm.free(self)
+            else:
+                comm.take_pending(self)
+                comm.gather_streams_wait(None)
+                self.release_buffers()
+        else:
+            self.release_buffers()
+        self._set_gather(GatherState.SHARDED)
+
+    def release_buffers(self) -> None:
+        """Give back the global buffers' bytes (the streams that allocated them have
+        waited for their readers: [Note: fully_shard streams])."""
         for store in self.stores:
             store.free()
-        self._set_gather(GatherState.SHARDED)
+        self._side_alloc = False
 
     def reshard(self) -> None:
         self.wait_reduce()
@@ -251,21 +311,27 @@ class ShardGroup:
         if self.grad_state is GradState.IDLE:
             return  # nothing accumulated since the last reduction
         grad_settings = self.grad_settings()
-        pending = [(store, store.launch_reduce(grad_settings)) for store in self.stores]
+        pending = [(store, store.launch_reduce(grad_settings, self.comm.streams, self.all_reduce_hook_stream))
+                   for store in self.stores]
         self._reductions = [(store, pr) for store, pr in pending if pr is not None]
         self._set_grad(GradState.REDUCING if self._reductions else GradState.IDLE)
 
     def reset(self) -> None:
         """Wait for in-flight collectives, discard unreduced gradients, reshard."""
-        for work, _, _ in self._gathers:
-            work.wait()
+        streams = self.comm.streams
+        for gather in self._gathers:
+            gather.wait(streams)
         self._gathers = []
         for _, pr in self._reductions:
             if pr.work is not None:
                 pr.work.wait()
+            streams.wait_event(None, pr.post_event)
         self._reductions = []
+        if self.comm.active and self._side_alloc:
+            self.comm.take_pending(self)
+            self.comm.gather_streams_wait(None)
+        self.release_buffers()
         for store in self.stores:
-            store.free()
             if self.settings.world_size > 1:
                 store.reduce.free_grad_global()
                 store.compute.free_grad_global()
@@ -281,8 +347,7 @@ class ShardGroup:
     def reduce_done(self) -> bool:
         """Every launched collective of this shard group has completed (asked without waiting; a
         handle that cannot tell counts as not completed)."""
-        return all(pr.work is None or getattr(pr.work.work, "is_completed", lambda: False)()
-                   for _, pr in self._reductions)
+        return all(pr.done(self.comm.streams) for _, pr in self._reductions)
 
     def wait_reduce(self) -> None:
         """Complete the launched reductions: after this the sharded ``.grad`` are final."""
@@ -291,7 +356,7 @@ class ShardGroup:
         pending, self._reductions = self._reductions, []
         grad_settings = self.grad_settings()
         for store, pr in pending:
-            store.finish_reduce(pr, grad_settings)
+            store.finish_reduce(pr, grad_settings, self.comm)
         self._set_grad(GradState.IDLE)
 
     # -- re-plan -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from vefsdp_optim._torch_compat import module_apply, module_parameters
 
 from ._group import ShardGroup
+from ._streams import check_event, check_stream
 
 if TYPE_CHECKING:
     from ._state import FSDPState
@@ -150,18 +151,33 @@ class FSDPModule(_TorchFSDPModule):
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: object | None = None) -> None:
         """``hook(reduce_output)`` runs on each store's reduced gradient shard (after HSDP's
-        all-reduce), before it becomes the sharded ``.grad``."""
+        all-reduce), before it becomes the sharded ``.grad``. On an accelerator it runs on
+        ``stream`` (default: the all-reduce stream), as FSDP2's; under HSDP it runs on the
+        all-reduce stream, and ``stream`` raises ValueError ([Note: fully_shard streams]).
+        On the CPU there are no streams and ``stream`` changes nothing."""
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
         if stream is not None:
-            raise NotImplementedError("set_all_reduce_hook(stream=...): fully_shard runs the hook "
-                                      "on the current stream")
-        for shard_group in self._shard_groups():
+            check_stream(stream)
+        groups = self._shard_groups()
+        if stream is not None and any(g.settings.replicate_process_group is not None for g in groups):
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D mesh): "
+                             "the hook runs on the all-reduce stream after the all-reduce; pass stream=None")
+        for shard_group in groups:
             shard_group.all_reduce_hook = hook
+            shard_group.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: object) -> None:
-        """Accepted for FSDP2 compatibility: fully_shard's all-gathers run on the current
-        stream, after the optimizer step, so there is nothing to wait for."""
+        """As FSDP2: the root's next forward makes the all-gather streams wait on
+        ``event`` (recorded after the optimizer step) instead of the current stream, and
+        then drops it; call it with a new event each iteration ([Note: fully_shard
+        streams]). On the CPU there are no streams: it changes nothing."""
+        check_event(event)
+        st = self._vefsdp_state
+        if st.ctx is not None:
+            st.ctx.comm.post_optim_event = event
+        else:
+            st.post_optim_event = event
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2: :meth:`set_gradient_divide_factor`."""

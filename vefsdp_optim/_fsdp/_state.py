@@ -27,6 +27,7 @@ from ._group import ShardGroup
 from ._lifecycle import Role, TrainingState, advance
 from ._module import FSDPModule, state_of
 from ._param import ManagedParam
+from ._streams import CommContext, streams_for
 
 __all__ = ["FSDPState", "ParamOutsideUse", "ctx_final_callback", "finish_completed_reductions",
            "wait_reductions"]
@@ -35,8 +36,9 @@ __all__ = ["FSDPState", "ParamOutsideUse", "ctx_final_callback", "finish_complet
 class _RootContext:
     """Per-root iteration state shared by every FSDPState under one root."""
 
-    def __init__(self, states: list[FSDPState]) -> None:
+    def __init__(self, states: list[FSDPState], comm: CommContext) -> None:
         self.states = states
+        self.comm = comm  # streams, buffers awaiting their free, events ([Note: fully_shard streams])
         self.callback_queued = False
         # shard groups in the order their forward ran with grad enabled (with repeats); the
         # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
@@ -51,6 +53,7 @@ class _RootContext:
         self.reducing.clear()
         self.fwd_order.clear()
         self.callback_queued = False
+        self.comm.reset()
 
 
 class FSDPState:
@@ -78,6 +81,7 @@ class FSDPState:
         self.untracked = False  # a forward call with grad whose inputs need no grad
         # id -> original Parameter this shard group replaced (weak: tensors compare elementwise)
         self.originals: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+        self.post_optim_event: Any = None  # set_post_optim_event before the root's lazy init
 
     @property
     def is_root(self) -> bool:
@@ -111,13 +115,18 @@ class FSDPState:
                 raise ValueError("a fully_shard'd module ran forward as root before its parent; "
                                  "run the outermost fully_shard'd module first")
         self.role = advance(self.role, Role.ROOT, "FSDPState.role")
-        ctx = _RootContext(states)
+        devices = [s.shard_group.settings.device for s in states if s.shard_group is not None]
+        ctx = _RootContext(states, CommContext(streams_for(devices[0] if devices else torch.device("cpu"))))
+        for s in states:
+            if s.post_optim_event is not None:
+                ctx.comm.post_optim_event, s.post_optim_event = s.post_optim_event, None
         for s in states:
             if s is not self and s.role is Role.UNSET:
                 s.role = advance(s.role, Role.NON_ROOT, "FSDPState.role")
             s.ctx = ctx
             if s.shard_group is not None:
                 s.shard_group.before_grad_alloc = lambda: finish_completed_reductions(ctx)
+                s.shard_group.comm = ctx.comm
 
     # -- forward -----------------------------------------------------------------------
 
@@ -127,6 +136,7 @@ class FSDPState:
             self.ctx.callback_queued = False
             if torch.is_grad_enabled():
                 self.ctx.fwd_order.clear()
+            self.ctx.comm.begin_forward()  # [Note: fully_shard streams]
             for s in self.ctx.states:  # here, not in each shard group's hook: modules get compiled
                 if s.shard_group is not None:
                     s.shard_group.release_grads()
@@ -140,11 +150,11 @@ class FSDPState:
             return args, kwargs
         if not self._not_run:  # a new forward: every module of the shard group is to run
             self._not_run = {id(m) for m in self.modules}
-        shard_group.unshard()
+        shard_group.unshard(overlap=True)
         shard_group.wait_unshard()
         for s in self.fwd_prefetch:
             if s.shard_group is not None:
-                s.shard_group.unshard(async_op=True)
+                s.shard_group.unshard(async_op=True, overlap=True)
         shard_group.register(sharded=False)
         if torch.is_grad_enabled():
             args, kwargs, hooked = self._register_post_backward(args, kwargs)
@@ -163,7 +173,9 @@ class FSDPState:
             self._not_run.discard(id(module))
             # as FSDP2: root keeps its params for backward; a list of modules reshards once all ran
             if self.reshard_after_forward and not self.is_root and not self._not_run:
-                shard_group.free()
+                shard_group.free(deferred=True)
+        if self.is_root:  # as FSDP2: no gathered buffer waits for its free past the forward
+            self.ctx.comm.release()
         if self.mp_policy.output_dtype is not None:
             dt = self.mp_policy.output_dtype
             output = tree_map(
@@ -201,13 +213,13 @@ class FSDPState:
             if shard_group.unsharding:
                 shard_group.wait_unshard()
             elif not shard_group.gathered and self.unshard_in_backward:
-                shard_group.unshard()
+                shard_group.unshard(overlap=True)
             if shard_group.gathered:  # as FSDP2: activation checkpointing recomputes with these
                 shard_group.register(sharded=False)
             shard_group.attach_grads()
         for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
             if s.shard_group is not None and not s.shard_group.gathered:
-                s.shard_group.unshard(async_op=True)
+                s.shard_group.unshard(async_op=True, overlap=True)
         return grad
 
     def _implicit_bwd_prefetch(self) -> list[FSDPState]:
@@ -279,7 +291,7 @@ class FSDPState:
         if shard_group is None:
             return
         if self.reshard_after_backward:
-            shard_group.free()
+            shard_group.free(deferred=True)
         else:
             shard_group.wait_unshard()
         shard_group.register(sharded=True)
@@ -379,6 +391,8 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
                         and s.shard_group.gathered):
                     s.shard_group.free()  # prefetched, but its backward did not run
         wait_reductions(ctx)  # the optimizer reads the sharded .grad next
+        ctx.comm.finish_backward()  # [Note: fully_shard streams]
+        ctx.comm.release()
         ctx.fwd_order.clear()
         ctx.callback_queued = False
 

@@ -25,13 +25,15 @@ from vefsdp_optim._torch_compat import (
     storage_use_count,
     tensor_version,
     unsafe_preserve_version_counter,
+    unsafe_set_version_counter,
 )
 from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
 from vefsdp_optim.sharding import BufferPlan, RaggedShard, TensorSpec, plan_buffer
 
 from ._param import ManagedParam
+from ._streams import NO_STREAMS, CommContext, Streams
 
-__all__ = ["DtypeStore", "GradSettings", "PendingReduce", "StoreSettings", "ALIGN"]
+__all__ = ["DtypeStore", "GradSettings", "PendingGather", "PendingReduce", "StoreSettings", "ALIGN"]
 
 ALIGN = 16
 
@@ -315,26 +317,33 @@ class DtypeStore:
 
     # -- all-gather / free -------------------------------------------------------------
 
-    def unshard(self, async_op: bool) -> Any:
+    def unshard(self, async_op: bool, streams: Streams = NO_STREAMS, copy_in: Any = None,
+                gather: Any = None) -> PendingGather | None:
+        """Cast and allocate on ``copy_in``, all-gather on ``gather`` (None: the current
+        stream; [Note: fully_shard streams]). Returns what ``PendingGather.wait`` completes,
+        or None when nothing is left to wait for."""
         compute = self.compute
-        if compute is not self.master:
-            with torch.no_grad():
-                compute.local.copy_(self.master.local)  # the one cast per all-gather
-        compute.alloc_global()
+        with streams.use(copy_in):
+            if compute is not self.master:
+                with torch.no_grad():
+                    compute.local.copy_(self.master.local)  # the one cast per all-gather
+            compute.alloc_global()
+        streams.wait_stream(gather, copy_in)
         # [Note: version counter] the unsharded params (saved for backward) alias the
         # global buffer; re-gathering the same values must not bump their version, and
         # gloo's async work writes the output from its own thread, so the version is
         # restored after wait() too, as FSDP2 does around its all-gather copy-out.
         out = compute.global_buffer
-        with unsafe_preserve_version_counter(out):
+        with streams.use(gather), unsafe_preserve_version_counter(out):
             version = tensor_version(out)
             work = compute.all_gather(async_op=async_op)
+            event = streams.record(gather) if gather is not None else None
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(compute.full_view(p.fqn))
                 if self._lazy and p.requires_grad:
                     p.unsharded.register_hook(self._on_grad)  # [Note: lazy gradient buffer]
-        return None if work is None else (work, out, version)
+        return None if work is None and event is None else PendingGather(work, event, out, version)
 
     def free(self) -> None:
         self.compute.free_global()
@@ -460,7 +469,8 @@ class DtypeStore:
             out[a:a + v.numel()] = v
         return out
 
-    def launch_reduce(self, grad_settings: GradSettings) -> PendingReduce | None:
+    def launch_reduce(self, grad_settings: GradSettings, streams: Streams = NO_STREAMS,
+                      hook_stream: Any = None) -> PendingReduce | None:
         """Start the reduce-scatter (avg) of the accumulated gradients; ``finish_reduce`` ends it.
 
         [Note: async reduce-scatter] The collective is launched with ``async_op=True`` so
@@ -469,6 +479,8 @@ class DtypeStore:
         all-reduce, the cast into the master's dtype, kept-gradient accumulation, the
         sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
         gradient buffer (the collective's input) stays allocated until then.
+        On an accelerator the collective and that epilogue are issued here, on the side
+        streams, and ``finish_reduce`` only frees the input ([Note: fully_shard streams]).
         """
         compute, reduce, master = self.compute, self.reduce, self.master
         world_size = self.settings.world_size
@@ -491,43 +503,90 @@ class DtypeStore:
         op = "avg" if grad_settings.native_average else "sum"
         if self._lazy:
             _ensure_storage(reduce.local_grad)  # the collective's output
-        work = reduce.reduce_scatter(op=op, async_op=True) if world_size > 1 else None
-        return PendingReduce(work, prev)
+        if not streams.active:
+            work = reduce.reduce_scatter(op=op, async_op=True) if world_size > 1 else None
+            return PendingReduce(work, prev)
+        if reduce is not master:  # the epilogue's output: allocated on the current stream
+            self.grad_shard()
+        rs = streams.reduce_scatter
+        streams.wait_stream(rs, None)  # the gradients were written on the current stream
+        with streams.use(rs):
+            if world_size > 1:
+                reduce.reduce_scatter(op=op)
+            rs_event = streams.record(rs)  # the input's last use
+        post_event = self._reduce_epilogue(prev, grad_settings, streams, hook_stream)
+        return PendingReduce(None, prev, rs_event, post_event)
 
-    def finish_reduce(self, pending: PendingReduce, grad_settings: GradSettings) -> None:
-        """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note
-        and [Note: gradient reduction policy])."""
-        compute, reduce, master = self.compute, self.reduce, self.master
+    def _reduce_epilogue(self, prev: torch.Tensor | None, grad_settings: GradSettings, streams: Streams,
+                         hook_stream: Any) -> Any:
+        """What follows the reduce-scatter, in order (see [Note: async reduce-scatter] and
+        [Note: gradient reduction policy]): the division, the kept partial sum, HSDP's
+        all-reduce (its own stream), the hook (the all-reduce stream under HSDP, else
+        ``hook_stream`` or the all-reduce stream), the cast into the master's dtype and the
+        kept gradients. Returns the event recorded after it (None without streams)."""
+        reduce, master = self.reduce, self.master
         settings = self.settings
         replicate = settings.replicate_process_group
-        if pending.work is not None:
-            pending.work.wait()
+        last = streams.reduce_scatter
         with torch.no_grad():
-            if not grad_settings.native_average:
-                factor = grad_settings.gradient_divide_factor or float(settings.world_size * settings.replicate_world_size)
-                if factor != 1.0:
-                    reduce.local_grad.div_(factor)
-            prev = pending.prev
-            if prev is not None and self._partial:  # the kept grads were never all-reduced
-                reduce.local_grad.add_(prev.to(reduce.local_grad.dtype))
-                prev = None
+            with streams.use(last):
+                if not grad_settings.native_average:
+                    factor = grad_settings.gradient_divide_factor or float(settings.world_size * settings.replicate_world_size)
+                    if factor != 1.0:
+                        reduce.local_grad.div_(factor)
+                if prev is not None and self._partial:  # the kept grads were never all-reduced
+                    reduce.local_grad.add_(prev.to(reduce.local_grad.dtype))
+                    prev = None
             if replicate is not None and grad_settings.requires_all_reduce:
-                if grad_settings.native_average:
-                    all_reduce_avg(reduce.local_grad, replicate)
-                else:
-                    dist.all_reduce(reduce.local_grad, op=dist.ReduceOp.SUM, group=replicate)
+                streams.wait_stream(streams.all_reduce, last)
+                last = streams.all_reduce
+                with streams.use(last):
+                    if grad_settings.native_average:
+                        all_reduce_avg(reduce.local_grad, replicate)
+                    else:
+                        dist.all_reduce(reduce.local_grad, op=dist.ReduceOp.SUM, group=replicate)
             self._partial = replicate is not None and not grad_settings.requires_all_reduce
             if grad_settings.all_reduce_hook is not None:
-                grad_settings.all_reduce_hook(reduce.local_grad)
-            if reduce is not master:
-                self.grad_shard().copy_(reduce.local_grad)
-            if prev is not None:
-                master.local_grad.add_(prev)
+                stream = streams.all_reduce if replicate is not None or hook_stream is None else hook_stream
+                streams.wait_stream(stream, last)
+                last = stream
+                with streams.use(last):
+                    grad_settings.all_reduce_hook(reduce.local_grad)
+            with streams.use(last):
+                if reduce is not master:
+                    self.grad_shard().copy_(reduce.local_grad)
+                if prev is not None:
+                    master.local_grad.add_(prev)
+                return streams.record(last) if streams.active else None
+
+    def finish_reduce(self, pending: PendingReduce, grad_settings: GradSettings,
+                      comm: CommContext | None = None) -> None:
+        """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note
+        and [Note: gradient reduction policy]). On an accelerator the epilogue was issued
+        at launch: the current stream waits on the collective, which frees its input; the
+        staging buffers it read are released once the current stream has waited on the
+        epilogue's event, in the root's final callback ([Note: fully_shard streams])."""
+        compute, reduce, master = self.compute, self.reduce, self.master
+        settings = self.settings
+        streams = comm.streams if comm is not None else NO_STREAMS
+        if pending.work is not None:
+            pending.work.wait()
+        if not streams.active:
+            self._reduce_epilogue(pending.prev, grad_settings, NO_STREAMS, None)
+        else:
+            streams.wait_event(None, pending.rs_event)
+        staging = settings.world_size > 1 and reduce is not master
         if settings.world_size > 1:
             reduce.free_grad_global()
             compute.free_grad_global()
-            if reduce is not master:
+            if staging and not streams.active:
                 _release_storage(reduce.local_grad)
+        if streams.active:
+            def release(pending: PendingReduce = pending) -> None:  # holds prev until then
+                if staging:
+                    _release_storage(reduce.local_grad)
+
+            comm.add_post_reduce(pending.post_event, release)
         for p in self.params:
             if p.requires_grad:
                 if p.sharded.grad is None:  # a fresh alias: the use count sees who holds it
@@ -537,7 +596,33 @@ class DtypeStore:
 
 
 class PendingReduce(NamedTuple):
-    """A store's launched reduce-scatter: its handle (None: no collective) and kept grads."""
+    """A store's launched reduce-scatter: its handle (None: no collective, or issued on
+    the streams) and kept grads; on an accelerator, its events ([Note: fully_shard streams])."""
 
     work: FlatWork | None
     prev: torch.Tensor | None  # 1-D, m elements: the kept local grad to add back; None: none kept
+    rs_event: Any = None  # recorded after the collective (its input's last use)
+    post_event: Any = None  # recorded after the epilogue (the output's last write)
+
+    def done(self, streams: Streams) -> bool:
+        """The collective has completed (asked without waiting; a handle that cannot
+        tell counts as not completed)."""
+        if self.work is not None:
+            return getattr(self.work.work, "is_completed", lambda: False)()
+        return streams.query(self.rs_event)
+
+
+class PendingGather(NamedTuple):
+    """A store's launched all-gather: an async handle, or (on the streams) its event."""
+
+    work: FlatWork | None
+    event: Any  # recorded on the all-gather stream after the collective; None: none
+    out: torch.Tensor  # 1-D, W * m: the gathered buffer
+    version: int  # its version before the collective ([Note: version counter])
+
+    def wait(self, streams: Streams) -> None:
+        """The current stream waits for the gather; the buffer's version is restored."""
+        if self.work is not None:
+            self.work.wait()
+        streams.wait_event(None, self.event)
+        unsafe_set_version_counter((self.out,), (self.version,))
