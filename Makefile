@@ -68,7 +68,7 @@ test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow" tests
 
 lint: $(STAMP) lint-csrc
-	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks
+	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks tools
 
 # The C++ kernel sources (vefsdp_optim/_csrc): warnings are errors, for the native and
 # (on x86-64) the portable, AVX2 and AVX-512 (VBMI) instruction sets, and the operator
@@ -94,13 +94,19 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) -m benchmarks.run --full
 
-# On a machine with a CUDA GPU: the tests with VEFSDP_TEST_DEVICE=cuda, the GPU
-# benchmarks and the GPU section of benchmarks/REPORT.md, in a venv with a CUDA torch
-# (GPU_PYTHON=..., else this python where its torch sees the GPU, else .venv-gpu; on a
-# torch below our range only the math layer's kernels: benchmarks/_math_only.py).
-# Without a CUDA device it says so and exits 0 at once.
+# On a machine with a CUDA GPU, with its own torch (the first python whose torch sees the
+# GPU; GPU_PYTHON=... overrides; nothing is installed): every optimizer on plain
+# parameters, FSDP2 and fully_shard with NCCL bit for bit, a DCP round trip, the sync and
+# stream checks, the GPU kernel tests and the GPU benchmarks, each part in its own
+# process and time limit, in under 8 minutes (tools/gpu_check.py). It writes
+# benchmarks/out/gpu/ and the GPU section of benchmarks/REPORT.md. Without a CUDA device it
+# says so and exits 0 at once. gpu-check-dry: the same parts with gloo on CPU tensors.
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py
+	$(PYTHON) tools/gpu_check.py
+
+.PHONY: gpu-check-dry
+gpu-check-dry: $(STAMP)
+	$(PY) tools/gpu_check.py --cpu-dry-run
 
 clean:
 	rm -rf $(VENV) $(VENV_LO) $(VENV_HI) build dist *.egg-info

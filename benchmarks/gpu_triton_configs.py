@@ -5,7 +5,7 @@ whether each configuration gives the default's bits.
 
     python benchmarks/gpu_triton_configs.py [--out results.json]
 
-Runs on a torch outside the declared range too (benchmarks/_math_only.py). Not part of
+Runs from an uninstalled checkout too (tools/_checkout.py). Not part of
 ``make gpu-check``: a tuning aid, whose numbers docs/performance.md records.
 """
 
@@ -21,12 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _import_math() -> None:
-    """The math layer, through the package where it imports, else alone."""
-    try:
-        import vefsdp_optim  # noqa: F401
-    except ImportError:
-        sys.modules.pop("vefsdp_optim", None)
-        import benchmarks._math_only  # noqa: F401
+    """The package from this checkout, installed or not ([Note: checkout imports])."""
+    import tools._checkout  # noqa: F401
+    import vefsdp_optim  # noqa: F401
 
 
 class _Kernel:

@@ -1,7 +1,11 @@
-"""``make gpu-check`` (benchmarks/gpu_check.py) where there is no CUDA device: it says so
-and exits 0 within seconds; and its GPU section of the report replaces the previous one."""
+"""``make gpu-check`` (tools/gpu_check.py) tested on the CPU: without a CUDA device it
+says so and exits 0 within seconds; its ``--cpu-dry-run`` runs the driver's parts end to
+end with gloo on CPU tensors; the pieces that judge (the comparison, the sync watch, the
+trace analysis, the exit status) fail when they should; its GPU section of the report
+replaces the previous one."""
 
 import importlib.util
+import json
 import os
 import stat
 import subprocess
@@ -9,16 +13,18 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)  # stdlib only at import: no package needed
 
 
-def _run(env):
+def _run(args, env=None, timeout=60):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT,
-                       env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), *args], cwd=ROOT,
+                       env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
     return r, time.monotonic() - t0
 
 
@@ -27,53 +33,182 @@ def test_no_cuda_device_exits_0_within_seconds(tmp_path):
     fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     for env in ({"PATH": f"{tmp_path}:{os.environ.get('PATH', '')}"}, {"CUDA_VISIBLE_DEVICES": ""}):
-        r, wall = _run(env)
+        r, wall = _run([], env)
         assert r.returncode == 0, r.stderr
         assert "no CUDA device" in r.stdout and wall < 20, (r.stdout, wall)
 
 
-def test_gpu_section_replaces_the_previous_one(tmp_path, monkeypatch):
+def test_dry_run_fully_shard_end_to_end(tmp_path):
+    """Every optimizer on our fully_shard at W = 1 (gloo, CPU tensors): the steps, the DCP
+    round trip and the sync watch run, and the report files are written; REPORT.md is
+    left alone."""
+    before = gpu_check.REPORT.read_text()
+    r, _ = _run(["--cpu-dry-run", "--parts", "fully_shard", "--worlds", "1", "--out", str(tmp_path)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    (part,) = res["results"]
+    assert (part["part"], part["world"], part["status"]) == ("fully_shard", 1, "pass")
+    assert [c["optimizer"] for c in part["cases"]] == ["AdamW", "Muon", "AdamW8bit", "Shampoo", "SOAP", "NorMuon"]
+    for c in part["cases"]:
+        assert c["ok"] and c["steps"] == 5 and c["dcp"]["ok"] and c["sync"]["strict"] is not None, c
+    text = (tmp_path / "report.md").read_text()
+    assert "CPU dry run" in text and "| fully_shard W=1 | bit for bit | pass |" in text
+    assert (tmp_path / "gpu_section.md").exists() and gpu_check.REPORT.read_text() == before
+
+
+def _checker():
+    sys.path.insert(0, str(ROOT))
+    from tools import _gpu_correct
+
+    return _gpu_correct
+
+
+def test_a_changed_step_is_found(monkeypatch):
+    """The comparison can fail: one optimizer whose step adds 1e-6 to a parameter."""
+    import torch
+
+    import vefsdp_optim
+
+    checker = _checker()
+    step = vefsdp_optim.AdamW.step
+
+    def bad(self, *a, **k):
+        out = step(self, *a, **k)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].view(-1)[1] += 1e-6
+        return out
+
+    monkeypatch.setattr(vefsdp_optim.AdamW, "step", bad)
+    rec = checker.check_case("plain", "AdamW", "tiny", "cpu", None)
+    assert not rec["ok"] and rec["error"] is None
+    assert (rec["mismatch"]["step"], rec["mismatch"]["param"], rec["mismatch"]["n_diff"]) == (0, 0, 1)
+
+
+def test_a_sync_in_a_step_is_found(monkeypatch):
+    """The sync watch reports the line, and the strict step its error."""
+    import vefsdp_optim
+
+    checker = _checker()
+    step = vefsdp_optim.Muon.step
+
+    def syncing(self, *a, **k):
+        self.param_groups[0]["params"][0].sum().item()  # a host sync on a GPU
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(vefsdp_optim.Muon, "step", syncing)
+    rec = checker.check_case("plain", "Muon", "tiny", "cpu", None)
+    assert rec["ok"] and not rec["sync_ok"], rec
+    (loc,) = [k for k in rec["sync"]["events"] if "test_gpu_check.py" in k]
+    assert rec["sync"]["events"][loc] == 4  # the steps after the first
+    assert "_local_scalar_dense" in rec["sync"]["strict"] and "test_gpu_check.py" in rec["sync"]["strict"]
+
+
+def test_a_part_that_runs_out_of_time_is_reported(tmp_path):
+    r = gpu_check.run_part(sys.executable, "plain", 1, "cpu", tmp_path, timeout=1.0)
+    assert r["status"] == "timeout" and "timed out after 1 s" in r["why"], r
+    assert gpu_check.exit_status([r], dry=True) == 1
+
+
+def _trace(*gpu, ops=()):
+    """A chrome trace: CPU ops (name, external id) and GPU events (cat, name, stream, ts,
+    dur, external id)."""
+    ev = [{"ph": "X", "cat": "cpu_op", "name": n, "ts": 0, "dur": 1, "args": {"External id": i}} for n, i in ops]
+    ev += [{"ph": "X", "cat": c, "name": n, "ts": ts, "dur": d, "args": {"stream": s, "External id": i}}
+           for c, n, s, ts, d, i in gpu]
+    return {"traceEvents": ev}
+
+
+def test_trace_analysis_judges_streams():
+    sys.path.insert(0, str(ROOT))
+    from tools._gpu_profile import analyze_trace, collective_kind
+
+    assert collective_kind("ncclDevKernel_AllGather_RING_LL(x)", "") == "all_gather"
+    assert collective_kind("Memcpy DtoD", "nccl:_reduce_scatter_base") == "reduce_scatter"
+    assert collective_kind("void at::native::copy", "fsdp::all_gather_copy_in") is None  # FSDP2's copy-in
+    ops = [("nccl:_all_gather_base", 1), ("aten::mm", 2), ("nccl:_reduce_scatter_base", 3), ("aten::_sleep", 4)]
+    base = [("kernel", "at::cuda::spin_kernel(long)", 7, 0, 5, 4), ("kernel", "gemm", 7, 10, 20, 2)]
+    off = analyze_trace(_trace(*base, ("kernel", "ncclDevKernel_AllGather", 20, 25, 10, 1),
+                               ("kernel", "ncclDevKernel_ReduceScatter", 20, 40, 10, 3), ops=ops))
+    assert off["ok"] is True and off["default_stream"] == 7 and off["default_stream_from"] == "marker kernel"
+    assert off["all_gather"]["overlap_share"] == 0.5 and off["reduce_scatter"]["overlap_share"] == 0.0
+    on = analyze_trace(_trace(*base, ("kernel", "ncclDevKernel_AllGather", 7, 30, 10, 1),
+                              ("kernel", "ncclDevKernel_ReduceScatter", 20, 40, 10, 3), ops=ops))
+    assert on["ok"] is False and "1 of 1 all-gathers" in on["why"]
+    none = analyze_trace(_trace(*base, ops=ops))
+    assert none["ok"] is None and "no all-gathers or reduce-scatters" in none["why"]
+    assert analyze_trace(_trace(ops=[("gloo:all_gather", 5)]))["cpu_comm_ops"] == {"gloo:all_gather": 1}
+
+
+def test_plan_and_exit_status():
+    assert gpu_check.plan(1, False, None, None) == [
+        ("plain", 1), ("fully_shard", 1), ("fsdp2", 1), ("profiler", 1), ("kernels", 1),
+        ("bench_adam8bit", 1), ("bench_muon", 1), ("bench_fully_shard", 1)]
+    steps = gpu_check.plan(8, False, None, None)
+    assert [w for p, w in steps if p == "fsdp2"] == [1, 2, 3, 8] and ("profiler", 2) in steps
+    assert ("bench_fully_shard", 8) in steps
+    dry = gpu_check.plan(0, True, None, None)
+    assert [w for p, w in dry if p == "fully_shard"] == [1, 2] and ("kernels", 1) not in dry
+    with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
+        gpu_check.plan(1, False, ["bogus"], None)
+    case = dict(optimizer="SOAP", kind="fsdp2", world=1, sync=dict(events={}, strict="ok"))
+    ok = dict(part="fsdp2", kind="correctness", status="pass", cases=[case])
+    bench = dict(part="bench_muon", kind="bench", status="fail")
+    check = dict(part="profiler", kind="check", status="fail")
+    assert gpu_check.exit_status([ok, bench, check], dry=False) == 0
+    assert gpu_check.exit_status([{**ok, "status": "not run"}], dry=False) == 1
+    synced = {**ok, "cases": [{**case, "sync": dict(events={"x.py:3": 2}, strict="ok")}]}
+    assert gpu_check.exit_status([synced], dry=False) == 1 and gpu_check.exit_status([synced], dry=True) == 0
+
+
+def test_gpu_section_replaces_the_previous_one(tmp_path):
     report = tmp_path / "REPORT.md"
     report.write_text("# Benchmarks\n\nCPU tables\n")
-    monkeypatch.setattr(gpu_check, "REPORT", report)
-    info = dict(device="NVIDIA H100 80GB HBM3", count=1, torch="2.13.0", cuda="12.8",
-                triton="3.9.0", date="today")
-    tests = dict(wall_s=1.0, counts={"passed": 3, "skipped": 1}, failures=[],
-                 skipped=["tests/x.py:1: needs 2 GPUs"], log="benchmarks/out/gpu/tests.log")
-    large = dict(numel=101e6, steps=2, warmup=1, backend="triton", notes=["torchao not run"],
-                 rows=[dict(optimizer="vefsdp_optim.AdamW8bit", step_ms=1.0)],
-                 ratios={"vefsdp_optim.AdamW8bit / torch.optim.AdamW (fused)": 0.9})
-    suite = [dict(bench="bench_muon_dion", skipped="VEFSDP_DION_SRC is not set"),
-             dict(bench="bench_memory", ok=False, error="boom")]
+    info = dict(device="NVIDIA H100 80GB HBM3", count=1, torch="2.11.0+cu130", cuda="13.0", python="/usr/bin/python3",
+                python_version="3.12.3", deps=dict(einops="0.8", scipy="1.16", pytest="8", hypothesis=None,
+                                                   triton="3.6.0"),
+                date="today", commit="abc1234", wall_s=300.0, budget_s=450.0, exit=1, **{"import": "ok"})
+    case = dict(optimizer="AdamW8bit", kind="fully_shard", world=1, ok=False, error=None, steps=5,
+                mismatch=dict(step=2, param=1, n_diff=3, numel=9360, max_abs=1.2e-7),
+                grads=dict(equal=True, exact_expected=True, max_abs=0.0),
+                dcp=dict(ok=True, loaded_equal=True, resumed_equal=True, error=None),
+                sync=dict(events={"vefsdp_optim/_x.py:12": 4}, strict="ok"))
+    results = [dict(part="fully_shard", world=1, kind="correctness", status="fail", wall_s=20.0, cases=[case]),
+               dict(part="bench_adam8bit", world=1, kind="bench", status="pass", wall_s=9.0,
+                    rows=[dict(optimizer="vefsdp_optim.AdamW8bit", step_ms=1.0)],
+                    ratios={"vefsdp_optim.AdamW8bit / torch.optim.AdamW (fused)": 0.9}, notes=["torchao not run"]),
+               dict(part="bench_muon", world=1, kind="bench", status="not run", why="the 450 s budget was spent")]
     for _ in range(2):
-        gpu_check.write_report(gpu_check.render(info, tests, large, suite))
+        gpu_check.write_section(gpu_check.render(info, results, dry=False, full=False), report)
     text = report.read_text()
     assert text.startswith("# Benchmarks\n\nCPU tables\n")
     assert text.count(gpu_check.BEGIN) == 1 and text.count(gpu_check.END) == 1
-    assert "**NVIDIA H100 80GB HBM3**" in text and "0.900" in text and "needs 2 GPUs" in text
+    assert "**NVIDIA H100 80GB HBM3** x 1, torch 2.11.0+cu130 (CUDA 13.0), triton 3.6.0" in text
+    assert "Missing dependencies: hypothesis." in text and "**0.900**" in text
+    assert "differs from step 2 (p1: 3 of 9360, max 1.2e-07)" in text
+    assert "vefsdp_optim/_x.py:12 (x4)" in text and "NOT RUN" in text and "budget was spent" in text
 
 
-def test_math_only_mode_imports_the_math_layer_without_the_package(tmp_path):
-    """On a torch where the FSDP layer cannot import, benchmarks/_math_only.py still gives
-    the math layer (the 8-bit kernels), and nothing beyond it loads."""
-    code = ("import sys; import benchmarks._math_only; "
-            "from vefsdp_optim._math import adam8bit_block_step_; "
-            "import vefsdp_optim; assert not hasattr(vefsdp_optim, 'AdamW8bit'); "
-            "assert 'vefsdp_optim._fsdp' not in sys.modules, sorted(sys.modules); print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+def test_checkout_imports_without_an_install():
+    """[Note: checkout imports]: with the installed package's finder removed, the
+    checkout's vefsdp_optim.comm and .sharding still import, from the checkout."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            "import tools._checkout, vefsdp_optim.comm as c, vefsdp_optim.sharding as s; print(c.__file__, s.__file__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(ROOT / "comm" / "__init__.py"), str(ROOT / "sharding" / "__init__.py")]
 
 
-def test_math_only_note_and_test_arguments_in_the_section(tmp_path, monkeypatch):
-    report = tmp_path / "REPORT.md"
-    monkeypatch.setattr(gpu_check, "REPORT", report)
-    info = dict(device="NVIDIA H200", count=1, torch="2.11.0+cu130", cuda="13.0", triton="3.6.0",
-                date="today", torch_note="**Math-only mode**: vefsdp_optim does not import")
-    tests = dict(wall_s=1.0, counts={"passed": 8}, failures=[], skipped=[],
-                 log="benchmarks/out/gpu/tests.log", args=[*gpu_check.MATH_ONLY_TESTS])
-    gpu_check.write_report(gpu_check.render(info, tests, None, []))
-    text = report.read_text()
-    assert "**Math-only mode**" in text
-    assert "-p benchmarks._math_only tests/test_adam8bit_triton.py -k 'triton_equals" in text
-    assert gpu_check._declared_range() == ">=2.11,<2.16"
+@pytest.mark.slow
+def test_dry_run_every_part_at_w1_and_w2(tmp_path):
+    """The whole dry run (plain, FSDP2 and fully_shard at W = 1 and 2, the profiler at
+    W = 2, the benchmarks at tiny sizes)."""
+    r, _ = _run(["--cpu-dry-run", "--out", str(tmp_path)], timeout=1800)
+    res = json.loads((tmp_path / "results.json").read_text())
+    got = {(x["part"], x["world"]): x["status"] for x in res["results"]}
+    assert got == {("plain", 1): "pass", ("fully_shard", 1): "pass", ("fsdp2", 1): "pass",
+                   ("fully_shard", 2): "pass", ("fsdp2", 2): "pass", ("profiler", 2): "skip",
+                   ("bench_adam8bit", 1): "pass", ("bench_muon", 1): "pass", ("bench_fully_shard", 1): "pass"}, got
+    assert r.returncode == 0, r.stdout[-3000:]
+    prof = next(x for x in res["results"] if x["part"] == "profiler")
+    assert prof["fsdp2"]["cpu_comm_ops"] and "no GPU activity" in prof["ours"]["why"]
