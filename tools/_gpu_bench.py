@@ -32,7 +32,7 @@ __all__ = ["adam8bit_part", "batches", "build_system", "fully_shard_part", "gpt"
 
 # the benchmark GPT (vefsdp_optim.toy's TinyGPT, as benchmarks/bench_fully_shard.py uses it)
 GPT: dict[str, dict[str, int]] = {
-    "gpu": dict(vocab=8192, seq=512, d=1024, layers=8, heads=16, batch=8),  # 117 M parameters
+    "gpu": dict(vocab=8192, seq=512, d=1024, layers=8, heads=16, batch=8),  # 118 M parameters
     "tiny": dict(vocab=64, seq=16, d=32, layers=2, heads=2, batch=2),
 }
 ADAM8_SHAPES = {"gpu": [(4096, 3072)] * 8 + [(4096,)] * 8, "tiny": [(64, 48)] * 2 + [(64,)] * 2}
@@ -140,11 +140,19 @@ def _optimizer_rows(device: str, size: str, makers: dict[str, Callable[[], tuple
     return rows, times
 
 
-def _ratios(times: dict[str, list[float]], ours: str) -> dict[str, float]:
-    if ours not in times:
-        return {}
-    m = statistics.median(times[ours])
-    return {f"{ours} / {k}": m / statistics.median(v) for k, v in times.items() if k != ours}
+def _ratios(times: dict[str, list[float]], pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """Median step time of ``a`` over that of ``b`` for each pair that ran; a peer's
+    name matches by its prefix (its version follows)."""
+    out = {}
+    for a, b in pairs:
+        for name in times:
+            if a in times and name.startswith(b) and name != a:
+                out[f"{a} / {name}"] = statistics.median(times[a]) / statistics.median(times[name])
+    return out
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f} M" if n >= 100_000 else f"{n:,}"
 
 
 # -- AdamW8bit against torch's fused AdamW ------------------------------------------------------
@@ -189,9 +197,11 @@ def _adam8bit(size: str, device: str) -> dict[str, Any]:
     rows, times = _optimizer_rows(device, size, makers, notes)
     numel = sum(torch.Size(s).numel() for s in shapes)
     warmup, steps = STEPS[size]
-    notes.insert(0, f"{numel / 1e6:.1f} M parameters ({len(shapes)} tensors), {steps} timed steps after "
+    notes.insert(0, f"{_count(numel)} parameters ({len(shapes)} tensors), {steps} timed steps after "
                     f"{warmup} warm-up; our backend: {select_backend(torch.device(device).type, 256)}")
-    return dict(rows=rows, ratios=_ratios(times, "vefsdp_optim.AdamW8bit"), notes=notes)
+    ours = "vefsdp_optim.AdamW8bit"
+    pairs = [(ours, p) for p in ("torch.optim.AdamW (fused)", "bitsandbytes", "torchao", f"{ours} (eager)")]
+    return dict(rows=rows, ratios=_ratios(times, pairs), notes=notes)
 
 
 def adam8bit_part(part: str, world: int, device: str, size: str, part_dir: Path) -> dict[str, Any]:
@@ -263,11 +273,13 @@ def _muon(size: str, device: str) -> dict[str, Any]:
     warmup, steps = STEPS[size]
     n = sum(a * b for a, b in shapes)
     notes.insert(0, f"the {len(shapes)} hidden matrices of the benchmark GPT (d = {GPT[size]['d']}, "
-                    f"{GPT[size]['layers']} blocks): {n / 1e6:.1f} M fp32 parameters; lr 0.02, weight decay "
+                    f"{GPT[size]['layers']} blocks): {_count(n)} fp32 parameters; lr 0.02, weight decay "
                     f"0.1, the defaults otherwise; {steps} timed steps after {warmup} warm-up; world size "
                     f"{dist.get_world_size()}; on fully_shard and FSDP2 the memory column counts the "
                     "sharded parameters and gradients too")
-    return dict(rows=rows, ratios=_ratios(times, "vefsdp_optim.Muon"), notes=notes)
+    pairs = [("vefsdp_optim.Muon", "torch.optim.Muon"), ("vefsdp_optim.Muon on fully_shard", "torch.optim.Muon"),
+             ("vefsdp_optim.Muon on fully_shard", "dion.Muon")]
+    return dict(rows=rows, ratios=_ratios(times, pairs), notes=notes)
 
 
 def muon_part(part: str, world: int, device: str, size: str, part_dir: Path) -> dict[str, Any]:
@@ -327,7 +339,7 @@ def _fully_shard(size: str, device: str, rounds: int) -> dict[str, Any]:
                 ratios[f"{k.removesuffix('_MiB')} ours / FSDP2"] = mem["ours"][k] / mem["fsdp2"][k]
     c = GPT[size]
     n = sum(p.numel() for p in base.parameters())
-    notes = [f"benchmark GPT: {n / 1e6:.1f} M fp32 parameters (d = {c['d']}, {c['layers']} blocks, "
+    notes = [f"benchmark GPT: {_count(n)} fp32 parameters (d = {c['d']}, {c['layers']} blocks, "
              f"{c['heads']} heads, vocab {c['vocab']}, sequence {c['seq']}, batch {c['batch']}), each block "
              f"then the root sharded, world size {dist.get_world_size()}; a step is forward, backward, the "
              f"optimizer's step and zero_grad; {steps} timed steps after {warmup} warm-up in each of {rounds} "

@@ -10,10 +10,13 @@ ranks, one GPU each; ``cpu`` is the dry run: gloo ranks on CPU tensors.
 [Note: part results survive the part]
 Each rank appends one JSON line per finished case to ``DIR/rank<r>.jsonl`` as it goes
 (and a ``{"start": case}`` line before it), and the part writes ``DIR/result.json`` at
-the end. A part that hangs (a rank stuck in a collective after another raised) or
-crashes is killed by the driver at its time budget; the driver then reads the lines
-and reports the finished cases and the one that was running, so one bad case costs
-the cases after it in its part, never the other parts' results.
+the end. A part that hangs (a rank stuck in a collective after another raised: NCCL
+waits without end) or crashes (a CUDA error, an abort in a backend) is killed by the
+driver at its time limit, with every rank it spawned (they share its process group of
+the operating system); the driver then reads the lines, reports the finished cases and
+the one that was running, and goes on with the next part. So one bad case costs at most
+the cases after it in its own part, never another part's results, and a rank writes
+nothing the driver must wait for: a line is complete when it is read.
 """
 
 from __future__ import annotations
