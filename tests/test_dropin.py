@@ -239,10 +239,10 @@ def test_adamw8bit_non_finite_gradient_element_stays_one_element(bad):
 def test_shampoo_non_finite_gradient_element_stays_one_element():
     make = lambda ps: vefsdp_optim.Shampoo(ps, lr=1e-2, precondition_frequency=1,  # noqa: E731
                                            start_preconditioning_step=1, max_preconditioner_dim=4)
-    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
-        got, opt = _nan_run(make, float("nan"), shape=(8, 6), where=(2, 3), steps=4)
+    got, opt = _nan_run(make, float("nan"), shape=(8, 6), where=(2, 3), steps=4)
     assert int((~torch.isfinite(got)).sum()) == 1 and not torch.isfinite(got[2, 3])
     st = opt.state[opt.param_groups[0]["params"][0]]
+    assert int(st["skipped_tiles"]) == 1  # counted on the device (no warning: it would need a host read)
     tiles = [k for k in st if k.startswith(vefsdp_optim.Shampoo.extra_state_prefixes)]
     assert len(tiles) == 4 * 4  # 2 x 2 tiles of 4 x 4 (flat keys "{stat}.{band}.{col}")
     for k in tiles:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,8 +18,6 @@ from ._registry import register_optimizer
 from ._state_format import ELEMENTWISE, LOCAL, REPLICATED
 
 __all__ = ["Shampoo"]
-
-logger = logging.getLogger(__name__)
 
 _GRAFTINGS = ("adam", "sgd", "none")
 _TILE_STATS = ("L", "R", "L_inv_root", "R_inv_root")
@@ -47,8 +43,9 @@ def _tile_key(stat: str, band: int, col: int) -> str:
 # parameter's state from the keys of the LIVE state: torch's
 # set_optimizer_state_dict(flatten_optimizer_state_dict=True) (torchtitan) looks up
 # "state.{fqn}.{key}" for each key of optim.state[param], so a saved key the live state
-# lacks would be dropped. The LOCAL bookkeeping ("start", "root_failures") is never
-# saved; such a flow hands it back as an empty dict, which load ignores.
+# lacks would be dropped. The LOCAL bookkeeping ("start", "root_failures",
+# "skipped_tiles") is never saved; such a flow hands it back as an empty dict, which
+# load ignores.
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -92,7 +89,10 @@ class Shampoo(BlockOptimizer):
 
     A root whose eigendecomposition fails or is not finite (e.g. from a non-finite
     statistic) is not used: the tile keeps its previous root (the identity before the
-    first success), and a warning is given once per parameter.
+    first success); a tile whose gradient is not finite keeps its statistics for that
+    step. Both are decided on the device, with no host sync in the step, so no warning
+    is given: ``state["root_failures"]`` and ``state["skipped_tiles"]`` (0-dim int64
+    tensors on the parameter's device, not saved) count them; reading one is a host sync.
     """
 
     def __init__(
@@ -152,7 +152,7 @@ class Shampoo(BlockOptimizer):
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
         # tiles "{stat}.{band}.{col}": saved by the extra-state hooks, keyed by global index
         spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "start": LOCAL,
-                                      "root_failures": LOCAL}
+                                      "root_failures": LOCAL, "skipped_tiles": LOCAL}
         if group["grafting"] == "adam":
             spec["exp_avg_sq"] = ELEMENTWISE
         return spec
@@ -203,7 +203,9 @@ class Shampoo(BlockOptimizer):
                 state[_tile_key("R", band, col)] = torch.zeros(c, c, dtype=dtype, device=p.device)
                 state[_tile_key("L_inv_root", band, col)] = torch.eye(r, dtype=dtype, device=p.device)
                 state[_tile_key("R_inv_root", band, col)] = torch.eye(c, dtype=dtype, device=p.device)
-            state["root_failures"] = 0
+            # diagnostics counted on the device (reading one is a host sync)
+            state["root_failures"] = torch.zeros((), dtype=torch.int64, device=p.device)
+            state["skipped_tiles"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
 
     @staticmethod
@@ -222,7 +224,7 @@ class Shampoo(BlockOptimizer):
                 f"Shampoo state holds the slice at {state['start']} of "
                 f"{state['exp_avg'].numel()} elems, the step gives {ctx.start} of {ctx.length}")
         state["step"] += 1
-        t = int(state["step"].item())
+        t = int(state["step"].item())  # a host tensor, as torch.optim keeps it: no device sync
         m, v = state["exp_avg"], state.get("exp_avg_sq")  # 1-D, ctx.length elems
         cols = _matrix_cols(ctx.shape)  # None: no tiles (0-D / 1-D)
         tiles: list[ShampooTile] = []
@@ -238,20 +240,8 @@ class Shampoo(BlockOptimizer):
             grafting_epsilon=group["grafting_epsilon"],
             start_preconditioning_step=group["start_preconditioning_step"],
             precondition_frequency=group["precondition_frequency"])
-        if skipped:
-            msg = (f"Shampoo: a non-finite gradient in {skipped} tile(s) of a parameter of shape "
-                   f"{tuple(ctx.shape)} at step {t}; those tiles' statistics skip this step and "
-                   "stay finite (the affected elements themselves become non-finite, as with "
-                   "torch's AdamW)")
-            logger.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        if failed:
-            if state["root_failures"] == 0:
-                msg = (f"Shampoo: {failed} inverse root(s) of a parameter of shape "
-                       f"{tuple(ctx.shape)} failed or were not finite at step {t}; keeping "
-                       "the previous roots (reported once per parameter)")
-                logger.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        if tiles:  # on the device: no warning, which would need a host read
+            state["skipped_tiles"] += skipped
             state["root_failures"] += failed
 
 

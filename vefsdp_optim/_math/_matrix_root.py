@@ -10,7 +10,7 @@ __all__ = ["matrix_inverse_root", "shampoo_tiles"]
 
 def matrix_inverse_root(
     a: Tensor, root: int, epsilon: float, *, dtype: torch.dtype = torch.float64
-) -> tuple[Tensor, bool]:
+) -> tuple[Tensor, Tensor]:
     """``(A + epsilon I)^(-1/root)`` of a symmetric PSD matrix, by eigendecomposition.
 
     Computes ``A = Q diag(lam) Q^T`` with ``torch.linalg.eigh`` in ``dtype`` (only the
@@ -18,10 +18,12 @@ def matrix_inverse_root(
     Negative eigenvalues (rounding noise of a PSD matrix) are clamped to 0 first.
 
     Returns:
-        ``(root_matrix, ok)``: ``root_matrix`` has ``a``'s shape and dtype. ``ok`` is
-        False when ``a`` or the result is not finite or the decomposition fails (no
-        exception is raised for those); ``root_matrix`` is then the identity and the
-        caller should keep its previous root.
+        ``(root_matrix, ok)``: ``root_matrix`` has ``a``'s shape and dtype; ``ok`` is a
+        0-dim bool tensor on ``a``'s device, False when ``a`` or the result is not finite
+        or the decomposition raised; ``root_matrix`` is then the identity and the caller
+        should keep its previous root (``torch.where(ok, root_matrix, previous)``). No
+        exception is raised for those, and nothing is read back to the host
+        ([Note: device-side root checks]).
     """
     if not isinstance(a, Tensor):
         raise TypeError(f"a must be a torch.Tensor, got {type(a).__name__}")
@@ -33,19 +35,27 @@ def matrix_inverse_root(
         raise ValueError(f"root must be a positive int, got {root!r}")
     if not epsilon >= 0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    failed = (torch.eye(a.shape[0], dtype=a.dtype, device=a.device), False)
+    # [Note: device-side root checks]
+    # A step must not read a device value back to the host (a CUDA stream sync each
+    # time), so the finiteness checks are 0-dim flags on the device, used by selects:
+    # a non-finite input is swapped for the identity BEFORE eigh (whose result is then
+    # thrown away), so the decomposition never sees a NaN, and the result is the
+    # identity wherever ``ok`` is False. On a finite input both selects pick the
+    # computed values, so the bits are those of the unchecked computation. What is
+    # left is torch's own check inside eigh (a failed decomposition raises, and on
+    # CUDA eigh reads its error code back to the host: a sync no torch release in
+    # the supported range lets a caller avoid); a raise is still caught, as a failure.
+    eye = torch.eye(a.shape[0], dtype=dtype, device=a.device)
     a_work = a.to(dtype)
-    if not bool(torch.isfinite(a_work).all()):
-        return failed
+    finite = torch.isfinite(a_work).all()  # 0-dim bool
     try:
-        eigvals, eigvecs = torch.linalg.eigh(a_work)  # (n,), (n, n)
+        eigvals, eigvecs = torch.linalg.eigh(torch.where(finite, a_work, eye))  # (n,), (n, n)
     except (torch.linalg.LinAlgError, RuntimeError):
-        return failed
+        return eye.to(a.dtype), torch.zeros((), dtype=torch.bool, device=a.device)
     scale = (eigvals.clamp(min=0) + epsilon) ** (-1.0 / root)  # (n,)
     result = (eigvecs * scale) @ eigvecs.T  # (n, n)
-    if not bool(torch.isfinite(result).all()):
-        return failed
-    return result.to(a.dtype), True
+    ok = finite & torch.isfinite(result).all()
+    return torch.where(ok, result, eye).to(a.dtype), ok
 
 
 def shampoo_tiles(rows: int, cols: int, max_dim: int) -> list[tuple[slice, slice]]:

@@ -38,37 +38,37 @@ class ShampooTile(NamedTuple):
 
 def shampoo_update_statistics_(
     grad: Tensor, tiles: Sequence[ShampooTile], *, step: int, beta2: float, epsilon: float,
-    start_preconditioning_step: int, precondition_frequency: int, finite: bool = True,
-) -> tuple[int, int]:
+    start_preconditioning_step: int, precondition_frequency: int,
+) -> tuple[Tensor, Tensor]:
     """Each tile's ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2)
     G^T G`` from the tile ``G`` of the (rows, cols) ``grad``, in place; at ``step =
     start_preconditioning_step + k * precondition_frequency`` the inverse roots are
     recomputed (:func:`matrix_inverse_root` of the bias-corrected statistic, written
-    into ``L_inv_root`` / ``R_inv_root``). A tile whose gradient is not finite skips
-    its update (one NaN would poison its statistics for good); a root that fails keeps
-    the previous one. ``finite``: False when ``grad`` may hold non-finite values.
+    into ``L_inv_root`` / ``R_inv_root``). A tile whose gradient is not finite keeps its
+    statistics (one NaN would poison them for good); a root that fails keeps the
+    previous one. Both are selects on the device ([Note: device-side root checks] in
+    _matrix_root.py): nothing is read back to the host.
 
-    Returns ``(skipped tiles, failed roots)``.
+    Returns ``(skipped tiles, failed roots)``: 0-dim int64 tensors on ``grad``'s device.
     """
     recompute = step >= start_preconditioning_step and (step - start_preconditioning_step) % precondition_frequency == 0
-    failed = skipped = 0
+    skipped = torch.zeros((), dtype=torch.int64, device=grad.device)
+    failed = torch.zeros((), dtype=torch.int64, device=grad.device)
     for tile in tiles:
         stat_l, stat_r = tile.L, tile.R
         gt = grad[tile.rows, tile.cols].to(stat_l.dtype)  # (r, c)
-        if finite or bool(torch.isfinite(gt).all()):
-            stat_l.mul_(beta2).addmm_(gt, gt.T, alpha=1 - beta2)
-            stat_r.mul_(beta2).addmm_(gt.T, gt, alpha=1 - beta2)
-        else:
-            skipped += 1
+        ok = torch.isfinite(gt).all()  # 0-dim bool
+        # the update's own ops on a new tensor, then the select: the bits of the in-place update
+        torch.where(ok, stat_l.mul(beta2).addmm_(gt, gt.T, alpha=1 - beta2), stat_l, out=stat_l)
+        torch.where(ok, stat_r.mul(beta2).addmm_(gt.T, gt, alpha=1 - beta2), stat_r, out=stat_r)
+        skipped += ~ok
         if not recompute:
             continue
         bc2 = 1 - beta2**step
         for stat, inv_root in ((stat_l, tile.L_inv_root), (stat_r, tile.R_inv_root)):
             root, ok = matrix_inverse_root(stat / bc2, SHAMPOO_ROOT, epsilon)
-            if ok:
-                inv_root.copy_(root)
-            else:
-                failed += 1
+            torch.where(ok, root, inv_root, out=inv_root)
+            failed += ~ok
     return skipped, failed
 
 
@@ -88,7 +88,7 @@ def shampoo_step_(
     grafting_epsilon: float,
     start_preconditioning_step: int,
     precondition_frequency: int,
-) -> tuple[int, int]:
+) -> tuple[Tensor, Tensor]:
     r"""One step of block-diagonal Shampoo with grafting, in place.
 
     With ``(beta1, beta2) = betas`` and ``t = step`` (the count after this update, 1 on
@@ -107,7 +107,8 @@ def shampoo_step_(
             p <- p - lr P
 
     Elements whose moments are not finite count as 0 in the tile products and norms and
-    get a NaN update, as torch's AdamW makes them ([Note: non-finite elements]).
+    get a NaN update, as torch's AdamW makes them ([Note: non-finite elements]). No value
+    is read back to the host.
 
     Args:
         param, grad, exp_avg, exp_avg_sq: one shape, on one device: the (rows, cols)
@@ -118,7 +119,8 @@ def shampoo_step_(
             statistics, updated in place), e.g. from :func:`shampoo_tiles`.
         grafting: ``"adam"``, ``"sgd"`` or ``"none"``.
 
-    Returns ``(tiles whose statistics skipped the step, roots that failed)``.
+    Returns ``(tiles whose statistics skipped the step, roots that failed)``: 0-dim int64
+    tensors on the parameter's device (zeros without tiles).
     """
     beta1, beta2 = betas
     t = step
@@ -131,12 +133,14 @@ def shampoo_step_(
         denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(grafting_epsilon)  # type: ignore[union-attr]
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
-    report = (0, 0)
     if tiles:
         report = shampoo_update_statistics_(
             grad, tiles, step=t, beta2=beta2, epsilon=epsilon,
             start_preconditioning_step=start_preconditioning_step,
-            precondition_frequency=precondition_frequency, finite=bool(torch.isfinite(grad).all()))
+            precondition_frequency=precondition_frequency)
+    else:
+        zero = torch.zeros((), dtype=torch.int64, device=param.device)
+        report = (zero, zero)
     if not tiles or t < start_preconditioning_step:
         # the grafted method alone (torch AdamW's op order for grafting="adam")
         if denom is not None:
@@ -150,11 +154,12 @@ def shampoo_step_(
     # [Note: non-finite elements] elements whose moments are not finite (a NaN or inf
     # gradient reached them) must not spread through the tile products: they count as 0
     # in the preconditioned direction and its grafting norm, and get a NaN update, so
-    # exactly they become NaN, as torch's AdamW makes them
-    bad = None
-    if not (bool(torch.isfinite(m_hat).all()) and bool(torch.isfinite(graft).all())):
-        bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
-        m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
+    # exactly they become NaN, as torch's AdamW makes them. The mask is applied at every
+    # step, with no host check of whether any element is bad ([Note: device-side root
+    # checks] in _matrix_root.py): on finite moments the fills change nothing, so the
+    # bits are those of the unmasked products
+    bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
+    m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
     update = torch.empty_like(m_hat)  # (rows, cols)
     for tile in tiles:
         rs, cs, l_root, r_root = tile.rows, tile.cols, tile.L_inv_root, tile.R_inv_root
@@ -165,7 +170,6 @@ def shampoo_step_(
             norm = torch.linalg.vector_norm(direction)
             direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
         update[rs, cs] = direction
-    if bad is not None:
-        update.masked_fill_(bad, float("nan"))
+    update.masked_fill_(bad, float("nan"))
     param.add_(update, alpha=-lr)
     return report
