@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -117,6 +118,24 @@ def test_eigenbasis_and_power_iteration() -> None:
     for _ in range(60):
         new, _ = soap_power_iteration(f, new, v, 1)
     torch.testing.assert_close((new.T @ q).abs(), torch.eye(6, dtype=torch.float64), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_eigenbasis_of_a_non_finite_factor_is_the_identity(bad: float) -> None:
+    """Selected on the device (no host sync), with no warning; the reference raises."""
+    f = torch.randn(5, 5, generator=torch.Generator().manual_seed(2))
+    f = f @ f.T
+    f[1, 3] = f[3, 1] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = soap_eigenbasis(f)
+    assert torch.equal(q, torch.eye(5))
+    p = nn.Parameter(torch.randn(5, 4))
+    opt = SOAP([p], precondition_frequency=1)
+    p.grad = torch.randn(5, 4)
+    p.grad[2, 1] = bad
+    opt.step()  # the first step: factors and their bases
+    assert torch.equal(opt.state[p]["Q.0"], torch.eye(5)) and torch.equal(opt.state[p]["Q.1"], torch.eye(4))
 
 
 # -- an independent float64 SOAP ------------------------------------------------------------

@@ -220,24 +220,29 @@ def soap_eigenbasis(factor: Tensor) -> Tensor:
     """Eigenvectors of a symmetric factor, by decreasing eigenvalue (columns).
 
     ``eigh`` of ``factor + 1e-30 I`` in float32 (float64 for a float64 factor), retried in
-    float64 if it fails; the result in the factor's dtype. Where that fails too (a
-    non-finite factor, from a non-finite gradient), the identity, with a warning: the
-    reference raises there, which under sharding is one owner rank alone and would leave
-    the others waiting in the step's exchange; the parameter becomes non-finite either way.
+    float64 if it raises; the result in the factor's dtype. A non-finite factor (from a
+    non-finite gradient) gets the identity, selected on the device with no host sync
+    (the decomposition runs on the identity in its place: [Note: device-side root
+    checks] in _matrix_root.py), and so does a finite one whose float64 retry raises too
+    (with a warning, a host-side exception being at hand). The reference raises for a
+    non-finite factor, which under sharding is one owner rank alone and would leave the
+    others waiting in the step's exchange; the parameter becomes non-finite either way.
     """
     work = factor if factor.dtype in (torch.float32, torch.float64) else factor.float()
     eye = torch.eye(work.shape[0], dtype=work.dtype, device=work.device)
+    finite = torch.isfinite(work).all()  # 0-dim bool
+    work = torch.where(finite, work, eye)  # the factor's bits where finite
     try:
         _, q = torch.linalg.eigh(work + 1e-30 * eye)
     except (torch.linalg.LinAlgError, RuntimeError):
         try:
             _, q = torch.linalg.eigh(work.double() + 1e-30 * eye.double())
         except (torch.linalg.LinAlgError, RuntimeError) as e:
-            warnings.warn(f"SOAP: no eigenbasis for a factor of shape {tuple(factor.shape)} ({e}); a "
-                          "non-finite gradient? The identity is used", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"SOAP: no eigenbasis for a factor of shape {tuple(factor.shape)} ({e}); "
+                          "the identity is used", RuntimeWarning, stacklevel=2)
             return eye.to(factor.dtype)
         q = q.to(work.dtype)
-    return torch.flip(q, [1]).to(factor.dtype)
+    return torch.where(finite, torch.flip(q, [1]), eye).to(factor.dtype)
 
 
 def soap_power_iteration(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
