@@ -18,6 +18,7 @@ from vefsdp_optim._math import (
     muon_adjust_lr,
     zeropower_via_newtonschulz,
 )
+from vefsdp_optim._math._bf16_matmul import fast_addmm_available, fast_mm_nt_available
 from vefsdp_optim._math._muon import (
     Int8Momentum,
     _add_,  # noqa: F401 - re-exported for tests
@@ -260,6 +261,10 @@ class Muon(BlockOptimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        if any(p.device.type == "cpu" and self._is_muon(p.shape, group) for p in group["params"]):
+            # the CPU kernels' one-time probes ([Note: fast bfloat16 addmm]) here, not in a step
+            fast_addmm_available()
+            fast_mm_nt_available()
 
     @staticmethod
     def _is_muon(shape: torch.Size, group: dict[str, Any]) -> bool:
@@ -415,7 +420,7 @@ class Muon(BlockOptimizer):
         codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
         code = codes.get(grad.device)
         if code is None:
-            code = codes[grad.device] = dynamic_code_map(True).to(grad.device)
+            code = codes[grad.device] = dynamic_code_map(True).to(grad.device, non_blocking=True)
         group = item.group
         # the rounding keys on the flat index in the whole parameter ([Note: no dead zone])
         if not isinstance(item.compute, RaggedShard):  # FlatBlocks and whole requirements snap to flat runs

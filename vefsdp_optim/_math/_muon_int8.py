@@ -63,9 +63,10 @@ rows less. A clean direction with that second moment costs +1.6%, and the same n
 float32 momentum costs NorMuon 4.5x what it costs Muon. Rounding rules only move the
 error between 4% and 6% (every element stochastic: +8.6%; every element dithered by
 the rotation, on the other machine: +9.0% against the rule's +5.5%); below 1% needs finer
-resolution than one code map per 256 elements gives. Cost: the stuck elements search the code map a second time (2**20 elements, one
-CPU thread: 51 ms a step against 47 with nearest rounding for fresh random gradients,
-147 ms for a slowly varying gradient that leaves most elements stuck).
+resolution than one code map per 256 elements gives. Cost: every element's dithered code
+is computed, and taken where its nearest code is stuck (finding the stuck ones first would
+be a host sync), so a step costs the same whatever the share of stuck elements
+(docs/performance.md, "No host sync in a step").
 """
 
 from __future__ import annotations
@@ -91,12 +92,20 @@ def _dither(index: Tensor, step: int) -> Tensor:
     low-discrepancy sequence and the draws of one step are spread over the elements.
     Integer arithmetic only: the same bits on every device; every product stays below
     2**63."""
-    h = ((index ^ (index >> 32)) & _MASK32) * 0x61C88647 & _MASK32
+    h = index >> 32  # in place from here: ~20 integer passes over every element of a step
+    h ^= index
+    h &= _MASK32
+    h *= 0x61C88647
+    h &= _MASK32
     for _ in range(2):
-        h = (h ^ (h >> 16)) * 0x45D9F3B & _MASK32
+        h ^= h >> 16
+        h *= 0x45D9F3B
+        h &= _MASK32
     h ^= h >> 16
-    h = (h + (step * _GOLDEN32 & _MASK32)) & _MASK32
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    h += step * _GOLDEN32 & _MASK32
+    h &= _MASK32
+    h >>= 8
+    return h.to(torch.float32).mul_(1.0 / (1 << 24))
 
 
 def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tensor, offset: int,
@@ -104,18 +113,22 @@ def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tens
     """Quantize the float32 momentum ``m`` (1-D, whole blocks) into ``codes`` and
     ``absmax`` in place, which hold its previous value ([Note: no dead zone]); ``offset``:
     the flat index of ``m[0]`` in the whole parameter; ``step``: the number of momentum
-    steps before this one (the dither's phase)."""
+    steps before this one (the dither's phase). The dithered code is computed for every
+    element and selected where the nearest one is stuck: elementwise ops, so each
+    element gets the bits it would get alone, and no host sync to find the stuck ones."""
     new_codes, new_absmax = quantize_blockwise(m, code, MOMENTUM_BLOCK)
-    stuck = torch.nonzero(new_codes == codes).squeeze(1)  # (k,) int64
-    if stuck.numel():
-        scale = torch.where(new_absmax > 0, new_absmax, torch.ones_like(new_absmax))
-        v = m[stuck]
-        x = v / scale[stuck // MOMENTUM_BLOCK]  # quantize_blockwise's normalized values
-        lo = (torch.searchsorted(code, x, right=True) - 1).clamp_(0, code.numel() - 2)  # code[lo] <= x
-        c_lo, c_hi = code[lo], code[lo + 1]
-        up = _dither(stuck + offset, step) < (x - c_lo) / (c_hi - c_lo)
-        new_codes[stuck] = (lo + up).to(torch.uint8)
-    codes.copy_(new_codes)
+    stuck = new_codes == codes  # (n,) bool
+    scale = torch.where(new_absmax > 0, new_absmax, torch.ones_like(new_absmax))
+    x = (m.view(-1, MOMENTUM_BLOCK) / scale[:, None]).view(-1) if m.numel() % MOMENTUM_BLOCK == 0 \
+        else m / scale.repeat_interleave(MOMENTUM_BLOCK)[:m.numel()]  # quantize_blockwise's normalized values
+    # code[lo] <= x < code[lo + 1], lo in [0, 254]: the nearest code or the one below it
+    # (searchsorted(code, x, right=True) - 1, clamped, without a second search)
+    nearest = new_codes.to(torch.int32)
+    lo = nearest.sub_((x < code.index_select(0, nearest)).to(torch.int32)).clamp_(0, code.numel() - 2)
+    c_lo, c_hi = code.index_select(0, lo), code.index_select(0, lo + 1)
+    index = torch.arange(offset, offset + m.numel(), dtype=torch.int64, device=m.device)
+    up = _dither(index, step) < (x - c_lo) / (c_hi - c_lo)
+    codes.copy_(torch.where(stuck, (lo + up).to(torch.uint8), new_codes))
     absmax.copy_(new_absmax)
 
 
@@ -145,4 +158,4 @@ def empty_momentum(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     from ._quant8 import dynamic_code_map
 
     return quantize_blockwise(torch.zeros(n, dtype=torch.float32, device=device),
-                              dynamic_code_map(True).to(device), MOMENTUM_BLOCK)
+                              dynamic_code_map(True).to(device, non_blocking=True), MOMENTUM_BLOCK)

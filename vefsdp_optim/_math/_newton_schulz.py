@@ -192,9 +192,13 @@ def newtonschulz_batch_exact(
     either kernel and contractions of >= 32 terms, whose summation order a random probe
     shows. Measured on five input families (normal, quantized momentum, 90% zeros, rank
     two, constant rows) at batches 2-16: batched equal to per-matrix at shorter sides
-    17-63, and differing at sides 7, 8 and 16 (tests/test_muon_blocks.py).
+    17-63, and differing at sides 7, 8 and 16 (tests/test_muon_blocks.py). Off the
+    CPU nothing is probed and nothing is batched: reading the probe's answer back
+    from a device is a host sync (inside the step that first meets the shape), and
+    the per-matrix kernels there are torch.optim.Muon's own. On the CPU the probe is
+    host work, cached, run by the first step that meets each class.
     """
-    if min(rows, cols) < BATCH_MIN_DIM:
+    if torch.device(device).type != "cpu" or min(rows, cols) < BATCH_MIN_DIM:
         return False
     g = torch.Generator().manual_seed(rows * 1_000_003 + cols)
     probe = torch.randn(batch, rows, cols, generator=g).to(device)

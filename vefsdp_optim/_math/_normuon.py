@@ -39,7 +39,8 @@ batched Newton-Schulz] in _newton_schulz.py), the bits are checked, not assumed:
 dtype, device, beta2, threads), on full-precision values (the squares of bfloat16 values,
 Newton-Schulz's, often sum exactly in float32 whatever the order, and would hide one),
 and refuses blocks with a side below ``BATCH_MIN_DIM`` (a sum of fewer terms may round
-alike in two orders on the probe and not on the data).
+alike in two orders on the probe and not on the data). As for Newton-Schulz, only on
+the CPU: off it nothing is probed (a host read of a device value) or batched.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def normuon_batch_exact(batch: int, rows: int, cols: int, dtype: torch.dtype, de
     """Whether :func:`normuon_normalize_batched_` gives, for ``batch`` matrices of ``rows x
     cols`` normalized in ``dtype`` on ``device`` with ``threads`` intra-op threads, the
     bits of :func:`normuon_normalize_` on each ([Note: batched NorMuon normalization]):
-    checked once on a fixed random stack; never below ``BATCH_MIN_DIM``."""
-    if batch < 2 or min(rows, cols) < BATCH_MIN_DIM:
+    checked once on a fixed random stack, on the CPU only; never below ``BATCH_MIN_DIM``."""
+    if torch.device(device).type != "cpu" or batch < 2 or min(rows, cols) < BATCH_MIN_DIM:
         return False
     g = torch.Generator().manual_seed(rows * 1_000_003 + cols * 7 + batch)
     # full-precision values: the squares of bfloat16 ones sum exactly in float32 in any
