@@ -39,16 +39,17 @@ def test_no_cuda_device_exits_0_within_seconds(tmp_path):
 
 
 def test_dry_run_fully_shard_end_to_end(tmp_path):
-    """Every optimizer on our fully_shard at W = 1 (gloo, CPU tensors): the steps, the DCP
-    round trip and the sync watch run, and the report files are written; REPORT.md is
-    left alone."""
+    """Two optimizers (a torch oracle's and one device's) on our fully_shard at W = 1
+    (gloo, CPU tensors): the steps, the DCP round trip and the sync watch run, and the
+    report files are written; REPORT.md is left alone."""
     before = gpu_check.REPORT.read_text()
-    r, _ = _run(["--cpu-dry-run", "--parts", "fully_shard", "--worlds", "1", "--out", str(tmp_path)], timeout=600)
+    r, _ = _run(["--cpu-dry-run", "--parts", "fully_shard", "--worlds", "1", "--optimizers", "Muon,AdamW8bit",
+                 "--out", str(tmp_path)], timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     (part,) = res["results"]
     assert (part["part"], part["world"], part["status"]) == ("fully_shard", 1, "pass")
-    assert [c["optimizer"] for c in part["cases"]] == ["AdamW", "Muon", "AdamW8bit", "Shampoo", "SOAP", "NorMuon"]
+    assert [c["optimizer"] for c in part["cases"]] == ["Muon", "AdamW8bit"]
     for c in part["cases"]:
         assert c["ok"] and c["steps"] == 5 and c["dcp"]["ok"] and c["sync"]["strict"] is not None, c
     text = (tmp_path / "report.md").read_text()

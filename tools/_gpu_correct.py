@@ -223,9 +223,9 @@ def _dcp_round_trip(kind: str, name: str, size: str, device: str, kwargs: dict[s
     return model2, params2, opt2
 
 
-def _rank_cases(kind: str, size: str, device: str, ckpt_root: str) -> list[dict[str, Any]]:
+def _rank_cases(kind: str, size: str, device: str, ckpt_root: str, names: list[str]) -> list[dict[str, Any]]:
     out = []
-    for name in NAMES:
+    for name in names:
         progress({"start": f"{kind} {name}"})
         where = None if kind == "plain" else os.path.join(ckpt_root, name)
         if where is not None:
@@ -236,13 +236,18 @@ def _rank_cases(kind: str, size: str, device: str, ckpt_root: str) -> list[dict[
     return out
 
 
-def correctness_part(part: str, world: int, device: str, size: str, part_dir: Path) -> dict[str, Any]:
-    """Every optimizer on ``part`` parameters at ``world`` ranks: the cases of rank 0,
-    with another rank's differing verdict or error added to it."""
+def correctness_part(part: str, world: int, device: str, size: str, part_dir: Path,
+                     optimizers: list[str] | None = None) -> dict[str, Any]:
+    """Every optimizer (or ``optimizers``) on ``part`` parameters at ``world`` ranks: the
+    cases of rank 0, with another rank's differing verdict or error added to it."""
+    names = list(NAMES) if optimizers is None else optimizers
+    unknown = sorted(set(names) - set(NAMES))
+    if unknown:
+        raise ValueError(f"optimizers: unknown {unknown}; accepted: {', '.join(NAMES)}")
     ckpt_root = part_dir / "ckpt"
     shutil.rmtree(ckpt_root, ignore_errors=True)
     per_rank = run_on_ranks(_rank_cases, 0 if part == "plain" else world, device, part_dir, part, size,
-                            device, str(ckpt_root))
+                            device, str(ckpt_root), names)
     cases = per_rank[0]
     for r, other in enumerate(per_rank[1:], start=1):
         for c, o in zip(cases, other, strict=True):

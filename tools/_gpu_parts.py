@@ -113,8 +113,10 @@ PARTS: dict[str, tuple[str, str]] = {  # name: (module, function) of fn(world, d
 }
 
 
-def run_part(part: str, world: int, device: str, size: str, part_dir: Path) -> dict[str, Any]:
-    """Run one part; its result dict (also written to ``part_dir/result.json``)."""
+def run_part(part: str, world: int, device: str, size: str, part_dir: Path,
+             optimizers: list[str] | None = None) -> dict[str, Any]:
+    """Run one part (the correctness parts: only ``optimizers`` where given); its result
+    dict (also written to ``part_dir/result.json``)."""
     import importlib
 
     if part not in PARTS:
@@ -127,7 +129,7 @@ def run_part(part: str, world: int, device: str, size: str, part_dir: Path) -> d
     mod, name = PARTS[part]
     fn = getattr(importlib.import_module(mod), name)
     t0 = time.monotonic()
-    res = fn(part, world, device, size, part_dir)
+    res = fn(part, world, device, size, part_dir, **({"optimizers": optimizers} if optimizers else {}))
     res.setdefault("part", part)
     res.setdefault("world", world)
     res["wall_s"] = round(time.monotonic() - t0, 1)
@@ -142,9 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--size", default=None, choices=("gpu", "tiny"), help="default: gpu on cuda, tiny on cpu")
     ap.add_argument("--dir", required=True, type=Path)
+    ap.add_argument("--optimizers", default=None, help="comma-separated subset (correctness parts)")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_part(a.part, a.world, a.device, a.size or ("gpu" if a.device == "cuda" else "tiny"), a.dir)
+    run_part(a.part, a.world, a.device, a.size or ("gpu" if a.device == "cuda" else "tiny"), a.dir,
+             a.optimizers.split(",") if a.optimizers else None)
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():  # a process group of one, made in this process

@@ -1,6 +1,6 @@
 """``make gpu-check``: this library on a GPU, with the GPU machine's own torch, in one command.
 
-    python3 tools/gpu_check.py [--parts A,B] [--worlds 1,2] [--budget S] [--out DIR]
+    python3 tools/gpu_check.py [--parts A,B] [--worlds 1,2] [--optimizers A,B] [--budget S] [--out DIR]
     python3 tools/gpu_check.py --cpu-dry-run [...]      # the same parts: gloo, CPU tensors
     python3 tools/gpu_check.py --apply-section FILE     # a run's GPU section into REPORT.md
 
@@ -199,14 +199,15 @@ def _recover(d: Path, part: str, world: int, why: str) -> dict[str, Any]:
     return res
 
 
-def run_part(py: str, part: str, world: int, device: str, out: Path, timeout: float) -> dict[str, Any]:
+def run_part(py: str, part: str, world: int, device: str, out: Path, timeout: float,
+             optimizers: str | None = None) -> dict[str, Any]:
     d = out / "parts" / f"{part}-w{world}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     if part == "kernels":
         return run_kernel_tests(py, device, d, timeout)
     cmd = [py, "-m", "tools._gpu_parts", "--part", part, "--world", str(world), "--device", device,
-           "--dir", str(d)]
+           "--dir", str(d), *(["--optimizers", optimizers] if optimizers and part in CORRECTNESS else [])]
     t0 = time.monotonic()
     with open(d / "log.txt", "w") as log:
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -443,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same parts with gloo on CPU tensors, tiny sizes")
     ap.add_argument("--parts", default=None, help=f"comma-separated subset of: {', '.join(CAPS_S)}")
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default: 1, 2, 3 and all GPUs)")
+    ap.add_argument("--optimizers", default=None, help="comma-separated subset of the optimizers checked "
+                    "(default all six)")
     ap.add_argument("--budget", type=float, default=None, help=f"seconds for all parts (default {BUDGET_S:.0f}; "
                     "dry run: none)")
     ap.add_argument("--out", type=Path, default=None, help="where the report files go")
@@ -490,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                                 why=f"the {budget:.0f} s budget was spent"))
             continue
         print(f"gpu-check: {part} W={world} (up to {min(cap, left):.0f} s) ...", end=" ", flush=True)
-        r = run_part(py, part, world, device, out, min(cap, left))
+        r = run_part(py, part, world, device, out, min(cap, left), a.optimizers)
         print(f"{r['status']} ({r.get('wall_s', 0):.0f} s)", flush=True)
         results.append(r)
     info.update(count=len(devices), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
