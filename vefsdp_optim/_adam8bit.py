@@ -13,6 +13,7 @@ from vefsdp_optim._math import (
     adam8bit_multi_tensor_step_,
     check_adam_hparams,
     dynamic_code_map,
+    host_table_quantizers,
     num_blocks,
     quantize_blockwise,
 )
@@ -81,9 +82,12 @@ class _Adam8bitBase(BlockOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         block_size=block_size, min_8bit_size=min_8bit_size, amsgrad=False,
                         maximize=maximize)
-        # code maps per device, shared by every parameter
+        # code maps and quantizer tables per device, shared by every parameter: built on
+        # the host (the tables once per process, here) and copied to a device without
+        # waiting for it, so no step reads a device value back
         self._codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._quantizers: dict[torch.device, tuple[TableQuantizer, TableQuantizer]] = {}
+        self._host_quantizers = host_table_quantizers()
         super().__init__(params, defaults)
         if fused:  # a kernel must run on every device type that holds parameters
             for device_type in sorted({p.device.type for g in self.param_groups
@@ -125,15 +129,14 @@ class _Adam8bitBase(BlockOptimizer):
     def _code_maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         maps = self._codes.get(device)
         if maps is None:
-            maps = self._codes[device] = (dynamic_code_map(True).to(device),
-                                          dynamic_code_map(False).to(device))
+            maps = self._codes[device] = (dynamic_code_map(True).to(device, non_blocking=True),
+                                          dynamic_code_map(False).to(device, non_blocking=True))
         return maps
 
     def _table_quantizers(self, device: torch.device) -> tuple[TableQuantizer, TableQuantizer]:
         qs = self._quantizers.get(device)
         if qs is None:
-            signed, unsigned = self._code_maps(device)
-            qs = self._quantizers[device] = (TableQuantizer(signed), TableQuantizer(unsigned))
+            qs = self._quantizers[device] = tuple(q.to(device) for q in self._host_quantizers)
         return qs
 
     def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:

@@ -173,8 +173,8 @@ class AdamW(BlockOptimizer):
                                flat.exp_avg_sq, flat.max_exp_avg_sq, step=steps[0], **hp)
         elif group["fused"] or group["foreach"]:  # torch's fused or multi-tensor implementation
             param = flat.flat_param
-            step = torch.tensor(steps[0], dtype=torch.float32,  # incremented by torch
-                                device=param.device if group["fused"] else None)
+            # incremented by torch; a fill, not a copy from the host, on the device
+            step = torch.full((), steps[0], dtype=torch.float32, device=param.device if group["fused"] else None)
             adam_foreach_([param], [store.flat_grad()], [flat.exp_avg], [flat.exp_avg_sq],
                           [flat.max_exp_avg_sq] if amsgrad else [], [step],
                           foreach=group["foreach"], fused=group["fused"], **hp)

@@ -67,6 +67,7 @@ from ._quant8 import (
     dequantize_blockwise,
     dequantize_table,
     dynamic_code_map,
+    host_table_quantizers,
     num_blocks,
     quantize_blockwise,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "dequantize_blockwise",
     "dequantize_table",
     "dynamic_code_map",
+    "host_table_quantizers",
     "matrix_inverse_root",
     "muon_adjust_lr",
     "muon_apply_",

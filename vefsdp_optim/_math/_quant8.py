@@ -29,6 +29,7 @@ decade: 0.9/128 unsigned, 0.9/64 signed.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ __all__ = [
     "dequantize_blockwise",
     "dequantize_table",
     "dynamic_code_map",
+    "host_table_quantizers",
     "num_blocks",
     "quantize_blockwise",
 ]
@@ -62,17 +64,25 @@ def dynamic_code_map(signed: bool) -> Tensor:
 
     ``signed=True``: values in [-1, 1] (for Adam's first moment); ``signed=False``:
     values in [0, 1] (for the second moment). Both contain 0.0 and 1.0 exactly, the
-    signed one -1.0 as well. Returned on the CPU; move it once with ``.to(device)``.
+    signed one -1.0 as well. Returned on the CPU (a new tensor); move it once with
+    ``.to(device)``.
     """
     if not isinstance(signed, bool):
         raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
+    return torch.tensor(_code_values(signed), dtype=torch.float32)
+
+
+@functools.cache
+def _code_values(signed: bool) -> tuple[float, ...]:
+    """The map's values rounded once to float32, checked on the host (no tensor: the map
+    may be built where tensors are fakes, e.g. under FakeTensorMode)."""
     if signed:
         mags = _tree_magnitudes(7)
         values = [-m for m in mags] + [-1e-7, 0.0] + mags
     else:
         values = [0.0] + _tree_magnitudes(8)
-    code = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
-    if code.numel() != 256 or not bool((code[1:] > code[:-1]).all()):
+    code = struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}f", *sorted(values)))
+    if len(code) != 256 or not all(a < b for a, b in zip(code, code[1:], strict=False)):
         raise AssertionError(f"dynamic code map must be 256 strictly increasing values: {code}")
     return code
 
@@ -178,21 +188,30 @@ def dequantize_blockwise(
 
 
 def _pack_buckets(lo8: Tensor, mid_in: Tensor) -> Tensor:
+    """The packed table of host tables ``lo8`` and ``mid_in`` (on the CPU)."""
     b = torch.arange(1 << 16, dtype=torch.int64)
-    inside = torch.isfinite(mid_in.cpu())
-    mbits = mid_in.cpu().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    inside = torch.isfinite(mid_in)
+    mbits = mid_in.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     if not bool(((mbits >> 16) == b)[inside].all()):
         raise AssertionError("a bucket's midpoint lies outside the bucket")
     t = torch.where(inside, mbits & 0xFFFF,
                     torch.where(b >= 0x8000, 0, 0xFFFF))
-    return ((lo8.cpu().to(torch.int64) << 16) | t).to(torch.int32).to(lo8.device)
+    return ((lo8.to(torch.int64) << 16) | t).to(torch.int32)
 
 
 class TableQuantizer:
-    """Block-wise quantizer equal to ``quantize_blockwise`` for one code map."""
+    """Block-wise quantizer equal to ``quantize_blockwise`` for one code map.
 
-    def __init__(self, code: torch.Tensor) -> None:
-        mid = ((code[:-1] + code[1:]) / 2).cpu()  # (255,) as quantize_blockwise computes them
+    The tables are computed on the host from the code map (a map on a device is copied
+    to the host once, here), then placed on ``device`` (default: the code map's) by
+    copies that do not wait for the device; :meth:`to` places a built quantizer on
+    another device the same way. Quantizing reads nothing back to the host.
+    """
+
+    def __init__(self, code: torch.Tensor, device: torch.device | str | None = None) -> None:
+        device = code.device if device is None else torch.device(device)
+        code = code if code.device.type == "cpu" else code.cpu()
+        mid = (code[:-1] + code[1:]) / 2  # (255,) as quantize_blockwise computes them
         bits = torch.arange(1 << 16, dtype=torch.int64) << 16  # first float of each bucket
         first = bits.to(torch.int32).view(torch.float32)
         last = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
@@ -201,16 +220,34 @@ class TableQuantizer:
         hi = torch.searchsorted(mid, hi_val, right=True)  # midpoints <= its largest
         finite = torch.isfinite(lo_val) & torch.isfinite(hi_val)
         self.k = int((hi - lo)[finite].max())
-        self.lo = lo.to(torch.int32).to(code.device)  # (65536,)
+        self.lo = lo.to(torch.int32)  # (65536,)
         pad = torch.full((self.k,), float("inf"))
-        self.mid = torch.cat([mid, pad]).to(code.device)  # (255 + k,)
+        self.mid = torch.cat([mid, pad])  # (255 + k,)
         if self.k <= 1:  # one midpoint at most per bucket: the fast path
             inside = finite & (hi > lo)
             mid_in = torch.full((1 << 16,), float("inf"))
             mid_in[inside] = mid[lo[inside]]
-            self.mid_in = mid_in.to(code.device)  # (65536,) float32, +inf: none inside
-            self.lo8 = lo.to(torch.uint8).to(code.device)  # (65536,), lo <= 255
+            self.mid_in = mid_in  # (65536,) float32, +inf: none inside
+            self.lo8 = lo.to(torch.uint8)  # (65536,), lo <= 255
             self.packed = _pack_buckets(self.lo8, self.mid_in)  # (65536,) int32
+        self._place(device)
+
+    _TABLES = ("lo", "mid", "mid_in", "lo8", "packed")
+
+    def _place(self, device: torch.device) -> None:
+        for name in self._TABLES:
+            if hasattr(self, name):
+                setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+
+    def to(self, device: torch.device | str) -> TableQuantizer:
+        """This quantizer with its tables on ``device`` (itself where they are already there)."""
+        device = torch.device(device)
+        if self.lo.device == device:
+            return self
+        other = object.__new__(TableQuantizer)
+        other.__dict__.update(self.__dict__)
+        other._place(device)
+        return other
 
     def __call__(self, x: torch.Tensor, block_size: int,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,16 +256,17 @@ class TableQuantizer:
         n = x.numel()
         nb = num_blocks(n, block_size)
         pad = nb * block_size - n
+        # [Note: non-finite moments] a NaN / inf element (from a non-finite gradient)
+        # would make its whole block's absmax, and so every code of the block, garbage
+        # for good. Its parameter element is already non-finite (as torch's AdamW makes
+        # it); its moment is stored as 0 and the block's other elements are kept. Every
+        # element goes through nan_to_num, which leaves finite values' bits as they are,
+        # so no host check of the absmax is needed (no device sync in a step)
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, block_size)
         # (nb,) max |x| = max(max x, -min x), exactly, without an |x| temporary; abs_ makes a
         # block of -0.0 give +0.0 as abs().amax() does
         absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
-        if not bool(torch.isfinite(absmax).all()):
-            # [Note: non-finite moments] a NaN / inf element (from a non-finite gradient)
-            # would make its whole block's absmax, and so every code of the block,
-            # garbage for good. Its parameter element is already non-finite (as torch's
-            # AdamW makes it); store its moment as 0 and keep the block's other elements.
-            return self(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), block_size, out)
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
         normed = (blocks / scale[:, None]).reshape(-1)[:n]  # (n,), in [-1, 1]
         bucket = normed.view(torch.int32) >> 16
@@ -245,6 +283,13 @@ class TableQuantizer:
         if out is None:
             return idx.to(torch.uint8), absmax
         return out.copy_(idx), absmax
+
+
+@functools.cache
+def host_table_quantizers() -> tuple[TableQuantizer, TableQuantizer]:
+    """The ``TableQuantizer`` of the signed and of the unsigned dynamic code map, on the
+    CPU, built once per process; ``.to(device)`` places them on a device."""
+    return TableQuantizer(dynamic_code_map(True)), TableQuantizer(dynamic_code_map(False))
 
 
 def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
@@ -307,8 +352,9 @@ def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ..
     # CUDA's division by a Python (or CPU) scalar multiplies by its reciprocal, which is
     # not the correctly rounded quotient (measured on an H200: the eager step then left
     # the kernels' bits in 1-24 of 5000 elements); a 0-dim tensor on the device divides.
-    divisor = bc2_sqrt if v.device.type == "cpu" else torch.tensor(
-        bc2_sqrt, dtype=torch.float32, device=v.device)
+    # (torch.full, not torch.tensor: a fill on the device, no copy from the host)
+    divisor = bc2_sqrt if v.device.type == "cpu" else torch.full(
+        (), bc2_sqrt, dtype=torch.float32, device=v.device)
     denom = v.double().sqrt_().float().div_(divisor).add_(eps)
     p.add_((m * neg_step).div_(denom))
 
