@@ -43,6 +43,7 @@ class DistributedBuffer:
     views only; the global buffers and collectives then raise RuntimeError).
     ``validate`` runs ``check_plan_consistent`` (one all_gather_object) so that ranks
     with different plans raise ValueError instead of hanging in the first collective.
+    ``pin_memory``: the local shards in page-locked host memory (a CPU ``device``).
     """
 
     plan: BufferPlan
@@ -63,6 +64,7 @@ class DistributedBuffer:
         device: torch.device | str = "cpu",
         rank: int | None = None,
         validate: bool = True,
+        pin_memory: bool = False,
     ) -> None:
         if not isinstance(plan, BufferPlan):
             raise TypeError(f"plan must be a BufferPlan, got {type(plan).__name__}")
@@ -101,8 +103,10 @@ class DistributedBuffer:
         m = plan.shard_size
         self._offsets = plan.offsets
         self._layouts = {s.name: plan.layout(s.name) for s in plan.specs}
-        self.local = torch.zeros(m, dtype=dtype, device=self.device)
-        self.local_grad = torch.zeros(m, dtype=dtype, device=self.device)
+        # pin_memory: page-locked host shards, for asynchronous copies to and from an
+        # accelerator (fully_shard's CPUOffloadPolicy)
+        self.local = torch.zeros(m, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.local_grad = torch.zeros(m, dtype=dtype, device=self.device, pin_memory=pin_memory)
         self._local_views = self._make_local_views(self.local)
         self._local_grad_views = self._make_local_views(self.local_grad)
         if self._collective:

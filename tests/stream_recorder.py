@@ -183,6 +183,9 @@ class RecordingStreams(Streams):
     def query(self, event: Any) -> bool:
         return True
 
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.current().name))
+
     # -- the model -----------------------------------------------------------------
 
     def track(self, t: torch.Tensor, name: str) -> None:

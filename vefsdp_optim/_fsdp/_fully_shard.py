@@ -115,8 +115,9 @@ def fully_shard(
     device type. ``shard_placement_fn``: FSDP2's per-parameter placement; ``None`` or
     ``Shard(0)`` is this library's layout (a RaggedShard of the flattened parameter, cut
     where the optimizers' blocks allow), any other placement raises NotImplementedError.
-    ``offload_policy``: ``OffloadPolicy()`` (none) or, where the mesh is on the CPU
-    already, ``CPUOffloadPolicy``. ``ignored_params``: left out of the shard group, as FSDP2.
+    ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy`` (the sharded
+    parameters, gradients and optimizer step on the CPU: [Note: CPU offload] in
+    _store.py). ``ignored_params``: left out of the shard group, as FSDP2.
     ``dp_mesh_dims``: FSDP2's names of the data-parallel dims of a larger SPMD ``mesh``
     (``shard=`` and optionally ``replicate=``); the shard group shards over that submesh
     (torch >= 2.12, which has ``DataParallelMeshDims``; on 2.11 NotImplementedError).
@@ -156,7 +157,7 @@ def fully_shard(
     else:
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
     device = _default_device(mesh)
-    _check_offload(offload_policy, device)
+    offload, pin_memory = _check_offload(offload_policy)
     params = _collect(modules, device, set(map(id, ignored_params or ())))
     if shard_placement_fn is not None:
         for mp in params:
@@ -177,7 +178,8 @@ def fully_shard(
         del mp.sharded_src  # type: ignore[attr-defined]
     shard_group = ShardGroup(params, shard_process_group=shard_process_group,
                              replicate_process_group=replicate_process_group, device=device,
-                             mp_policy=mp_policy, data=data) if params else None
+                             mp_policy=mp_policy, data=data, offload=offload,
+                             pin_memory=pin_memory) if params else None
     if shard_group is not None:
         shard_group.register(sharded=True)
     else:  # ranks that do hold parameters here check their signature against this one
@@ -253,16 +255,13 @@ def _shard_dim(mesh: DeviceMesh, fqn: str) -> DeviceMesh:
     return mesh[names[1]]
 
 
-def _check_offload(policy: object, device: torch.device) -> None:
+def _check_offload(policy: object) -> tuple[bool, bool]:
+    """(offload, pin_memory) of an ``offload_policy`` ([Note: CPU offload] in _store.py)."""
     if policy is None or type(policy) is OffloadPolicy:
-        return
+        return False, False
     if isinstance(policy, CPUOffloadPolicy):
-        if device.type == "cpu":
-            return  # the sharded parameters, gradients and optimizer state are on the CPU
-        raise NotImplementedError(
-            f"CPUOffloadPolicy with a {device.type} mesh is not supported by vefsdp_optim's "
-            "fully_shard yet; use OffloadPolicy() (no offload) or torch's fully_shard")
-    raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
+        return True, bool(policy.pin_memory)
+    raise TypeError(f"offload_policy must be an OffloadPolicy or a CPUOffloadPolicy, got {type(policy).__name__}")
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -93,13 +93,14 @@ class ShardGroup:
 
     def __init__(self, params: list[ManagedParam], *, shard_process_group: dist.ProcessGroup,
                  replicate_process_group: dist.ProcessGroup | None, device: torch.device,
-                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor]) -> None:
+                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor], offload: bool = False,
+                 pin_memory: bool = False) -> None:
         replicate = (replicate_process_group if replicate_process_group is not None
                      and replicate_process_group.size() > 1 else None)
         #: fixed at construction, and given to every store ([Note: store and shard group])
         self.settings = StoreSettings(
             shard_process_group, shard_process_group.size(), shard_process_group.rank(), replicate,
-            replicate.size() if replicate is not None else 1, device, mp_policy)
+            replicate.size() if replicate is not None else 1, device, mp_policy, offload, offload and pin_memory)
         self.params = params
         by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
         for p in params:
@@ -368,6 +369,12 @@ class ShardGroup:
         decision = plan_replan(store, units, store.state_holders())
         if decision.plan is None:
             return decision.report
+        if self.settings.offload and self.settings.device.type != "cpu" and self.settings.world_size > 1:
+            raise NotImplementedError(
+                f"fully_shard: CPUOffloadPolicy on a {self.settings.device.type} mesh with an optimizer that "
+                "re-plans the shards (whole blocks or matrices on one rank: 8-bit Adam, Shampoo, SOAP, Muon, "
+                "NorMuon) is not supported (the move would send host shards through the mesh's backend); "
+                "use AdamW, or no offload")
         if self.grad_state is GradState.ACCUMULATING:
             raise RuntimeError(
                 "re-plan during a gradient accumulation without sync (unreduced gradients in the "

@@ -117,6 +117,7 @@ class FSDPState:
         self.role = advance(self.role, Role.ROOT, "FSDPState.role")
         devices = [s.shard_group.settings.device for s in states if s.shard_group is not None]
         ctx = _RootContext(states, CommContext(streams_for(devices[0] if devices else torch.device("cpu"))))
+        ctx.comm.host_sync = any(s.shard_group.settings.offload for s in states if s.shard_group is not None)
         for s in states:
             if s.post_optim_event is not None:
                 ctx.comm.post_optim_event, s.post_optim_event = s.post_optim_event, None

@@ -60,6 +60,11 @@ class StoreSettings:
     replicate_world_size: int  # 1 without a replicate process group
     device: torch.device
     mp_policy: MixedPrecisionPolicy
+    # [Note: CPU offload] CPUOffloadPolicy: the master buffer (the sharded parameters,
+    # their gradients, the optimizer's data) on the CPU, pinned when ``device`` is an
+    # accelerator and the policy asks for it
+    offload: bool = False
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -67,6 +72,34 @@ class StoreSettings:
         if (self.replicate_process_group is None) != (self.replicate_world_size == 1):
             raise ValueError(f"StoreSettings: replicate world size {self.replicate_world_size} with "
                              f"replicate process group {self.replicate_process_group}")
+        if self.pin_memory and not self.offload:
+            raise ValueError("StoreSettings: pin_memory=True needs offload=True")
+
+    @property
+    def host(self) -> torch.device:
+        """Where the master buffer lives: the CPU under offload, else ``device``."""
+        return torch.device("cpu") if self.offload else self.device
+
+    @property
+    def pinned(self) -> bool:
+        """The master buffer is page-locked host memory (offload from an accelerator)."""
+        return self.offload and self.pin_memory and self.device.type != "cpu"
+
+
+# [Note: CPU offload]
+# CPUOffloadPolicy, as FSDP2's: the sharded parameters, their gradients, and so the
+# optimizer's step and state, live on the CPU (page-locked when the mesh is an
+# accelerator and the policy pins); the device holds only what the collectives and the
+# forward and backward need. A store under offload keeps its master buffer on the CPU
+# and a compute buffer (param_dtype) and a reduce buffer (reduce_dtype) on the device,
+# even where the dtypes agree: the all-gather's copy-in is the host-to-device copy (and
+# cast) of the shard into ``compute.local``; the epilogue copies the reduce-scatter's
+# output device-to-host into ``master.local_grad``, asynchronously from pinned memory
+# unless kept gradients are added on the host right after (then blocking, as FSDP2).
+# The root's final callback, after the current stream has waited on every gather and
+# reduction, synchronizes the host with it: the optimizer then reads finished gradients
+# and overwrites shards that no host-to-device copy still reads. On a CPU mesh the same
+# buffers exist and the copies are CPU copies, with the bits of the run without offload.
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,14 +224,15 @@ class DtypeStore:
         self.plan = plan if plan is not None else plan_buffer(self.specs(units), w, align=ALIGN)
         process_group = settings.process_group if w > 1 else None
         rank = settings.rank if process_group is not None else 0
-        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype, device=settings.device,
+        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype, device=settings.host,
                                         rank=settings.rank if process_group is None else None,
-                                        validate=validate)
+                                        validate=validate, pin_memory=settings.pinned)
         param_dtype = settings.mp_policy.param_dtype or self.dtype
         reduce_dtype = settings.mp_policy.reduce_dtype or param_dtype
-        self.compute = self.master if param_dtype == self.dtype else DistributedBuffer(
+        # [Note: CPU offload]: the compute and reduce buffers live on the device, apart
+        self.compute = self.master if param_dtype == self.dtype and not settings.offload else DistributedBuffer(
             self.plan, process_group, dtype=param_dtype, device=settings.device, validate=False)
-        if reduce_dtype == self.dtype:
+        if reduce_dtype == self.dtype and not settings.offload:
             self.reduce = self.master
         elif reduce_dtype == param_dtype:
             self.reduce = self.compute
@@ -324,20 +358,23 @@ class DtypeStore:
         or None when nothing is left to wait for."""
         compute = self.compute
         with streams.use(copy_in):
-            if compute is not self.master:
-                with torch.no_grad():
-                    compute.local.copy_(self.master.local)  # the one cast per all-gather
             compute.alloc_global()
-        streams.wait_stream(gather, copy_in)
         # [Note: version counter] the unsharded params (saved for backward) alias the
-        # global buffer; re-gathering the same values must not bump their version, and
-        # gloo's async work writes the output from its own thread, so the version is
-        # restored after wait() too, as FSDP2 does around its all-gather copy-out.
+        # global buffer; re-gathering the same values must not bump their version (nor,
+        # where one rank holds everything, re-casting them: the cast writes the global
+        # buffer then), and gloo's async work writes the output from its own thread, so
+        # the version is restored after wait() too, as FSDP2 does around its copy-out.
         out = compute.global_buffer
-        with streams.use(gather), unsafe_preserve_version_counter(out):
+        with unsafe_preserve_version_counter(out):
             version = tensor_version(out)
-            work = compute.all_gather(async_op=async_op)
-            event = streams.record(gather) if gather is not None else None
+            with streams.use(copy_in):
+                if compute is not self.master:
+                    with torch.no_grad():  # the one cast (under offload: and host-to-device copy) per all-gather
+                        compute.local.copy_(self.master.local, non_blocking=streams.active and self.settings.pinned)
+            streams.wait_stream(gather, copy_in)
+            with streams.use(gather):
+                work = compute.all_gather(async_op=async_op)
+                event = streams.record(gather) if gather is not None else None
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(compute.full_view(p.fqn))
@@ -535,7 +572,7 @@ class DtypeStore:
                     if factor != 1.0:
                         reduce.local_grad.div_(factor)
                 if prev is not None and self._partial:  # the kept grads were never all-reduced
-                    reduce.local_grad.add_(prev.to(reduce.local_grad.dtype))
+                    reduce.local_grad.add_(prev.to(device=reduce.local_grad.device, dtype=reduce.local_grad.dtype))
                     prev = None
             if replicate is not None and grad_settings.requires_all_reduce:
                 streams.wait_stream(streams.all_reduce, last)
@@ -553,8 +590,10 @@ class DtypeStore:
                 with streams.use(last):
                     grad_settings.all_reduce_hook(reduce.local_grad)
             with streams.use(last):
-                if reduce is not master:
-                    self.grad_shard().copy_(reduce.local_grad)
+                if reduce is not master:  # under offload: device to host, asynchronous unless
+                    # the host adds to the result next ([Note: CPU offload])
+                    self.grad_shard().copy_(reduce.local_grad,
+                                            non_blocking=streams.active and settings.pinned and prev is None)
                 if prev is not None:
                     master.local_grad.add_(prev)
                 return streams.record(last) if streams.active else None

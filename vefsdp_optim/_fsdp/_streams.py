@@ -80,6 +80,9 @@ class Streams:
         """Whether ``event`` has completed, asked without waiting (no event: True)."""
         return True
 
+    def synchronize(self) -> None:
+        """The host waits for the work issued so far on the current stream."""
+
 
 NO_STREAMS = Streams()
 
@@ -126,6 +129,9 @@ class DeviceStreams(Streams):
     def query(self, event: Any) -> bool:
         return event is None or bool(event.query())
 
+    def synchronize(self) -> None:
+        self.current().synchronize()
+
 
 def _default_factory(device: torch.device) -> Streams:
     return NO_STREAMS if device.type in ("cpu", "meta") else DeviceStreams(device)
@@ -169,6 +175,9 @@ class CommContext:
         # (post-reduce event, what to release once the current stream waited on it)
         self.post_reduce: list[tuple[Any, Callable[[], None]]] = []
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
+        # some shard group offloads to the CPU: the final callback synchronizes the host
+        # ([Note: CPU offload] in _store.py)
+        self.host_sync = False
 
     @property
     def active(self) -> bool:
@@ -226,6 +235,8 @@ class CommContext:
         for event, release in pending:
             self.streams.wait_event(None, event)
             release()
+        if self.host_sync and self.streams.active:
+            self.streams.synchronize()  # the optimizer runs on the host next
 
     def reset(self) -> None:
         """FSDPModule.reset_iter_state: wait for and release everything in flight."""
