@@ -478,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [k for k in DEPS if not info["deps"].get(k)]
     print(f"gpu-check: python {py}, torch {info['torch']}; missing dependencies: {', '.join(missing) or 'none'}; "
           f"import vefsdp_optim: {info.get('import')}", flush=True)
-    steps = plan(len(devices), dry, a.parts.split(",") if a.parts else None,
+    n_gpus = 0 if dry else int(info.get("count") or len(devices))  # what torch sees (CUDA_VISIBLE_DEVICES)
+    steps = plan(n_gpus, dry, a.parts.split(",") if a.parts else None,
                  [int(w) for w in a.worlds.split(",")] if a.worlds else None)
     budget = a.budget if a.budget is not None else (float("inf") if dry else BUDGET_S)
     deadline = t0 + budget
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_part(py, part, world, device, out, min(cap, left), a.optimizers)
         print(f"{r['status']} ({r.get('wall_s', 0):.0f} s)", flush=True)
         results.append(r)
-    info.update(count=len(devices), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
+    info.update(count=n_gpus, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
                 budget_s=budget if budget != float("inf") else 0.0, wall_s=time.monotonic() - t0)
     info["exit"] = exit_status(results, dry)
     section = render(info, results, dry, full=False)
