@@ -37,8 +37,9 @@ def adam_bucket_(
     exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], []
     on_device = group.get("capturable", False) or group.get("fused", False)
     for state, p in zip(states, params, strict=True):
-        if not state:  # torch keeps the step on the CPU unless capturable or fused
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else None)
+        if not state:  # torch keeps the step on the CPU unless capturable or fused (and makes it so)
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                             else torch.tensor(0.0, dtype=torch.float32))
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if amsgrad:

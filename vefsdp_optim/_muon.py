@@ -416,7 +416,7 @@ class Muon(BlockOptimizer):
         state["compute"] = item.compute
         if "momentum_codes" not in state:
             state["momentum_codes"], state["momentum_absmax"] = empty_momentum(grad.numel(), grad.device)
-            state["momentum_step"] = torch.zeros((), dtype=torch.int64)  # the dither's phase
+            state["momentum_step"] = torch.tensor(0, dtype=torch.int64)  # the dither's phase, a host counter
         codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
         code = codes.get(grad.device)
         if code is None:
