@@ -167,7 +167,7 @@ def test_gpu_section_replaces_the_previous_one(tmp_path):
     info = dict(device="NVIDIA H100 80GB HBM3", count=1, torch="2.11.0+cu130", cuda="13.0", python="/usr/bin/python3",
                 python_version="3.12.3", deps=dict(einops="0.8", scipy="1.16", pytest="8", hypothesis=None,
                                                    triton="3.6.0"),
-                date="today", commit="abc1234", wall_s=300.0, budget_s=450.0, exit=1, **{"import": "ok"})
+                date="today", commit="abc1234", wall_s=300.0, torch_range=">=2.12,<2.16", budget_s=450.0, exit=1, **{"import": "ok"})
     case = dict(optimizer="AdamW8bit", kind="fully_shard", world=1, ok=False, error=None, steps=5,
                 mismatch=dict(step=2, param=1, n_diff=3, numel=9360, max_abs=1.2e-7),
                 grads=dict(equal=True, exact_expected=True, max_abs=0.0),
@@ -183,10 +183,20 @@ def test_gpu_section_replaces_the_previous_one(tmp_path):
     text = report.read_text()
     assert text.startswith("# Benchmarks\n\nCPU tables\n")
     assert text.count(gpu_check.BEGIN) == 1 and text.count(gpu_check.END) == 1
-    assert "**NVIDIA H100 80GB HBM3** x 1, torch 2.11.0+cu130 (CUDA 13.0), triton 3.6.0" in text
+    assert "**NVIDIA H100 80GB HBM3** x 1, torch 2.11.0+cu130 (CUDA 13.0) (declared range >=2.12,<2.16, " \
+           "outside it), triton 3.6.0" in text
     assert "Missing dependencies: hypothesis." in text and "**0.900**" in text
     assert "differs from step 2 (p1: 3 of 9360, max 1.2e-07)" in text
     assert "vefsdp_optim/_x.py:12 (x4)" in text and "NOT RUN" in text and "budget was spent" in text
+
+
+def test_torch_range_is_read_and_applied():
+    spec = gpu_check.declared_range()
+    assert spec.startswith(">=") and ",<" in spec, spec
+    assert gpu_check.in_range("2.11.0+cu130", ">=2.11,<2.16") is True
+    assert gpu_check.in_range("2.16.0", ">=2.11,<2.16") is False
+    assert gpu_check.in_range("2.10.1+cpu", ">=2.11,<2.16") is False
+    assert gpu_check.in_range("2.11.0", "~=2.11") is None
 
 
 def test_checkout_imports_without_an_install():

@@ -331,7 +331,10 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
     """The report's markdown; ``full`` adds the tracebacks and logs (report.md)."""
     lines = [BEGIN, "## GPU (make gpu-check)" + (" - CPU dry run" if dry else ""), ""]
     where = ("CPU (dry run: gloo ranks, CPU tensors)" if dry else f"**{info.get('device')}** x {info.get('count')}")
+    spec = info.get("torch_range", "?")
+    outside = {True: "", False: ", outside it", None: ""}[in_range(str(info.get("torch")), spec)]
     lines.append(f"Device: {where}, torch {info.get('torch')}" + (f" (CUDA {info['cuda']})" if info.get("cuda") else "")
+                 + f" (declared range {spec}{outside})"
                  + f", triton {info['deps'].get('triton') or 'not installed'}, "
                  f"python {info.get('python_version')} ({info.get('python')}); {info['date']}; checkout {info['commit']}; "
                  f"{info['wall_s']:.0f} s" + (f" of a {info['budget_s']:.0f} s budget" if info["budget_s"] else "")
@@ -425,6 +428,39 @@ def write_section(section: str, report: Path = REPORT) -> None:
     report.write_text(text)
 
 
+def declared_range() -> str:
+    """pyproject.toml's torch requirement, e.g. ``>=2.11,<2.16`` (read as text)."""
+    import re
+
+    m = re.search(r'^\s*"torch\s*([^";]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    return m.group(1).strip() if m else "?"
+
+
+def in_range(version: str, spec: str) -> bool | None:
+    """Whether a torch version (``2.11.0+cu130``) meets ``spec`` (``>=2.11,<2.16``);
+    None where either cannot be read."""
+    import operator
+    import re
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+    ops = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
+    try:
+        have = key(version)
+        for part in spec.split(","):
+            m = re.fullmatch(r"\s*(>=|<=|>|<|==)\s*([\d.]+)\s*", part)
+            if m is None:
+                return None
+            want = key(m.group(2))
+            n = max(len(have), len(want))
+            if not ops[m.group(1)](have + (0,) * (n - len(have)), want + (0,) * (n - len(want))):
+                return False
+    except (ValueError, TypeError):
+        return None
+    return True
+
+
 def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -497,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_part(py, part, world, device, out, min(cap, left), a.optimizers)
         print(f"{r['status']} ({r.get('wall_s', 0):.0f} s)", flush=True)
         results.append(r)
-    info.update(count=n_gpus, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
+    info.update(count=n_gpus, torch_range=declared_range(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
                 budget_s=budget if budget != float("inf") else 0.0, wall_s=time.monotonic() - t0)
     info["exit"] = exit_status(results, dry)
     section = render(info, results, dry, full=False)
