@@ -108,6 +108,9 @@ def test_a_part_that_runs_out_of_time_is_reported(tmp_path):
     r = gpu_check.run_part(sys.executable, "plain", 1, "cpu", tmp_path, timeout=1.0)
     assert r["status"] == "timeout" and "timed out after 1 s" in r["why"], r
     assert gpu_check.exit_status([r], dry=True) == 1
+    info = dict(torch="2.13.0", python="py", python_version="3.11", deps={}, date="today", commit="x",
+                wall_s=1.0, budget_s=0.0, exit=1, **{"import": "ok"})
+    assert "| plain W=1 | bit for bit | TIMEOUT |" in gpu_check.render(info, [r], dry=True, full=True)
 
 
 def _trace(*gpu, ops=()):

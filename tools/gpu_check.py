@@ -530,17 +530,26 @@ def main(argv: list[str] | None = None) -> int:
                                 why=f"the {budget:.0f} s budget was spent"))
             continue
         print(f"gpu-check: {part} W={world} (up to {min(cap, left):.0f} s) ...", end=" ", flush=True)
-        r = run_part(py, part, world, device, out, min(cap, left), a.optimizers)
+        try:
+            r = run_part(py, part, world, device, out, min(cap, left), a.optimizers)
+        except Exception as e:  # noqa: BLE001 - the driver's own failure on one part
+            kind = "correctness" if part in CORRECTNESS else "check" if part == "profiler" else "bench"
+            r = dict(part=part, world=world, kind=kind, status="error", why=f"{type(e).__name__}: {e}")
         print(f"{r['status']} ({r.get('wall_s', 0):.0f} s)", flush=True)
         results.append(r)
     info.update(count=n_gpus, torch_range=declared_range(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
                 budget_s=budget if budget != float("inf") else 0.0, wall_s=time.monotonic() - t0)
     info["exit"] = exit_status(results, dry)
-    section = render(info, results, dry, full=False)
-    (out / "gpu_section.md").write_text(section)
-    (out / "report.md").write_text(render(info, results, dry, full=True))
     (out / "results.json").write_text(json.dumps(dict(info=info, probes=probes, results=results), indent=1,
                                                  default=str))
+    try:
+        section = render(info, results, dry, full=False)
+        full = render(info, results, dry, full=True)
+    except Exception as e:  # noqa: BLE001 - the results are written; say why the tables are not
+        section = full = (f"{BEGIN}\n## GPU (make gpu-check)\n\nThe report could not be rendered "
+                          f"({type(e).__name__}: {e}); the results are in results.json.\n{END}\n")
+    (out / "gpu_section.md").write_text(section)
+    (out / "report.md").write_text(full)
     if not dry:
         write_section(section)
     print(section)
