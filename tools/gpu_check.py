@@ -177,14 +177,18 @@ def plan(n_gpus: int, dry: bool, parts: list[str] | None, worlds: list[int] | No
     return steps
 
 
+def _kind(part: str) -> str:
+    """How a part counts: "correctness" (in the exit status), "check" (reported), "bench"."""
+    return "correctness" if part in CORRECTNESS else "check" if part == "profiler" else "bench"
+
+
 def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else ""
 
 
 def _recover(d: Path, part: str, world: int, why: str) -> dict[str, Any]:
     """A part that ended without its result: what its ranks wrote as they went."""
-    res: dict[str, Any] = dict(part=part, world=world, status=why, kind="correctness" if part in CORRECTNESS
-                               else "check" if part == "profiler" else "bench")
+    res: dict[str, Any] = dict(part=part, world=world, status=why, kind=_kind(part))
     lines = [json.loads(x) for x in (d / "rank0.jsonl").read_text().splitlines()] if (d / "rank0.jsonl").exists() else []
     done = [x for x in lines if "start" not in x]
     started = [x["start"] for x in lines if "start" in x]
@@ -525,16 +529,14 @@ def main(argv: list[str] | None = None) -> int:
         left = deadline - time.monotonic()
         cap = CPU_CAP_S if dry else CAPS_S[part]
         if left < min(cap, 10):
-            kind = "correctness" if part in CORRECTNESS else "check" if part == "profiler" else "bench"
-            results.append(dict(part=part, world=world, kind=kind, status="not run",
+            results.append(dict(part=part, world=world, kind=_kind(part), status="not run",
                                 why=f"the {budget:.0f} s budget was spent"))
             continue
         print(f"gpu-check: {part} W={world} (up to {min(cap, left):.0f} s) ...", end=" ", flush=True)
         try:
             r = run_part(py, part, world, device, out, min(cap, left), a.optimizers)
         except Exception as e:  # noqa: BLE001 - the driver's own failure on one part
-            kind = "correctness" if part in CORRECTNESS else "check" if part == "profiler" else "bench"
-            r = dict(part=part, world=world, kind=kind, status="error", why=f"{type(e).__name__}: {e}")
+            r = dict(part=part, world=world, kind=_kind(part), status="error", why=f"{type(e).__name__}: {e}")
         print(f"{r['status']} ({r.get('wall_s', 0):.0f} s)", flush=True)
         results.append(r)
     info.update(count=n_gpus, torch_range=declared_range(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
