@@ -199,7 +199,7 @@ def test_a_list_of_modules_is_one_group(world_size: int) -> None:
 
 def _signature() -> dict[str, object]:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     out: dict[str, object] = {}
     m = Net()
@@ -209,11 +209,17 @@ def _signature() -> dict[str, object]:
                              reshard_after_forward=None)
     out["ignored_kept_plain"] = m.out.bias is keep and not isinstance(keep, vefsdp_optim.ShardedParameter)
     out["sharded"] = isinstance(m.out.weight, vefsdp_optim.ShardedParameter)
-    try:
-        vefsdp_optim.fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1))
-        out["shard1_refused"] = False
-    except NotImplementedError as e:
-        out["shard1_refused"] = "Shard(dim=1)" in str(e)
+    # [Note: shard placements]: Shard(d) of a dim of the parameter is accepted, stored ragged
+    out["shard1_accepted"] = isinstance(
+        vefsdp_optim.fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(p.dim() - 1)).weight,
+        vefsdp_optim.ShardedParameter)
+    for bad, err, words in ((Shard(2), ValueError, "dim 2 is out of range"),
+                            (Replicate(), NotImplementedError, "accepts None, Shard(0) or Shard(d)")):
+        try:
+            vefsdp_optim.fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p, bad=bad: bad)
+            out[f"{bad}_refused"] = False
+        except err as e:
+            out[f"{bad}_refused"] = words in str(e) and "weight" in str(e)
     _backward(m)
     out["trains"] = all(p.grad is not None for p in m.parameters())
     return out

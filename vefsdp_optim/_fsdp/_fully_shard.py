@@ -30,7 +30,7 @@ from vefsdp_optim.comm import dtensor_boxes
 
 from ._group import ShardGroup, check_shard_group_consistent
 from ._module import FSDPModule, state_of
-from ._param import ManagedParam, TensorParallel
+from ._param import ManagedParam, TensorParallel, mesh_key
 from ._sharded_tensor import ShardedParameter
 from ._state import FSDPState, ParamOutsideUse
 
@@ -112,9 +112,13 @@ def fully_shard(
     that communicates together; it is gathered at the first of them to run forward and
     resharded when all have. ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D
     (replicate, shard) HSDP mesh; default: every rank of the default process group on the current
-    device type. ``shard_placement_fn``: FSDP2's per-parameter placement; ``None`` or
-    ``Shard(0)`` is this library's layout (a RaggedShard of the flattened parameter, cut
-    where the optimizers' blocks allow), any other placement raises NotImplementedError.
+    device type. ``shard_placement_fn``: FSDP2's per-parameter placement; ``None``,
+    ``Shard(0)`` and ``Shard(d)`` for a dim d of the parameter (torchtitan's ``Shard(1)``
+    experts) are all stored as this library's layout (a RaggedShard of the flattened
+    parameter, cut where the optimizers' blocks allow; [Note: shard placements]); a
+    ``ShardPlacementResult`` on this call's mesh is accepted, on another mesh, or any other
+    placement, raises NotImplementedError. Expert parallelism: experts as DTensors on an
+    ``ep`` mesh, ``fully_shard(experts, mesh=edp_mesh)``, then the block over ``dp``.
     ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy`` (the sharded
     parameters, gradients and optimizer step on the CPU: [Note: CPU offload] in
     _store.py). ``ignored_params``: left out of the shard group, as FSDP2.
@@ -159,14 +163,9 @@ def fully_shard(
     device = _default_device(mesh)
     offload, pin_memory = _check_offload(offload_policy)
     params = _collect(modules, device, set(map(id, ignored_params or ())))
-    if shard_placement_fn is not None:
+    if shard_placement_fn is not None:  # [Note: shard placements]
         for mp in params:
-            placement = shard_placement_fn(mp.original)  # type: ignore[attr-defined]
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0):
-                raise NotImplementedError(
-                    f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}; vefsdp_optim's "
-                    "fully_shard supports None or Shard(0) (its RaggedShard layout of the flattened "
-                    "parameter); use torch's fully_shard for other placements")
+            _check_placement(shard_placement_fn(mp.original), mp, mesh)  # type: ignore[attr-defined]
     data = {}
     for mp in params:
         src = mp.sharded_src  # type: ignore[attr-defined]
@@ -213,6 +212,49 @@ def fully_shard(
         m.__class__ = new_cls
         m._vefsdp_state = state
     return module
+
+
+# [Note: shard placements]
+# FSDP2's ``shard_placement_fn`` picks the dim its even chunks cut (``Shard(0)``, or
+# ``Shard(1)``, which torchtitan gives experts fewer than edp x ep ranks so that dim 0 is
+# not padded). This library stores every parameter as a RaggedShard of its flattened
+# (TP-local) tensor, cut where the optimizers' blocks allow, so no placement changes the
+# storage: ``Shard(d)`` for any dim d of the parameter is accepted and means "sharded
+# over this call's mesh", as ``Shard(0)`` and ``None`` do. What FSDP2's dim-1 chunks buy
+# (no padding of a short dim 0) the ragged cut already has. A rank's slice is then not
+# FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
+# is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
+# the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
+# (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` is
+# accepted where its mesh is this call's mesh by value ([Note: meshes by value]); a
+# parameter on another mesh (torchtitan's experts on ``efsdp``) takes its own call:
+# ``fully_shard(experts, mesh=edp_mesh)`` first, then the block over dp. Any other
+# placement (Replicate, _StridedShard) raises NotImplementedError naming it.
+
+
+def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> None:
+    """Accept ``placement`` from shard_placement_fn for ``mp`` or raise ([Note: shard placements])."""
+    name = f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}"
+    if placement is not None and hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
+        other = getattr(placement.mesh_info, "mesh", None)  # FSDP2's ShardPlacementResult
+        if other is None or mesh_key(other) != mesh_key(mesh):
+            raise NotImplementedError(
+                f"{name}: a mesh other than this call's ({other} vs {mesh}); vefsdp_optim's fully_shard "
+                "shards one call's parameters over one mesh: call fully_shard on the module holding "
+                "these parameters with mesh=their mesh first (fully_shard(experts, mesh=edp_mesh)), "
+                "then on the enclosing module with its own mesh")
+        placement = placement.placement
+    if placement is None:
+        return
+    if type(placement) is not Shard:
+        raise NotImplementedError(
+            f"{name}; vefsdp_optim's fully_shard accepts None, Shard(0) or Shard(d) for a dim d of "
+            "the parameter (all stored as its RaggedShard layout of the flattened parameter); use "
+            "torch's fully_shard for other placements")
+    ndim = max(len(mp.shape), 1)
+    if not -ndim <= placement.dim < ndim:
+        raise ValueError(f"{name}: dim {placement.dim} is out of range for its shape {tuple(mp.shape)} "
+                         f"(expected -{ndim} <= dim < {ndim})")
 
 
 def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorParallel:

@@ -23,7 +23,19 @@ from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
 
 from ._sharded_tensor import ShardedParameter
 
-__all__ = ["ManagedParam", "TensorParallel"]
+__all__ = ["ManagedParam", "TensorParallel", "mesh_key"]
+
+# [Note: meshes by value]
+# Two DeviceMesh objects are the same mesh when they have the same device type, the same
+# ranks in the same arrangement and the same dim names: torchtitan and users distribute
+# each expert weight with its own ``mesh["ep"]`` slice, a new object every time, and
+# those must be one tp mesh to a shard group. So the library compares meshes by
+# ``mesh_key``, never by ``id``. ``DeviceMesh.__eq__`` (torch 2.11-2.15) is not used: it
+# also compares the root mesh's rank map, the creating thread and (2.15) the rank-order
+# flag, so the ``ep`` slices of two equal root meshes built apart would differ. What the
+# library derives from a mesh depends only on the key: each rank's coordinate (hence
+# its DTensor box) and, through the names, the dp x tp process group, which torch
+# caches per flattened name on the root mesh (equal slices of one root share it).
 
 # [Note: fully_shard over tensor parallel]
 # A parameter that tensor parallelism made a DTensor on a 1-D ``tp`` mesh is managed by
@@ -90,6 +102,14 @@ class TensorParallel:
 # gradient summed there: no per-parameter gradient tensor, no copy into a flat
 # reduce-scatter input. The unsharded parameter object is made once and survives
 # free/alloc of the global buffer (its storage is resized, not replaced).
+
+
+def mesh_key(mesh: Any) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[str, ...] | None]:
+    """A DeviceMesh by value: device type, shape, ranks (row-major) and dim names
+    ([Note: meshes by value])."""
+    ranks = mesh.mesh
+    return (mesh.device_type, tuple(ranks.shape), tuple(ranks.reshape(-1).tolist()),
+            tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None)
 
 
 class ManagedParam:

@@ -30,7 +30,7 @@ from vefsdp_optim._torch_compat import (
 from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
 from vefsdp_optim.sharding import BufferPlan, RaggedShard, TensorSpec, plan_buffer
 
-from ._param import ManagedParam
+from ._param import ManagedParam, mesh_key
 from ._streams import NO_STREAMS, CommContext, Streams
 
 __all__ = ["DtypeStore", "GradSettings", "PendingGather", "PendingReduce", "StoreSettings", "ALIGN"]
@@ -274,11 +274,13 @@ class DtypeStore:
         tps = [p for p in self.params if p.tp is not None and p.tp.boxes is not None]
         if not tps:
             return {}
-        meshes = {id(p.tp.mesh) for p in tps}
+        meshes = {mesh_key(p.tp.mesh) for p in tps}  # [Note: meshes by value]
         tp_world = tps[0].tp.boxes.world_size
         if len(meshes) > 1 or any(p.tp.boxes.world_size != tp_world for p in tps):
-            raise NotImplementedError("fully_shard: the tensor-parallel parameters of one shard group must share "
-                                      "one tp mesh")
+            raise NotImplementedError(
+                "fully_shard: the tensor-parallel parameters of one shard group must share one tp mesh "
+                f"(equal device type, ranks and dim names), got {len(meshes)}: "
+                + "; ".join(f"{p.fqn} on {p.tp.mesh}" for p in tps))
         runs: dict[str, list[RaggedShard]] = {p.fqn: [] for p in tps}
         for j in range(tp_world):
             specs = [TensorSpec(p.fqn, (p.tp.boxes.boxes[j].sizes if p.tp is not None and p.tp.boxes is not None
