@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vefsdp_optim._torch_compat import StridedShard, dtensor_local, mesh_flatten
+from vefsdp_optim._torch_compat import FakeTensor, StridedShard, dtensor_local, mesh_flatten
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["ShardedView", "dtensor_boxes", "sharded_view"]
@@ -29,7 +29,7 @@ __all__ = ["ShardedView", "dtensor_boxes", "sharded_view"]
 # so ``_local_tensor.view(-1)`` aliases exactly this rank's rows and not the padding.
 
 _SUPPORTED = (
-    "plain tensors and nn.Parameter (single device or DDP), DTensors on any mesh whose "
+    "plain tensors and nn.Parameter (single device or DDP; FakeTensorMode's fakes of them), DTensors on any mesh whose "
     "placements are Shard, _StridedShard and Replicate (FSDP2, HSDP, tensor and expert "
     "parallel, with unpadded local tensors), and objects with a __sharded_view__() method"
 )
@@ -97,7 +97,8 @@ def sharded_view(t: object) -> ShardedView:
     protocol raise TypeError.
     """
     kind = type(t)
-    if kind is torch.Tensor or kind is nn.Parameter or kind is nn.Buffer:  # first: the common case
+    # first: the common case; a FakeTensor (FakeTensorMode's plain tensor) is one too
+    if kind is torch.Tensor or kind is nn.Parameter or kind is nn.Buffer or kind is FakeTensor:
         if not t.is_contiguous():
             raise NotImplementedError(
                 f"non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not "

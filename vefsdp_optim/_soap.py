@@ -16,6 +16,7 @@ from ._block_optimizer import BlockContext, BlockOptimizer, aligned
 from ._registry import register_optimizer
 from ._state_format import ELEMENTWISE, REPLICATED, WHOLE, validate_state
 from ._step_loop import StepItem
+from ._torch_compat import FakeTensor
 
 __all__ = ["SOAP"]
 
@@ -36,7 +37,7 @@ __all__ = ["SOAP"]
 
 _HPARAMS = ("lr", "betas", "shampoo_beta", "eps", "weight_decay", "precondition_frequency",
             "normalize_grads", "correct_bias")  # SoapHparams' fields, in order
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)  # FakeTensorMode's fake of a plain tensor
 
 
 def _check_bool(name: str, value: object) -> None:

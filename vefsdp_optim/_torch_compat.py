@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd import Variable
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -51,7 +52,7 @@ __all__ = [
     "flatten_state_dict", "set_element", "StorageInfo", "MEM_FORMAT_ENCODING", "get_layout",
     "StridedShard", "dtensor_local", "mesh_flatten", "mesh_concatenate",
     "device_dtype_check_for_fused", "to_scalar",
-    "tree_flatten", "tree_map", "tree_unflatten",
+    "tree_flatten", "tree_map", "tree_unflatten", "FakeTensor",
     "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
     "foreach_lerp_", "foreach_add_",
     "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
@@ -117,6 +118,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._foreach_lerp_": CHECKED,
     # 8-bit Adam's step counts (_adam8bit): one add for a bucket's tensors, as torch.optim's
     "torch._foreach_add_": CHECKED,
+    # a fake plain tensor (FakeTensorMode) is viewed as a plain one (comm._views, _soap):
+    # the step then runs under FakeTensorMode, as torch.optim's does
+    "torch._subclasses.fake_tensor.FakeTensor": ("2.11.0", "2.13.0", "2.15.0"),
 }
 
 # Private names the library *defines*, on its subclass of torch's FSDPModule

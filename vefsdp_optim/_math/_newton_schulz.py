@@ -120,7 +120,7 @@ def zeropower_via_newtonschulz(
         x = x.T  # (cols, rows): iterate on the wide orientation, X X^T is the small Gram
     norm = x.norm() * POLAR_EXPRESS_SAFETY + eps if polar else x.norm().clamp(min=eps)
     # torch's version divides a bfloat16 input in place; ours divides only its own cast
-    x = x.div(norm) if x.data_ptr() == grad.data_ptr() else x.div_(norm)
+    x = x.div(norm) if grad.dtype == torch.bfloat16 else x.div_(norm)  # not grad's memory
     for a, b, c in schedule:
         # torch's bits (x @ x.T, torch.addmm); faster where torch runs its reference
         # loops ([Note: fast bfloat16 addmm])
@@ -154,7 +154,7 @@ def zeropower_via_newtonschulz_batched(
     # exact elementwise, broadcast or not)
     norms = torch.stack([m.norm() for m in x]).view(-1, 1, 1)
     norms = norms * POLAR_EXPRESS_SAFETY + eps if polar else norms.clamp(min=eps)
-    x = x.div(norms) if x.data_ptr() == grads.data_ptr() else x.div_(norms)
+    x = x.div(norms) if grads.dtype == torch.bfloat16 else x.div_(norms)
     for a, b, c in schedule:
         gram = mm_nt(x, x)  # (batch, short, short): x @ x.mT
         gram_update = addmm(gram, gram, gram, beta=b, alpha=c)  # torch.baddbmm's bits

@@ -509,7 +509,7 @@ def adam8bit_multi_tensor_step_(
                 _quant8_triton.run_triton_step_(p32, g32, *work, hp, flags, block_size, tables)
         for state, work in zip(states, works, strict=True):
             for t, w in zip(state, work, strict=True):
-                if w.data_ptr() != t.data_ptr():
+                if w is not t:  # a contiguous copy
                     t.copy_(w)
     else:
         for p32, grad, state, hp in zip(p32s, grads, states, hps, strict=True):
@@ -523,5 +523,5 @@ def adam8bit_multi_tensor_step_(
                     (exp_avg_sq, codes_v, absmax_v, quantizers[1])):
                 absmax.copy_(quantize(moment, block_size, out=codes)[1])
     for param, p32 in zip(params, p32s, strict=True):
-        if p32.data_ptr() != param.data_ptr():
+        if param.dtype != torch.float32 or not param.is_contiguous():  # p32 is a copy
             param.copy_(p32.view(param.shape))
