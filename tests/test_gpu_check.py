@@ -86,7 +86,8 @@ def test_a_changed_step_is_found(monkeypatch):
 
 
 def test_a_sync_in_a_step_is_found(monkeypatch):
-    """The sync watch reports the line, and the strict step its error."""
+    """The sync watch reports each sync of the steps after the first, and the strict step
+    the first (on the CPU: the suite's SyncRecorder, which names library lines only)."""
     import vefsdp_optim
 
     checker = _checker()
@@ -99,9 +100,8 @@ def test_a_sync_in_a_step_is_found(monkeypatch):
     monkeypatch.setattr(vefsdp_optim.Muon, "step", syncing)
     rec = checker.check_case("plain", "Muon", "tiny", "cpu", None)
     assert rec["ok"] and not rec["sync_ok"], rec
-    (loc,) = [k for k in rec["sync"]["events"] if "test_gpu_check.py" in k]
-    assert rec["sync"]["events"][loc] == 4  # the steps after the first
-    assert "_local_scalar_dense" in rec["sync"]["strict"] and "test_gpu_check.py" in rec["sync"]["strict"]
+    assert rec["sync"]["events"] == {"aten._local_scalar_dense.default at outside the library": 4}  # steps 2-5
+    assert rec["sync"]["strict"] == "would sync: aten._local_scalar_dense.default at outside the library"
 
 
 def test_a_part_that_runs_out_of_time_is_reported(tmp_path):

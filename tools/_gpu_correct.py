@@ -132,7 +132,7 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
     rec: dict[str, Any] = dict(kind=kind, optimizer=name, world=world, ok=False, error=None, steps=0,
                                mismatch=None, grads=dict(equal=True, exact_expected=exact_grads, max_abs=0.0),
                                dcp=None, sync=dict(events={}, strict=None))
-    watch = SyncWatch(device)
+    events: list[str] = []
     stage = "build"
     try:
         model, params, opt = _build(kind, shapes, device, name, kwargs)
@@ -152,8 +152,9 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
             if k == 0:
                 opt.step()
             else:
-                with watch:
+                with SyncWatch(device, opt) as watch:
                     opt.step()
+                events.extend(watch.events)
             ref.step()
             opt.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
@@ -186,13 +187,13 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
         if world == 1:
             stage = "strict sync step"
             model(_grads(99, shapes, device)).backward()
-            rec["sync"]["strict"] = strict_step(device, opt.step)
+            rec["sync"]["strict"] = strict_step(device, opt)
     except Exception as e:  # noqa: BLE001 - reported per case
         rec["error"] = f"in {stage}: {_tb(e)}"
         if rec["dcp"] is not None and stage == "dcp":
             rec["dcp"]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     counts: dict[str, int] = {}
-    for ev in watch.events:
+    for ev in events:
         counts[ev] = counts.get(ev, 0) + 1
     rec["sync"]["events"] = counts
     rec["ok"] = (rec["error"] is None and rec["mismatch"] is None

@@ -8,9 +8,11 @@ step runs to the end, so it can still be compared bit for bit, and each warning 
 the Python line that made the call (torch raises it in the frame that called the op).
 ``strict_step`` runs one step under "error" mode, as a user with that mode set would,
 and reports the first sync and its line. On the CPU (the dry run) nothing synchronizes;
-there a dispatch mode records the ops that would on a GPU (``SYNC_OPS``), with the same
-reports, so the driver's logic is tested without a GPU. On the CPU that also counts a
-read of a CPU scalar, which on CUDA would not sync.
+there the suite's ``SyncRecorder`` (tests/test_no_host_sync.py) records the ops that
+would on a GPU, every tensor counting as a device tensor except the optimizer's host
+step counters, with the same reports, so the driver's logic is tested without a GPU. A
+sync inside one torch kernel (``torch.linalg.eigh``'s error check on CUDA) is seen on a
+GPU only.
 """
 
 from __future__ import annotations
@@ -18,18 +20,15 @@ from __future__ import annotations
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools._checkout import ROOT
 
-__all__ = ["SYNC_OPS", "SyncWatch", "strict_step"]
+__all__ = ["SyncWatch", "strict_step"]
 
-SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero")
 _LIBRARY = tuple(str(ROOT / d) + "/" for d in ("vefsdp_optim", "comm", "sharding"))
 
 
@@ -49,37 +48,24 @@ def _library_frame(frames: list[tuple[str, int]]) -> str:
     return _where(*frames[0]) if frames else "?"
 
 
-def _stack() -> list[tuple[str, int]]:
-    f, out = sys._getframe(2), []
-    while f is not None:
-        out.append((f.f_code.co_filename, f.f_lineno))
-        f = f.f_back
-    return out
+def _recorder(opt: torch.optim.Optimizer) -> TorchDispatchMode:
+    """The suite's CPU recorder of would-be syncs, the step counters of ``opt`` exempt."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from test_no_host_sync import SyncRecorder, step_counters
 
-
-class _RecordSyncs(TorchDispatchMode):
-    """The CPU stand-in of the sync debug mode: ``SYNC_OPS`` recorded (or raised)."""
-
-    def __init__(self, events: list[str], strict: bool) -> None:
-        super().__init__()
-        self.events, self.strict = events, strict
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        name = str(func.overloadpacket)
-        if name in SYNC_OPS:
-            where = _library_frame(_stack())
-            if self.strict:
-                raise RuntimeError(f"{name} would synchronize with the host")
-            self.events.append(f"{where} {name}")
-        return func(*args, **(kwargs or {}))
+    return SyncRecorder(step_counters(opt))
 
 
 class SyncWatch:
-    """Records the syncs made inside the ``with`` block ([Note: sync watch]): ``events``,
-    one ``"path:line"`` (CUDA) or ``"path:line op"`` (CPU) per sync."""
+    """Records the syncs made inside the ``with`` block by ``opt``'s step ([Note: sync
+    watch]): ``events``, one ``"path:line"`` (CUDA) or ``"op at path:line (code)"`` (CPU)
+    per sync."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, opt: torch.optim.Optimizer) -> None:
         self.device = torch.device(device).type
+        self.opt = opt
         self.events: list[str] = []
 
     def __enter__(self) -> SyncWatch:
@@ -90,7 +76,7 @@ class SyncWatch:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
         else:
-            self._mode = _RecordSyncs(self.events, strict=False)
+            self._mode = _recorder(self.opt)
             self._mode.__enter__()
         return self
 
@@ -105,27 +91,24 @@ class SyncWatch:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         else:
             self._mode.__exit__(et, e, tb)
+            self.events += self._mode.found
 
 
-def strict_step(device: str, step: Callable[[], Any]) -> str:
-    """``step()`` under ``torch.cuda.set_sync_debug_mode("error")`` (on the CPU, the
-    dispatch mode that raises): ``"ok"``, or the error and the line that synced."""
-    cuda = torch.device(device).type == "cuda"
-    prev = torch.cuda.get_sync_debug_mode() if cuda else 0
-    mode = None
+def strict_step(device: str, opt: torch.optim.Optimizer) -> str:
+    """``opt.step()`` under ``torch.cuda.set_sync_debug_mode("error")``: ``"ok"``, or the
+    error and the line that synced. On the CPU, the step under the recorder: ``"ok"`` or
+    the first op that would sync."""
+    if torch.device(device).type != "cuda":
+        with _recorder(opt) as rec:
+            opt.step()
+        return "ok" if not rec.found else f"would sync: {rec.found[0]}"
+    prev = torch.cuda.get_sync_debug_mode()
     try:
-        if cuda:
-            torch.cuda.set_sync_debug_mode("error")
-        else:
-            mode = _RecordSyncs([], strict=True)
-            mode.__enter__()
-        step()
+        torch.cuda.set_sync_debug_mode("error")
+        opt.step()
         return "ok"
     except RuntimeError as e:
         frames = [(f.filename, f.lineno or 0) for f in reversed(traceback.extract_tb(e.__traceback__))]
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]} (at {_library_frame(frames)})"
     finally:
-        if cuda:
-            torch.cuda.set_sync_debug_mode(prev)
-        elif mode is not None:
-            mode.__exit__(None, None, None)
+        torch.cuda.set_sync_debug_mode(prev)

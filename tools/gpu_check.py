@@ -29,7 +29,7 @@ the GPU section of ``benchmarks/REPORT.md`` (between its markers, the device, to
 triton named). The exit status is 1 if a correctness part (or the sync check) did not
 pass, else 0. ``--cpu-dry-run`` runs the same parts with gloo on CPU tensors at tiny
 sizes (W = 1 and 2), writes under ``benchmarks/out/gpu-dry-run/`` and leaves REPORT.md
-alone; there the sync check only reports (a CPU scalar's read counts too).
+alone; there the sync check reports without judging (tests/test_no_host_sync.py judges).
 Standard library only at module level: it runs under a python without torch.
 """
 
@@ -371,8 +371,8 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
         rows.append({"part": "DCP", "checks": "save, load, resumed steps", "status": "FAIL" if bad else "pass",
                      "s": None, "detail": f"{len(dcp) - len(bad)} of {len(dcp)} cases equal"})
     rows.append({"part": "sync", "checks": "no host sync in a step", "status": sync.upper() if sync != "pass" else
-                 "pass", "s": None, "detail": f"{len(found)} findings" + (" (the CPU dry run only reports: a CPU "
-                                                                           "scalar's read counts too)" if dry else "")})
+                 "pass", "s": None, "detail": f"{len(found)} findings" + (" (the CPU dry run reports, not judges: "
+                                                                           "tests/test_no_host_sync.py judges)" if dry else "")})
     lines += [md_table(rows), ""]
     corr = [r for r in results if r.get("cases")]
     if corr:
