@@ -56,6 +56,7 @@ from vefsdp_optim.sharding import (
 
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
+from ._qk_clip import QKClip, qk_clip_defaults
 from ._registry import register_optimizer
 from ._state_format import ELEMENTWISE, LOCAL, REPLICATED
 from ._step_loop import StepItem
@@ -159,7 +160,7 @@ _FLATTEN_HELP = (
 
 
 @register_optimizer("muon")
-class Muon(BlockOptimizer):
+class Muon(QKClip, BlockOptimizer):
     """``torch.optim.Muon`` for whole models, on plain, FSDP2 and fully_shard parameters.
 
     For a parameter with 2 or more dims (viewed as ``(dim 0, rest)``) the update is
@@ -200,6 +201,10 @@ class Muon(BlockOptimizer):
     ``ns_coefficients="polar_express"`` replaces the fixed quintic by Polar Express's
     per-iteration coefficients and input scale (arXiv 2505.16932, Algorithm 1:
     [Note: Polar Express] in _math/_polar_express.py), ``ns_steps`` iterations of it.
+
+    QK-clip (MuonClip, Kimi K2): ``qk_clip_threshold`` (None: off) and ``qk_clip_alpha``
+    (group keys), :meth:`register_qk_clip` and :meth:`qk_clip_` after each step
+    ([Note: QK-clip] in _math/_qk_clip.py).
     """
 
     #: accepted ``adjust_lr_fn`` values: torch.optim.Muon's (``"spectral_unclamped"``,
@@ -224,12 +229,15 @@ class Muon(BlockOptimizer):
         split_sizes: Sequence[int] | None = None,
         num_heads: int | None = None,
         momentum_dtype: torch.dtype | None = None,
+        qk_clip_threshold: float | None = None,
+        qk_clip_alpha: float = 0.5,
     ) -> None:
         super().__init__(params, muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
-            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype))
+            adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype)
+            | qk_clip_defaults(qk_clip_threshold, qk_clip_alpha))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("use_muon", True) is False and "eps" in param_group:

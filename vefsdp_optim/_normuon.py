@@ -15,6 +15,7 @@ from vefsdp_optim.sharding import RaggedShard
 from ._adam_state import adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._muon import Muon, _MuonPlan, _ns_args, muon_defaults, normuon_orthogonalise_batched
+from ._qk_clip import qk_clip_defaults
 from ._registry import register_optimizer
 from ._state_format import LOCAL
 from ._step_loop import StepItem
@@ -70,7 +71,8 @@ class NorMuon(Muon):
     ``"original"`` / ``"match_rms_adamw"`` / ``"spectral_unclamped"``). The momentum is torch's average
     (``m <- momentum m + (1 - momentum) g``) where Dion sums (``m <- mu m + g``): the
     same direction, a constant factor that Newton-Schulz's normalization removes.
-    ``eps`` is Newton-Schulz's (torch's and the Polar Express paper's 1e-7).
+    ``eps`` is Newton-Schulz's (torch's and the Polar Express paper's 1e-7). QK-clip as
+    :class:`Muon`'s (``qk_clip_threshold``, ``register_qk_clip``, ``qk_clip_``).
     """
 
     adjust_lr_fns = Muon.adjust_lr_fns + ("spectral_norm", "rms_norm")
@@ -95,6 +97,8 @@ class NorMuon(Muon):
         split_sizes: Sequence[int] | None = None,
         num_heads: int | None = None,
         momentum_dtype: torch.dtype | None = None,
+        qk_clip_threshold: float | None = None,
+        qk_clip_alpha: float = 0.5,
     ) -> None:
         _check_beta2(muon_beta2)
         defaults = muon_defaults(
@@ -103,6 +107,7 @@ class NorMuon(Muon):
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
             adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype)
         defaults["muon_beta2"] = muon_beta2
+        defaults.update(qk_clip_defaults(qk_clip_threshold, qk_clip_alpha))
         BlockOptimizer.__init__(self, params, defaults)  # what Muon.__init__ does, with these defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
