@@ -162,3 +162,155 @@ def test_ep_fully_shard_equals_fsdp2(experts: int) -> None:
         assert r["expert_grad"] == 0.0, r
         assert r["dense_grad"] < 1e-6 and r["params"] < 1e-6, r
         assert abs(r["losses"][0][1] - r["losses"][1][1]) < 1e-6, r
+
+
+# -- every optimizer on it: one device replaying the same full gradients ----------------------
+
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "normuon", "shampoo", "soap")
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """``name`` on ``model``; the Muon family orthogonalizes each expert whole
+    (``flatten=False``: one matrix per expert) and steps the rest with AdamW or as matrices."""
+    import vefsdp_optim as vo
+
+    params = list(model.parameters())
+    if name == "adamw":
+        return vo.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "adamw8bit":
+        return vo.AdamW8bit(params, lr=1e-2, block_size=16, min_8bit_size=16)
+    if name in ("muon", "normuon"):
+        groups = [{"params": [p for p in params if p.dim() == 2]},
+                  {"params": [p for p in params if p.dim() < 2], "use_muon": False},
+                  {"params": [p for p in params if p.dim() == 3], "flatten": False}]
+        return (vo.Muon if name == "muon" else vo.NorMuon)(groups, lr=2e-2, weight_decay=0.1)
+    if name == "shampoo":
+        return vo.Shampoo(params, lr=1e-2, max_preconditioner_dim=4, precondition_frequency=2)
+    if name == "soap":
+        return vo.SOAP(params, lr=1e-2, precondition_frequency=2)
+    raise ValueError(name)
+
+
+def _optimizers_vs_one_device(experts: int, names: tuple[str, ...], steps: int = 3) -> dict[str, object]:
+    """Per optimizer: train the ep2 model with real forwards and backwards; one device
+    steps the same optimizer on the gathered full gradients. The largest difference, and
+    how the experts are stored."""
+    out: dict[str, object] = {}
+    for name in names:
+        model = _shard(_build(experts), "ep2")
+        ref = _build(experts)
+        opt, ref_opt = make_optimizer(name, model), make_optimizer(name, ref)
+        named_ref = dict(ref.named_parameters())
+        worst = 0.0
+        for step in range(steps):
+            model(_tokens(step)).pow(2).mean().backward()
+            for n, p in model.named_parameters():
+                named_ref[n].grad = _full(p.grad)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for n, p in model.named_parameters():
+                worst = max(worst, float((_full(p) - named_ref[n].detach()).abs().max()))
+        out[name] = worst
+    out["expert_layout"] = type(model.experts.w1.ragged_layout).__name__
+    return out
+
+
+@pytest.mark.parametrize("experts", [3, pytest.param(4, marks=pytest.mark.slow)])
+def test_every_optimizer_on_ep_bitwise(experts: int) -> None:
+    for r in run_distributed(_optimizers_vs_one_device, 4, experts, OPTIMIZERS):
+        assert r.pop("expert_layout") == "BoxShard", r  # over edp x ep
+        assert all(v == 0.0 for v in r.values()), r
+
+
+# -- DCP checkpoints across ep 2 x dp 2, ep 1 x dp 4, one device and FSDP2 + EP ---------------
+
+STEPS, SPLIT = 5, 3  # total steps; steps before the checkpoint
+CKPT_EXPERTS = 3  # Shard(1) experts, uneven over ep 2
+
+
+def _set_grads(model: nn.Module, step: int) -> None:
+    """Every parameter's .grad: this rank's part of the same full gradient."""
+    from test_nd_mesh import _full_grad, _set_box_grad
+
+    for n, p in model.named_parameters():
+        _set_box_grad(p, _full_grad(step, n, p.shape))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        _set_grads(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_run(layout: str, kind: str, names: tuple[str, ...], root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    for name in names:
+        model = _shard(_build(CKPT_EXPERTS, seed=1), layout, kind)
+        opt = make_optimizer(name, model)
+        _train(model, opt, range(SPLIT))
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(sd, checkpoint_id=os.path.join(root, name))
+
+
+def _load_run(layout: str, kind: str, names: tuple[str, ...], root: str) -> dict[str, dict[str, torch.Tensor]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    out = {}
+    for name in names:
+        model = _shard(_build(CKPT_EXPERTS, seed=2), layout, kind)  # other values: all must be loaded
+        opt = make_optimizer(name, model)
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=os.path.join(root, name))
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        _train(model, opt, range(SPLIT, STEPS))
+        out[name] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _run(fn, layout: str, *args):  # noqa: ANN001, ANN202
+    if layout != "single":
+        return run_distributed(fn, 4, layout, *args)[0]
+    if dist.is_initialized():
+        raise AssertionError("the test process has a process group")
+    return fn(layout, *args)
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    model = _build(CKPT_EXPERTS, seed=1)
+    opt = make_optimizer(name, model)
+    _train(model, opt, range(STEPS))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _resume(tmp_path, src: tuple[str, str], dst: tuple[str, str], names: tuple[str, ...]) -> None:
+    _run(_save_run, src[0], src[1], names, str(tmp_path))
+    got = _run(_load_run, dst[0], dst[1], names, str(tmp_path))
+    for name in names:
+        ref = _reference(name)
+        assert got[name].keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[name][k], ref[k]), (name, k, float((got[name][k] - ref[k]).abs().max()))
+
+
+@pytest.mark.parametrize("src, dst", [
+    (("ep2", "ours"), ("ep1", "ours")),
+    (("ep2", "ours"), ("single", "ours")),
+    pytest.param(("ep1", "ours"), ("ep2", "ours"), marks=pytest.mark.slow),
+    pytest.param(("single", "ours"), ("ep2", "ours"), marks=pytest.mark.slow),
+    pytest.param(("ep2", "fsdp2"), ("ep2", "ours"), marks=pytest.mark.slow),  # FSDP2's Shard(1) experts
+    pytest.param(("ep2", "ours"), ("ep2", "fsdp2"), marks=pytest.mark.slow),
+])
+def test_checkpoint_moves_between_ep_layouts(tmp_path, src, dst) -> None:
+    _resume(tmp_path, src, dst, OPTIMIZERS)

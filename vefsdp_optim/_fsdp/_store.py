@@ -331,6 +331,10 @@ class DtypeStore:
         flat, grad = self.master.local, self.master.local_grad
         if flat.is_complex() or flat.is_sparse:
             return False
+        if grad.untyped_storage().nbytes() < _nbytes(grad):
+            # released ([Note: gradient memory]): gradients set by hand are elsewhere, and a
+            # rank that holds no element of any member would read the missing bytes
+            return False
         for p in self.params:
             sp = p.sharded
             off, n = self._segments[id(sp)]
