@@ -100,7 +100,7 @@ def test_a_sync_in_a_step_is_found(monkeypatch):
     monkeypatch.setattr(vefsdp_optim.Muon, "step", syncing)
     rec = checker.check_case("plain", "Muon", "tiny", "cpu", None)
     assert rec["ok"] and not rec["sync_ok"], rec
-    assert rec["sync"]["events"] == {"aten._local_scalar_dense.default at outside the library": 4}  # steps 2-5
+    assert rec["sync"]["events"] == {"aten._local_scalar_dense.default at outside the library": 4}  # steps 1-4
     assert rec["sync"]["strict"] == "would sync: aten._local_scalar_dense.default at outside the library"
 
 

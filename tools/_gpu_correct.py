@@ -51,7 +51,9 @@ SIZES: dict[str, tuple[list[tuple[int, ...]], dict[str, dict[str, Any]]]] = {
     "gpu": ([(67, 45), (130, 72), (48, 96), (33, 64)],
             {**KWARGS, "AdamW8bit": dict(lr=1e-2, weight_decay=0.1)}),
 }
-STEPS_BEFORE, STEPS_AFTER = 3, 2  # around the DCP round trip; all but the first under SyncWatch
+# around the DCP round trip; under SyncWatch all but the first step of each optimizer (the
+# one that loaded the checkpoint too), where a layout check may read its collective's result
+STEPS_BEFORE, STEPS_AFTER = 3, 2
 
 
 class Bag(nn.Module):
@@ -124,7 +126,7 @@ def _tb(e: BaseException) -> str:
 def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | None) -> dict[str, Any]:
     """One optimizer on ``kind`` parameters ("plain", "fsdp2", "fully_shard"): steps
     against the reference, the reduced gradients, a DCP round trip (sharded kinds, when
-    ``ckpt_dir``), the syncs of every step after the first, and at W = 1 one step under
+    ``ckpt_dir``), the syncs of every step after each optimizer's first, and at W = 1 one step under
     the sync debug mode's "error" (at W > 1 a rank alone in an error would hang the others)."""
     shapes, kwargs = SIZES[size]
     world = dist.get_world_size() if kind != "plain" else 1
@@ -132,7 +134,8 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
     rec: dict[str, Any] = dict(kind=kind, optimizer=name, world=world, ok=False, error=None, steps=0,
                                mismatch=None, grads=dict(equal=True, exact_expected=exact_grads, max_abs=0.0),
                                dcp=None, sync=dict(events={}, strict=None))
-    events: list[str] = []
+    events: list[tuple[int, str]] = []  # (step, where)
+    warmups = {0}  # and the first step after a load: not watched
     stage = "build"
     try:
         model, params, opt = _build(kind, shapes, device, name, kwargs)
@@ -149,12 +152,12 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
                     rec["grads"]["max_abs"] = max(rec["grads"]["max_abs"], _diff(full, want)["max_abs"])
                     rec["grads"].setdefault("first", dict(step=k, param=i))
                 rp.grad = full
-            if k == 0:
+            if k in warmups:  # the first step of each optimizer checks its layouts (item 2)
                 opt.step()
             else:
                 with SyncWatch(device, opt) as watch:
                     opt.step()
-                events.extend(watch.events)
+                events.extend((k, ev) for ev in watch.events)
             ref.step()
             opt.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
@@ -175,6 +178,7 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
             model, params, opt = _dcp_round_trip(kind, name, size, device, kwargs, model, params, opt,
                                                  ckpt_dir, rec["dcp"])
             stage = "steps after the round trip"
+            warmups.add(STEPS_BEFORE)
             before = rec["mismatch"]
             for k in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
                 step(k, model, params, opt)
@@ -193,9 +197,12 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
         if rec["dcp"] is not None and stage == "dcp":
             rec["dcp"]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     counts: dict[str, int] = {}
-    for ev in events:
+    steps: dict[str, list[int]] = {}
+    for k, ev in events:
         counts[ev] = counts.get(ev, 0) + 1
-    rec["sync"]["events"] = counts
+        if k not in steps.setdefault(ev, []):
+            steps[ev].append(k)
+    rec["sync"]["events"], rec["sync"]["steps"] = counts, steps
     rec["ok"] = (rec["error"] is None and rec["mismatch"] is None
                  and (rec["grads"]["equal"] or not exact_grads)
                  and (rec["dcp"] is None or rec["dcp"]["ok"]))

@@ -14,7 +14,7 @@ run's budget (``--budget``, 450 s: the run stays under 8 minutes):
 - ``plain``, ``fully_shard``, ``fsdp2``: every optimizer on plain CUDA parameters and on
   our and torch's fully_shard, NCCL at world size 1 and at 2, 3 and all GPUs where there
   are that many, bit for bit against torch.optim or one device, with a DCP save, load
-  and resumed steps, and every step after the first watched for host syncs
+  and resumed steps, and every step after each optimizer's first watched for host syncs
   (``set_sync_debug_mode``; one step under its "error" at W = 1): tools/_gpu_correct.py;
 - ``profiler``: are our fully_shard's all-gathers and reduce-scatters off the default
   stream (FSDP2 as the control): tools/_gpu_profile.py;
@@ -272,7 +272,8 @@ def sync_verdict(results: list[dict[str, Any]]) -> tuple[str, list[str]]:
             seen = True
             where = f"{c['optimizer']} on {c['kind']} W={c['world']}"
             for loc, n in c["sync"]["events"].items():
-                found.append(f"{where}: {loc} (x{n})")
+                at = c["sync"].get("steps", {}).get(loc)
+                found.append(f"{where}: {loc} (x{n}" + (f", steps {', '.join(map(str, at))})" if at else ")"))
             if c["sync"]["strict"] not in (None, "ok"):
                 found.append(f"{where}: under \"error\": {c['sync']['strict']}")
             for r_, o in (c.get("other_ranks") or {}).items():
