@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["matrix_inverse_root", "shampoo_tiles"]
+__all__ = ["all_finite", "matrix_inverse_root", "shampoo_tiles"]
+
+
+def all_finite(x: Tensor) -> Tensor:
+    """Whether every element of ``x`` is finite: a 0-dim bool tensor on ``x``'s device, no
+    host read. ``max |x| < inf`` (the maximum of a NaN is NaN): two passes, where
+    ``torch.isfinite(x).all()`` takes four on the CPU."""
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    return x.abs().amax() < math.inf
 
 
 def matrix_inverse_root(
@@ -47,14 +58,14 @@ def matrix_inverse_root(
     # the supported range lets a caller avoid); a raise is still caught, as a failure.
     eye = torch.eye(a.shape[0], dtype=dtype, device=a.device)
     a_work = a.to(dtype)
-    finite = torch.isfinite(a_work).all()  # 0-dim bool
+    finite = all_finite(a_work)  # 0-dim bool
     try:
         eigvals, eigvecs = torch.linalg.eigh(torch.where(finite, a_work, eye))  # (n,), (n, n)
     except (torch.linalg.LinAlgError, RuntimeError):
         return eye.to(a.dtype), torch.zeros((), dtype=torch.bool, device=a.device)
     scale = (eigvals.clamp(min=0) + epsilon) ** (-1.0 / root)  # (n,)
     result = (eigvecs * scale) @ eigvecs.T  # (n, n)
-    ok = finite & torch.isfinite(result).all()
+    ok = finite & all_finite(result)
     return torch.where(ok, result, eye).to(a.dtype), ok
 
 

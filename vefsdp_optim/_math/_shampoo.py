@@ -11,13 +11,14 @@ the bits of that part of the whole-matrix step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ._matrix_root import matrix_inverse_root
+from ._matrix_root import all_finite, matrix_inverse_root
 
 __all__ = ["SHAMPOO_ROOT", "ShampooTile", "shampoo_step_", "shampoo_update_statistics_"]
 
@@ -52,24 +53,30 @@ def shampoo_update_statistics_(
     Returns ``(skipped tiles, failed roots)``: 0-dim int64 tensors on ``grad``'s device.
     """
     recompute = step >= start_preconditioning_step and (step - start_preconditioning_step) % precondition_frequency == 0
-    skipped = torch.zeros((), dtype=torch.int64, device=grad.device)
-    failed = torch.zeros((), dtype=torch.int64, device=grad.device)
+    tiles_ok, roots_ok = [], []  # 0-dim bools, counted once at the end
     for tile in tiles:
         stat_l, stat_r = tile.L, tile.R
         gt = grad[tile.rows, tile.cols].to(stat_l.dtype)  # (r, c)
-        ok = torch.isfinite(gt).all()  # 0-dim bool
+        ok = all_finite(gt)  # 0-dim bool
         # the update's own ops on a new tensor, then the select: the bits of the in-place update
         torch.where(ok, stat_l.mul(beta2).addmm_(gt, gt.T, alpha=1 - beta2), stat_l, out=stat_l)
         torch.where(ok, stat_r.mul(beta2).addmm_(gt.T, gt, alpha=1 - beta2), stat_r, out=stat_r)
-        skipped += ~ok
+        tiles_ok.append(ok)
         if not recompute:
             continue
         bc2 = 1 - beta2**step
         for stat, inv_root in ((stat_l, tile.L_inv_root), (stat_r, tile.R_inv_root)):
             root, ok = matrix_inverse_root(stat / bc2, SHAMPOO_ROOT, epsilon)
             torch.where(ok, root, inv_root, out=inv_root)
-            failed += ~ok
-    return skipped, failed
+            roots_ok.append(ok)
+    return _count_false(tiles_ok, grad.device), _count_false(roots_ok, grad.device)
+
+
+def _count_false(flags: list[Tensor], device: torch.device) -> Tensor:
+    """How many of the 0-dim bool ``flags`` are False: a 0-dim int64 tensor on ``device``."""
+    if not flags:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return len(flags) - torch.stack(flags).sum()
 
 
 def shampoo_step_(
@@ -156,10 +163,14 @@ def shampoo_step_(
     # in the preconditioned direction and its grafting norm, and get a NaN update, so
     # exactly they become NaN, as torch's AdamW makes them. The mask is applied at every
     # step, with no host check of whether any element is bad ([Note: device-side root
-    # checks] in _matrix_root.py): on finite moments the fills change nothing, so the
-    # bits are those of the unmasked products
-    bad = ~(torch.isfinite(m_hat) & torch.isfinite(graft))  # (rows, cols)
-    m_hat, graft = m_hat.masked_fill(bad, 0.0), graft.masked_fill(bad, 0.0)
+    # checks] in _matrix_root.py): on finite moments the selects change nothing, so the
+    # bits are those of the unmasked products. graft (m_hat, or m_hat / denom with
+    # denom > 0 or NaN) is finite only where m_hat is: one test covers both
+    good = graft.abs() < math.inf  # (rows, cols): finite (NaN compares False)
+    zero = m_hat.new_zeros(())
+    torch.where(good, m_hat, zero, out=m_hat)  # m_hat and graft are this step's own tensors
+    if denom is not None:
+        torch.where(good, graft, zero, out=graft)
     update = torch.empty_like(m_hat)  # (rows, cols)
     for tile in tiles:
         rs, cs, l_root, r_root = tile.rows, tile.cols, tile.L_inv_root, tile.R_inv_root
@@ -170,6 +181,6 @@ def shampoo_step_(
             norm = torch.linalg.vector_norm(direction)
             direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
         update[rs, cs] = direction
-    update.masked_fill_(bad, float("nan"))
+    torch.where(good, update, m_hat.new_full((), math.nan), out=update)
     param.add_(update, alpha=-lr)
     return report

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import tensordot
+from ._matrix_root import all_finite
 
 __all__ = [
     "SOAP_DATA_FORMATS",
@@ -230,7 +231,7 @@ def soap_eigenbasis(factor: Tensor) -> Tensor:
     """
     work = factor if factor.dtype in (torch.float32, torch.float64) else factor.float()
     eye = torch.eye(work.shape[0], dtype=work.dtype, device=work.device)
-    finite = torch.isfinite(work).all()  # 0-dim bool
+    finite = all_finite(work)  # 0-dim bool
     work = torch.where(finite, work, eye)  # the factor's bits where finite
     try:
         _, q = torch.linalg.eigh(work + 1e-30 * eye)
