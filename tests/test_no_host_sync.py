@@ -16,8 +16,9 @@ class, host work: [Note: batched Newton-Schulz]):
    a device tensor except the host-side step counters, which torch.optim keeps on the
    host (unless capturable or fused) and reads there. Those are the tensors of the
    optimizer state's ``step`` entries (and 8-bit Muon's ``momentum_step``), matched by
-   storage, so the views of a flat step buffer (AdamW's fused stores) count too, and the
-   tensors computed from them alone (an op whose tensor operands are all host-side runs
+   storage, so the views of a flat step buffer (AdamW's fused stores) count too; the CPU
+   tensors among the hyperparameters (a Tensor ``lr``, which torch.optim also reads on
+   the host); and the tensors computed from them alone (an op whose tensor operands are all host-side runs
    on the host, e.g. ``torch.stack(steps)``); plain Python numbers need no rule. Plain parameters on one device, and at W = 2 on FSDP2
    DTensors and on our ``fully_shard``. ``.tolist()`` dispatches nothing on a CPU tensor,
    so it is wrapped for the step; ``.cpu()`` of a CPU tensor is no op at all (check 2
@@ -151,10 +152,14 @@ class SyncRecorder(TorchDispatchMode):
         super().__exit__(*exc)
 
 
-def step_counters(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The host-side step counters of ``opt``'s state (see the module docstring)."""
-    return [v for st in opt.state.values() for k, v in st.items()
-            if k in STEP_KEYS and isinstance(v, torch.Tensor) and v.device.type == "cpu"]
+def host_scalars(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The host-side step counters of ``opt``'s state and the CPU tensors among its
+    hyperparameters (a Tensor ``lr``, as torch.optim takes it; see the module docstring)."""
+    counters = [v for st in opt.state.values() for k, v in st.items()
+                if k in STEP_KEYS and isinstance(v, torch.Tensor) and v.device.type == "cpu"]
+    hyper = [t for group in opt.param_groups for k, v in group.items() if k != "params"
+             for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    return counters + hyper
 
 
 # name -> a factory of the optimizer: small hyperparameters that reach every code path
@@ -167,7 +172,9 @@ CASES: dict[str, Callable[[list[Any]], torch.optim.Optimizer]] = {
                                                          fused=False),
     "Adam8bit-eager": lambda ps: vefsdp_optim.Adam8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=16,
                                                        block_size=64, fused=False),
+    "AdamW-tensor-lr": lambda ps: vefsdp_optim.AdamW(ps, lr=torch.tensor(1e-2), betas=(0.9, 0.99)),
     "Muon": lambda ps: vefsdp_optim.Muon(ps, lr=1e-2),
+    "Muon-tensor-lr": lambda ps: vefsdp_optim.Muon(ps, lr=torch.tensor(1e-2)),
     "Muon-int8": lambda ps: vefsdp_optim.Muon(ps, lr=1e-2, momentum_dtype=torch.int8),
     "NorMuon": lambda ps: vefsdp_optim.NorMuon(ps, lr=1e-2),
     "NorMuon-int8": lambda ps: vefsdp_optim.NorMuon(ps, lr=1e-2, momentum_dtype=torch.int8),
@@ -187,7 +194,7 @@ def _grads(params: list[nn.Parameter], seed: int, device: str = "cpu") -> None:
 
 
 def _recorded_step(opt: torch.optim.Optimizer) -> list[str]:
-    with SyncRecorder(step_counters(opt)) as rec:
+    with SyncRecorder(host_scalars(opt)) as rec:
         opt.step()
     return rec.found
 
