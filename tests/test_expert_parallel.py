@@ -247,7 +247,10 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
 
 def _save_run(layout: str, kind: str, names: tuple[str, ...], root: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     for name in names:
         model = _shard(_build(CKPT_EXPERTS, seed=1), layout, kind)
