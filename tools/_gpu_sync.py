@@ -10,7 +10,7 @@ the Python line that made the call (torch raises it in the frame that called the
 and reports the first sync and its line. On the CPU (the dry run) nothing synchronizes;
 there the suite's ``SyncRecorder`` (tests/test_no_host_sync.py) records the ops that
 would on a GPU, every tensor counting as a device tensor except the optimizer's host
-step counters, with the same reports, so the driver's logic is tested without a GPU. A
+scalars (its step counters), with the same reports, so the driver's logic is tested without a GPU. A
 sync inside one torch kernel (``torch.linalg.eigh``'s error check on CUDA) is seen on a
 GPU only.
 """
@@ -49,13 +49,14 @@ def _library_frame(frames: list[tuple[str, int]]) -> str:
 
 
 def _recorder(opt: torch.optim.Optimizer) -> TorchDispatchMode:
-    """The suite's CPU recorder of would-be syncs, the step counters of ``opt`` exempt."""
+    """The suite's CPU recorder of would-be syncs, ``opt``'s host scalars (its step
+    counters, a CPU tensor learning rate) exempt."""
     tests = str(ROOT / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-    from test_no_host_sync import SyncRecorder, step_counters
+    from test_no_host_sync import SyncRecorder, host_scalars
 
-    return SyncRecorder(step_counters(opt))
+    return SyncRecorder(host_scalars(opt))
 
 
 class SyncWatch:
