@@ -21,8 +21,8 @@ never touched, so q^R carries the whole factor); each head's rows of the key up-
 are its key rows k^C (``head_dim``, gamma ** (1 - alpha)) then its value rows
 (``v_head_dim``, untouched). A non-finite S_g (an overflowed forward) leaves its group
 unchanged instead of zeroing it. The factors are computed in float32 (or the logits'
-wider dtype), each weight element is multiplied by its row's factor in that dtype and
-rounded once to the weight's dtype, so any piece of a row, scaled alone, gets the bits
+wider dtype), each weight element is multiplied by its row's factor in the wider of the
+two dtypes and rounded once to the weight's dtype, so any piece of a row, scaled alone, gets the bits
 the whole row gets: the sharded form ([Note: QK-clip on shards] in _qk_clip.py) equals
 ``qk_clip_`` on one device.
 """
