@@ -205,6 +205,10 @@ def _semantics() -> dict[str, object]:
         out["norm"] = torch.allclose(norm, torch.linalg.vector_norm(ref.l1.weight.detach()))
         inf = torch._foreach_norm([p, m.l2.weight], float("inf"))
         out["inf_norm"] = torch.allclose(inf[1], ref.l2.weight.abs().max())
+        # torch.equal reduces to one bool: on the full tensors, the same answer on every rank
+        changed = ref.l1.weight.detach().clone()
+        changed.view(-1)[-1] += 1.0
+        out["equal"] = torch.equal(p, ref.l1.weight.detach()) and not torch.equal(p, changed)
     try:  # an in-place shape change cannot be a sharded op
         p.detach().t_()
         out["raises"] = False

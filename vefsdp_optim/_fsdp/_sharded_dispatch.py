@@ -175,6 +175,8 @@ def _slice_of(ref: Any, t: torch.Tensor) -> torch.Tensor:
 
 
 def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
+    if any(str(r.type) != "Tensor" for r in op_schema(func).returns):
+        return NotImplemented  # a reduction to a Python value (aten.equal): on the full tensors
     flat, spec = tree_flatten((args, kwargs))
     ref = _ref(cls, func, flat)
     names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
