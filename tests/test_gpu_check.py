@@ -162,6 +162,18 @@ def test_plan_and_exit_status():
     assert gpu_check.exit_status([{**ok, "status": "not run"}], dry=False) == 1
     synced = {**ok, "cases": [{**case, "sync": dict(events={"x.py:3": 2}, strict="ok")}]}
     assert gpu_check.exit_status([synced], dry=False) == 1 and gpu_check.exit_status([synced], dry=True) == 0
+    # a sync inside torch's own eigh (its error check on CUDA) is listed, not judged;
+    # the line number is read from the source, so the case follows the code
+    lines = (ROOT / "vefsdp_optim" / "_math" / "_matrix_root.py").read_text().splitlines()
+    eigh = next(i + 1 for i, line in enumerate(lines) if "torch.linalg.eigh(" in line)
+    at = f"vefsdp_optim/_math/_matrix_root.py:{eigh}"
+    inside = {**ok, "cases": [{**case, "sync": dict(events={at: 2}, strict=f"RuntimeError: sync (at {at})")}]}
+    verdict, found = gpu_check.sync_verdict([inside])
+    assert verdict == "pass" and len(found) == 2 and all("inside torch" in f for f in found), found
+    assert gpu_check.exit_status([inside], dry=False) == 0
+    beside = {**ok, "cases": [{**case, "sync": dict(events={f"vefsdp_optim/_math/_matrix_root.py:{eigh - 1}": 1},
+                                                    strict="ok")}]}
+    assert gpu_check.sync_verdict([beside])[0] == "fail"
 
 
 def test_gpu_section_replaces_the_previous_one(tmp_path):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -234,7 +235,6 @@ def run_part(py: str, part: str, world: int, device: str, out: Path, timeout: fl
 
 def run_kernel_tests(py: str, device: str, d: Path, timeout: float) -> dict[str, Any]:
     """The suite's GPU tests of the 8-bit kernels, with ``VEFSDP_TEST_DEVICE``."""
-    import re
 
     args = [py, "-m", "pytest", "-p", "tools._checkout", "-q", "-rfEs", "-p", "no:cacheprovider", *KERNEL_TESTS]
     t0 = time.monotonic()
@@ -262,10 +262,30 @@ def run_kernel_tests(py: str, device: str, d: Path, timeout: float) -> dict[str,
 # -- verdicts ---------------------------------------------------------------------------------------
 
 
+# syncs that torch makes inside one of its own ops, whatever the caller does: the line
+# that calls the op, as the source says it -> why (listed in the report, not judged)
+INSIDE_TORCH = {"torch.linalg.eigh(": "torch.linalg.eigh reads its error code back to the host on CUDA"}
+
+
+def inside_torch(loc: str) -> str | None:
+    """Why the sync reported at ``loc`` ("path:line", or a message ending in "(at
+    path:line)") is torch's own, or None."""
+    m = re.search(r"([\w./-]+\.py):(\d+)\)?$", loc)
+    if m is None:
+        return None
+    try:
+        line = (ROOT / m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
+    except (OSError, IndexError):
+        return None
+    return next((why for call, why in INSIDE_TORCH.items() if call in line), None)
+
+
 def sync_verdict(results: list[dict[str, Any]]) -> tuple[str, list[str]]:
     """"pass" / "fail" / "not run" over every correctness case's sync watch, and the
-    lines found (with the cases)."""
+    lines found (with the cases). A sync inside one of torch's own ops (``INSIDE_TORCH``)
+    is listed, marked as such, and does not fail the check."""
     found: list[str] = []
+    known: list[str] = []
     seen = False
     for r in results:
         for c in r.get("cases", []):
@@ -279,7 +299,12 @@ def sync_verdict(results: list[dict[str, Any]]) -> tuple[str, list[str]]:
             for r_, o in (c.get("other_ranks") or {}).items():
                 for loc, n in o["sync"]["events"].items():
                     found.append(f"{where} rank {r_}: {loc} (x{n})")
-    return ("not run" if not seen else "fail" if found else "pass"), found
+    for f in list(found):
+        why = inside_torch(f.rsplit(" (x", 1)[0])
+        if why is not None:
+            found.remove(f)
+            known.append(f"{f} [inside torch: {why}]")
+    return ("not run" if not seen else "fail" if found else "pass"), found + known
 
 
 def exit_status(results: list[dict[str, Any]], dry: bool) -> int:
@@ -435,7 +460,6 @@ def write_section(section: str, report: Path = REPORT) -> None:
 
 def declared_range() -> str:
     """pyproject.toml's torch requirement, e.g. ``>=2.11,<2.16`` (read as text)."""
-    import re
 
     m = re.search(r'^\s*"torch\s*([^";]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
     return m.group(1).strip() if m else "?"
@@ -445,7 +469,6 @@ def in_range(version: str, spec: str) -> bool | None:
     """Whether a torch version (``2.11.0+cu130``) meets ``spec`` (``>=2.11,<2.16``);
     None where either cannot be read."""
     import operator
-    import re
 
     def key(v: str) -> tuple[int, ...]:
         return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
