@@ -38,6 +38,7 @@ def test_no_cuda_device_exits_0_within_seconds(tmp_path):
         assert "no CUDA device" in r.stdout and wall < 20, (r.stdout, wall)
 
 
+@pytest.mark.slow  # a subprocess with its own ranks: test-hi runs it
 def test_dry_run_fully_shard_end_to_end(tmp_path):
     """Two optimizers (a torch oracle's and one device's) on our fully_shard at W = 1
     (gloo, CPU tensors): the steps, the DCP round trip and the sync watch run, and the
@@ -214,6 +215,7 @@ def test_torch_range_is_read_and_applied():
     assert gpu_check.in_range("2.11.0", "~=2.11") is None
 
 
+@pytest.mark.slow  # a subprocess with its own ranks: test-hi runs it
 def test_checkout_imports_without_an_install():
     """[Note: checkout imports]: with the installed package's finder removed, the
     checkout's vefsdp_optim.comm and .sharding still import, from the checkout."""
