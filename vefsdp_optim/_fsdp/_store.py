@@ -375,8 +375,11 @@ class DtypeStore:
             version = tensor_version(out)
             with streams.use(copy_in):
                 if compute is not self.master:
-                    with torch.no_grad():  # the one cast (under offload: and host-to-device copy) per all-gather
-                        compute.local.copy_(self.master.local, non_blocking=streams.active and self.settings.pinned)
+                    # the one cast (under offload: and host-to-device copy) per all-gather; non-blocking
+                    # from pageable memory too, as FSDP2 (the driver stages it before returning), so
+                    # the host never waits on the copy-in stream here
+                    with torch.no_grad():
+                        compute.local.copy_(self.master.local, non_blocking=streams.active)
             streams.wait_stream(gather, copy_in)
             with streams.use(gather):
                 work = compute.all_gather(async_op=async_op)
