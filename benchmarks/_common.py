@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark modules: device choice, spawned ranks, interleaved
-timing, medians with spread, machine facts, the result dict and its markdown table.
+timing, medians with spread, machine facts (CPU flags, our kernels), the one loader of
+the peer Dion, the result dict and its markdown table.
 
 Every ``benchmarks/bench_X.py`` exposes ``run(quick: bool = True) -> dict`` returning
 ``result(name, rows, notes)`` (JSON-able) and a ``main()`` built with ``cli``.
@@ -21,6 +22,7 @@ import os
 import pickle
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -35,14 +37,20 @@ from torch import nn
 import vefsdp_optim
 
 __all__ = [
+    "DION_ENV",
+    "DION_NOT_INSTALLED",
     "NOT_RUN_NO_CUDA",
     "cli",
+    "cpu_flags",
     "current_device",
     "device_for_world",
+    "dion_src",
+    "import_dion",
     "interleave",
     "machine_info",
     "markdown_table",
     "not_run_row",
+    "ns_kernels",
     "paired_ratio",
     "result",
     "spawn",
@@ -248,6 +256,67 @@ def machine_info() -> dict[str, Any]:
         "cuda_devices": cuda,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def cpu_flags() -> dict[str, bool]:
+    """The CPU features that set bfloat16 matmul speed, which dominates Newton-Schulz on
+    the CPU: AVX-512 BF16 (``vdpbf16ps``) and AMX tiles (oneDNN). Without them torch runs
+    bfloat16 products in its own loops (1-10 GFLOP/s): the peers' Newton-Schulz does, ours
+    takes kernels with those loops' bits ([Note: fast bfloat16 addmm]; ``ns_kernels()``
+    says whether they ran)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {k: k in flags for k in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
+
+
+def ns_kernels() -> str:
+    """Whether our Newton-Schulz ran on this library's bfloat16 matmul kernels (a note for
+    the reports: they change our speed on CPUs without bfloat16 units, never the bits)."""
+    from vefsdp_optim._math._bf16_matmul import fast_addmm_available, fast_mm_nt_available
+
+    parts = []
+    for name, (ok, why) in (("addmm", fast_addmm_available()), ("X X^T", fast_mm_nt_available())):
+        parts.append(f"{name} on" if ok else f"{name} off ({why})")
+    return ("ours: Newton-Schulz's bfloat16 products through the library's kernels with torch's bits "
+            f"([Note: fast bfloat16 addmm]): {', '.join(parts)}; the peers run torch's own")
+
+
+# -- peers ----------------------------------------------------------------------------
+
+DION_ENV = "VEFSDP_DION_SRC"
+DION_NOT_INSTALLED = (f"peer not installed: set {DION_ENV} to a checkout of github.com/microsoft/dion "
+                      "(the folder holding dion/); nothing was timed")
+
+
+def dion_src(*modules: str) -> str | None:
+    """The Dion checkout ``VEFSDP_DION_SRC`` names, or None when it is unset or lacks
+    ``dion/<m>.py`` for one of ``modules`` (default: ``muon``). Dion is not in the package
+    index; its code is imported from that checkout at run time, never copied."""
+    src = os.environ.get(DION_ENV)
+    if not src:
+        return None
+    wanted = modules or ("muon",)
+    return src if all(os.path.isfile(os.path.join(src, "dion", f"{m}.py")) for m in wanted) else None
+
+
+def import_dion(src: str) -> Any:
+    """The ``dion`` package of the checkout ``src`` (``dion_src()``, read in the parent and
+    passed to the spawned ranks, whose environment may differ)."""
+    if not os.path.isfile(os.path.join(src, "dion", "__init__.py")):
+        raise ValueError(f"{DION_ENV}={src!r} does not hold dion/__init__.py: expected a checkout of "
+                         "github.com/microsoft/dion (the folder holding dion/)")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    import dion
+
+    return dion
 
 
 def write_json(path: str | Path, obj: Any) -> None:

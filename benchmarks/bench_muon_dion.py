@@ -26,26 +26,29 @@ Newton-Schulz, so it sets what the rest of the step can gain.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from ._common import (
+    DION_NOT_INSTALLED,
     GradProbe,
     cli,
+    cpu_flags,
     current_device,
+    dion_src,
     fsdp2_params,
+    import_dion,
     interleave,
     not_run_row,
+    ns_kernels,
     paired_ratio,
     result,
     spawn,
     stats,
 )
 
-DION_ENV = "VEFSDP_DION_SRC"
 D = 256
 
 
@@ -56,44 +59,6 @@ def _dense_shapes() -> list[tuple[int, ...]]:
 def _moe_shapes(world: int) -> list[tuple[int, ...]]:
     e = 6 if world == 4 else 8
     return [(e, 2 * D, D), (e, D, 2 * D)]
-
-
-def dion_src() -> str | None:
-    """The Dion source tree named by VEFSDP_DION_SRC, or None when it is missing."""
-    src = os.environ.get(DION_ENV)
-    if src and os.path.isfile(os.path.join(src, "dion", "muon.py")):
-        return src
-    return None
-
-
-def cpu_flags() -> dict[str, bool]:
-    """The CPU features that set bfloat16 matmul speed, which dominates Newton-Schulz on
-    the CPU: AVX-512 BF16 (``vdpbf16ps``) and AMX tiles (oneDNN). Without them torch runs
-    bfloat16 products in its own loops (1-10 GFLOP/s): the peers' Newton-Schulz does, ours
-    takes kernels with those loops' bits ([Note: fast bfloat16 addmm]; ``ns_kernels()``
-    says whether they ran)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return {k: k in flags for k in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
-
-
-def ns_kernels() -> str:
-    """Whether our Newton-Schulz ran on this library's bfloat16 matmul kernels (a note for
-    the reports: they change our speed on CPUs without bfloat16 units, never the bits)."""
-    from vefsdp_optim._math._bf16_matmul import fast_addmm_available, fast_mm_nt_available
-
-    parts = []
-    for name, (ok, why) in (("addmm", fast_addmm_available()), ("X X^T", fast_mm_nt_available())):
-        parts.append(f"{name} on" if ok else f"{name} off ({why})")
-    return ("ours: Newton-Schulz's bfloat16 products through the library's kernels with torch's bits "
-            f"([Note: fast bfloat16 addmm]): {', '.join(parts)}; the peers run torch's own")
 
 
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
@@ -117,9 +82,7 @@ def _worker(world: int, steps: int, case: str, src: str) -> dict:
 
     import vefsdp_optim
 
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    import dion
+    dion = import_dion(src)
 
     device = current_device()
     mesh = init_device_mesh(torch.device(device).type, (world,))
@@ -198,8 +161,7 @@ def run(quick: bool = True) -> dict:
     if src is None:
         rows = [{"case": c, "world": w, "status": "peer not installed"}
                 for w in (2, 4) for c in ("dense", "moe")]
-        notes.append(f"peer not installed: set {DION_ENV} to a checkout of github.com/microsoft/dion "
-                     "(the folder holding dion/); nothing was timed")
+        notes.append(DION_NOT_INSTALLED)
         return result("muon_dion", rows, notes, cpu_flags=flags, wall_s=time.perf_counter() - t0)
     steps, repeats = (8, 1) if quick else (20, 3)
     rows, headline = [], []

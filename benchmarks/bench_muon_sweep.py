@@ -54,7 +54,6 @@ import io
 import math
 import os
 import pstats
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,19 +63,24 @@ import torch
 import torch.distributed as dist
 
 from ._common import (
+    DION_ENV,
+    DION_NOT_INSTALLED,
     GradProbe,
     cli,
+    cpu_flags,
     current_device,
+    dion_src,
     fsdp2_params,
+    import_dion,
     interleave,
     not_run_row,
+    ns_kernels,
     paired_ratio,
     result,
     spawn,
     stats,
     synchronize,
 )
-from .bench_muon_dion import DION_ENV, cpu_flags, dion_src, ns_kernels
 
 NAME = "muon_sweep"
 PLOT = Path(__file__).resolve().parent / "out" / f"{NAME}.png"
@@ -282,9 +286,7 @@ def _steps_for(runners: dict[str, Any], budget_s: float, lo: int, hi: int, devic
 def _worker(cases: list[Case], budget_s: float, lo: int, hi: int, src: str) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    import dion
+    dion = import_dion(src)
 
     device = current_device()
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -465,8 +467,7 @@ def sweep(cases: list[Case], quick: bool, what: str | None = None, plot: Path = 
     if src is None:
         rows = [{"family": c.family, "shape": c.label(), "W": c.world, "status": "peer not installed"}
                 for c in cases]
-        notes.append(f"peer not installed: set {DION_ENV} to a checkout of github.com/microsoft/dion "
-                     "(the folder holding dion/); nothing was timed")
+        notes.append(DION_NOT_INSTALLED)
         return result(NAME, rows, notes, cpu_flags=flags, wall_s=time.perf_counter() - t0)
     budget, lo, hi = (2.0, 6, 30) if quick else (4.0, 6, 40)
     raw = []
@@ -511,9 +512,7 @@ def _profile_worker(case: Case, steps: int, src: str, top: int) -> dict[str, str
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    import dion
+    dion = import_dion(src)
 
     device = current_device()
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),), mesh_dim_names=("dp",))

@@ -30,25 +30,28 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from ._common import (
+    DION_NOT_INSTALLED,
     GradProbe,
     cli,
+    cpu_flags,
     current_device,
+    dion_src,
     fsdp2_params,
+    import_dion,
     interleave,
     not_run_row,
+    ns_kernels,
     paired_ratio,
     result,
     spawn,
     stats,
 )
-from .bench_muon_dion import DION_ENV, cpu_flags, dion_src, ns_kernels
 from .bench_muon_sweep import _interleave_cpu
 
 WORLD = 2
@@ -71,9 +74,7 @@ def _worker(steps: int, comparison: str, case: str, src: str) -> dict:
 
     import vefsdp_optim
 
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    import dion
+    dion = import_dion(src)
 
     device = current_device()
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
@@ -144,7 +145,7 @@ def run(quick: bool = True) -> dict:
     """NorMuon over the sweep and Polar Express Muon on dense / MoE vs Dion at W = 2
     (quick: one run of 8 timed steps per case; full: 3 fresh runs of 20)."""
     t0 = time.perf_counter()
-    src = dion_src()
+    src = dion_src("muon", "normuon")
     flags = cpu_flags()
     notes = [
         f"W={WORLD} gloo CPU ranks, FSDP2 row shards, fp32 parameters, one intra-op thread per rank; "
@@ -167,8 +168,7 @@ def run(quick: bool = True) -> dict:
     if src is None:
         rows = [{"comparison": cmp, "case": c, "world": WORLD, "status": "peer not installed"}
                 for cmp, cases in (("normuon", SWEEP), ("polar_express", PE_CASES)) for c in cases]
-        notes.append(f"peer not installed: set {DION_ENV} to a checkout of github.com/microsoft/dion "
-                     "(the folder holding dion/); nothing was timed")
+        notes.append(DION_NOT_INSTALLED)
         return result("normuon_dion", rows, notes, cpu_flags=flags, wall_s=time.perf_counter() - t0)
     steps, repeats = (8, 1) if quick else (20, 3)
     rows = [_row("normuon", c, steps, src, repeats) for c in SWEEP]

@@ -139,3 +139,26 @@ def test_muon_sweep_grid_and_summary():
     rows = [{"shape": s, "W": 2, "r": {"median": m}} for s, m in (("a", 0.5), ("b", 2.0), ("c", 1.0))]
     s = sweep.summarize(rows, "r")
     assert s["geomean"] == 1.0 and s["worst"] == 2.0 and s["above_1"] == 1 and s["worst_shapes"].startswith("b W=2")
+
+
+def test_one_dion_loader(tmp_path, monkeypatch):
+    """The benches find Dion through ``_common``'s loader alone: a checkout lacking a
+    module they need reads as not installed, and the package imports from the checkout."""
+    from benchmarks import _common, bench_muon_dion, bench_muon_sweep, bench_normuon_dion
+
+    pkg = tmp_path / "dion"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("MARK = 'fake dion'\n")
+    (pkg / "muon.py").write_text("")
+    monkeypatch.setenv(_common.DION_ENV, str(tmp_path))
+    assert _common.dion_src() == str(tmp_path) and _common.dion_src("muon", "normuon") is None
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "dion", raising=False)
+    assert _common.import_dion(str(tmp_path)).MARK == "fake dion"
+    with pytest.raises(ValueError, match="dion/__init__.py"):
+        _common.import_dion(str(tmp_path / "elsewhere"))
+    monkeypatch.delenv(_common.DION_ENV)
+    assert _common.dion_src() is None
+    for mod in (bench_muon_dion, bench_muon_sweep, bench_normuon_dion):
+        assert not hasattr(mod, "DION_ENV") or mod.DION_ENV is _common.DION_ENV
+        assert "sys.path" not in inspect.getsource(mod), mod.__name__

@@ -13,7 +13,6 @@ quartiles. A peer that is not installed or fails is a row saying so.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -221,8 +220,7 @@ def _muon(size: str, device: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import vefsdp_optim
-    from benchmarks._common import GradProbe, fsdp2_params
-    from benchmarks.bench_muon_dion import DION_ENV, dion_src
+    from benchmarks._common import DION_ENV, GradProbe, dion_src, fsdp2_params, import_dion
 
     shapes = _muon_shapes(size)
     dev = f"cuda:{torch.cuda.current_device()}" if torch.device(device).type == "cuda" else "cpu"
@@ -258,12 +256,9 @@ def _muon(size: str, device: str) -> dict[str, Any]:
     if src is None:
         notes.append(f"dion.Muon not run: {DION_ENV} does not name Dion's source (the folder holding dion/)")
     else:
-        if src not in sys.path:
-            sys.path.insert(0, src)
+        dion = import_dion(src)
 
         def dion_muon() -> tuple[Any, list]:
-            import dion
-
             init, grads = tensors()
             ps = fsdp2_params(init, grads, mesh)
             return dion.Muon(ps, distributed_mesh=mesh, mu=0.95, nesterov=True, flatten=False,
