@@ -44,7 +44,6 @@ BENCHMARKS: dict[str, str] = {
     "soap": "bench_soap",
     "nd_mesh": "bench_nd_mesh",
     "profile": "bench_profile",
-    "scale_model": "scale_model",
 }
 TITLES = {
     "planner": "Planner: padding and planning time",
@@ -61,8 +60,8 @@ TITLES = {
     "many_tensors": "The step's cost per parameter: many small parameters vs torch AdamW",
     "shampoo": "Shampoo overhead",
     "soap": "SOAP vs the reference SOAP's step, one device (VEFSDP_SOAP_REF)",
+    "nd_mesh": "Optimizer steps on FSDP2 x tensor parallel (dp 2 x tp 2)",
     "profile": "Profile-guided optimization",
-    "scale_model": "Scale model: LLaMA-3-70B on 1,024 ranks with HSDP",
 }
 TIMEOUT_S = {True: 900, False: 3600}
 _SKIP_TABLES = {"rows", "notes", "headline", "groups_detail", "per_rank"}

@@ -57,21 +57,10 @@ def _worker(rank: int, world_size: int, init_file: str, inbox, outbox) -> None:
 
 
 def _teardown_and_exit(outbox) -> None:
-    """End a worker without finalizing the interpreter while gloo's threads live.
-
-    [Note: gloo teardown] (issue 23, benchmarks/STRESS.md) A gloo worker thread
-    (ProcessGroupGloo::runLoop) that releases a finished collective whose tensors'
-    Python objects torch preserved must take the GIL. If the interpreter starts to
-    finalize between torch's ``Py_IsInitialized()`` check and that GIL acquisition,
-    CPython ends the thread with pthread_exit(); the forced unwind meets the noexcept
-    destructor of the work and libstdc++ calls std::terminate(): "terminate called
-    without an active exception", SIGABRT. destroy_process_group() only joins those
-    threads when nothing else holds the group, and FSDP2's DeviceMesh and DTensor's
-    sharding caches (and our fully_shard state, until a gc) do hold it. So: every
-    rank's collectives complete (barrier), the group is destroyed, the results are
-    flushed to the parent, and the process ends with os._exit(0), skipping the
-    interpreter finalization in which the abort happens. Nothing a job leaves behind
-    is worth finalizing: the parent only reads the queue and the exit code.
+    """End a worker without finalizing the interpreter while gloo's threads live
+    ([Note: gloo teardown] in vefsdp_optim/_teardown.py): ``exit_rank``'s barrier,
+    destroy and ``os._exit(0)``, with the result queue flushed to the parent first
+    (the parent only reads the queue and the exit code).
     """
     import torch.distributed as dist
 

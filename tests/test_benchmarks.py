@@ -16,26 +16,27 @@ from pathlib import Path
 import pytest
 
 
-def _register_benchmarks_package() -> None:
-    """Make the repository's ``benchmarks`` folder importable as a package without
-    putting the repository root on sys.path (which would expose ``comm`` and
+def _register_package(name: str) -> None:
+    """Make the repository's ``benchmarks`` (or ``tools``) folder importable as a package
+    without putting the repository root on sys.path (which would expose ``comm`` and
     ``sharding`` as top-level packages)."""
-    if "benchmarks" in sys.modules:
+    if name in sys.modules:
         return
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    root = Path(__file__).resolve().parents[1] / name
     spec = importlib.util.spec_from_file_location(
-        "benchmarks", root / "__init__.py", submodule_search_locations=[str(root)])
+        name, root / "__init__.py", submodule_search_locations=[str(root)])
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["benchmarks"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
 
 
-_register_benchmarks_package()
+_register_package("benchmarks")
+_register_package("tools")
 
 from benchmarks import run as suite  # noqa: E402
 from benchmarks._common import markdown_table, paired_ratio, result, stats  # noqa: E402
 from benchmarks.model_shapes import ParamShape  # noqa: E402
-from benchmarks.scale_model import (  # noqa: E402
+from tools.scale_model import (  # noqa: E402
     _fsdp2_shard,
     _moved,
     _plan_counts,
@@ -43,6 +44,18 @@ from benchmarks.scale_model import (  # noqa: E402
     muon_ns_flops,
 )
 from vefsdp_optim.sharding import RaggedShard  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_suite_runs_every_bench_and_holds_only_the_suite():
+    """run.py runs every ``bench_*`` module, each with a title; besides them the folder
+    holds only the suite's shared pieces (tools and reproductions live in tools/)."""
+    benches = {p.stem for p in BENCH_DIR.glob("bench_*.py")}
+    assert set(suite.BENCHMARKS.values()) == benches
+    assert set(suite.TITLES) == set(suite.BENCHMARKS)
+    others = {p.name for p in BENCH_DIR.iterdir() if p.is_file() and not p.stem.startswith("bench_")}
+    assert others <= {"__init__.py", "_common.py", "_memtrack.py", "model_shapes.py", "run.py", "REPORT.md"}, others
 
 
 @pytest.mark.parametrize("module", sorted(set(suite.BENCHMARKS.values())))

@@ -1,13 +1,13 @@
-"""Issue 23: a rank must not abort at exit ("terminate called without an active exception").
+"""A rank must not abort at exit ("terminate called without an active exception").
 
-The cause (benchmarks/STRESS.md, [Note: gloo teardown] in dist_utils): a gloo worker
+The cause (tools/STRESS.md, [Note: gloo teardown] in vefsdp_optim/_teardown.py): a gloo worker
 thread that releases a finished collective whose tensors' Python objects torch
 preserved must take the GIL; if the interpreter starts to finalize in the meantime,
 CPython ends that thread with pthread_exit() and the forced unwind calls
 std::terminate(). destroy_process_group() does not join gloo's threads while anything
 else holds the group (FSDP2's DeviceMesh and DTensor's caches do), so the trigger is
 *interpreter finalization with gloo worker threads alive*. The race itself is rare
-(a few per hundred runs, benchmarks/stress_abort.py); these tests check the trigger,
+(a few per hundred runs, tools/stress_abort.py); these tests check the trigger,
 deterministically.
 """
 
@@ -64,4 +64,4 @@ def test_no_interpreter_finalization_with_gloo_threads_alive(tmp_path, world_siz
             threads = int(path.read_text())
             assert threads == 1, (
                 f"rank {r} finalized its interpreter with {threads} OS threads alive "
-                "(gloo's worker threads): the exit race of issue 23")
+                "(gloo's worker threads): the exit race of [Note: gloo teardown]")

@@ -1,4 +1,4 @@
-"""Ending a rank without the gloo teardown race (see benchmarks/STRESS.md).
+"""Ending a rank without the gloo teardown race.
 
 [Note: gloo teardown] torch's gloo worker threads release finished collectives on
 their own thread and may take the GIL while the interpreter finalizes; CPython then
@@ -6,6 +6,8 @@ ends that thread with pthread_exit and the process aborts ("terminate called wit
 active exception"). destroy_process_group() cannot join them while FSDP2's DeviceMesh or
 DTensor's caches still hold the group. A rank that is done therefore waits for every
 collective, destroys its process group and leaves without interpreter finalization.
+The investigation (backtrace, thread counts, a pure-torch reproduction) is
+tools/STRESS.md; tests/test_gloo_teardown.py checks the trigger.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stress loop for issue 23: intermittent SIGABRT / heap corruption in gloo processes.
+"""Stress loop for an intermittent SIGABRT / heap corruption in gloo processes.
 
 Not part of the test run. Each *run* spawns W fresh rank processes (this file, in
 ``--rank`` mode) under ``MALLOC_CHECK_=3`` and Python's fault handler; every rank
@@ -19,7 +19,7 @@ Bisect with the options:
     --barrier / --no-barrier       a final barrier before teardown
     --gdb                          run ranks under gdb -batch, print the backtrace of the abort
 
-Example: ``python benchmarks/stress_abort.py --reps 30 --world 2 3``.
+Example: ``python tools/stress_abort.py --reps 30 --world 2 3``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Py_IsInitialized() and then takes the GIL. If finalization starts in between, CP
 take_gil ends the thread with pthread_exit(); the forced unwind meets the noexcept
 ~AsyncWork and libstdc++ calls std::terminate(). A race: about 1 run in 5 here.
 destroy_process_group() joins the worker threads only when nothing else holds the
-group (a DeviceMesh does: FSDP2 keeps one), see benchmarks/STRESS.md.
+group (a DeviceMesh does: FSDP2 keeps one), see tools/STRESS.md.
 
-Usage: python benchmarks/repro_gloo_teardown.py [--world 2] [--reps 10] [--mode MODE]
+Usage: python tools/repro_gloo_teardown.py [--world 2] [--reps 10] [--mode MODE]
 
   --mode pending   (default) every rank launches an async all_reduce, drops the tensor
                    and the handle, and exits: the work is still in the gloo queue or

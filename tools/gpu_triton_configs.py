@@ -3,7 +3,7 @@
 program takes) and warp count, against torch's fused AdamW on the same tensor, and
 whether each configuration gives the default's bits.
 
-    python benchmarks/gpu_triton_configs.py [--out results.json]
+    python tools/gpu_triton_configs.py [--out results.json]
 
 Runs from an uninstalled checkout too (tools/_checkout.py). Not part of
 ``make gpu-check``: a tuning aid, whose numbers docs/performance.md records.

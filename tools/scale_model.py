@@ -1,10 +1,10 @@
 """Scale model: LLaMA-3-70B on 1,024 ranks with HSDP, this library's layout vs FSDP2's.
 
-    python -m benchmarks.scale_model [--quick|--full] [--out benchmarks/out/scale_model.json]
+    python -m tools.scale_model [--quick|--full] [--out benchmarks/out/scale_model.json]
 
 Nothing here runs at scale: per-step bytes, padding and Newton-Schulz flops are counted
 exactly from the plans ``plan_buffer`` makes for the 82 fully_shard groups of
-LLaMA-3-70B (``model_shapes.llama3_70b_model``) and from FSDP2's ``Shard(0)`` layout;
+LLaMA-3-70B (``benchmarks.model_shapes.llama3_70b_model``) and from FSDP2's ``Shard(0)`` layout;
 times are those counts divided by per-byte and per-flop rates, either the rates of a
 stated reference cluster (``CLUSTER``: assumptions) or the rates measured on this
 machine in the same run (gloo over loopback and one CPU core: context only, they are
@@ -23,10 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks._common import cli, current_device, result, spawn, stats, synchronize
+from benchmarks.model_shapes import ParamShape, llama3_70b_model, unit_for
 from vefsdp_optim.sharding import RaggedShard, TensorSpec, plan_buffer
-
-from ._common import cli, current_device, result, spawn, stats, synchronize
-from .model_shapes import ParamShape, llama3_70b_model, unit_for
 
 __all__ = ["CLUSTER", "MESHES", "estimate", "measure_rates", "muon_ns_flops", "run"]
 
