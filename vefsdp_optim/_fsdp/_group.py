@@ -130,6 +130,8 @@ class ShardGroup:
         #: [Note: lazy gradient buffer]: True (default) copies autograd's gradients into the
         #: buffer at the end of backward (FSDP2's memory); False adds into it in place
         self.grad_copy_in = True
+        #: [Note: unused parameters]: FSDPModule.set_reduce_scatter_unused_params
+        self.reduce_scatter_unused_params = False
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
         self._gathers: list[PendingGather] = []  # GATHERING: one per store
@@ -146,7 +148,8 @@ class ShardGroup:
     def grad_settings(self) -> GradSettings:
         """The gradient knobs as they are now, for the stores ([Note: store and shard group])."""
         return GradSettings(self.grad_copy_in, self.gradient_divide_factor, self.force_sum_reduction,
-                            self.requires_all_reduce, self.all_reduce_hook, self.before_grad_alloc)
+                            self.requires_all_reduce, self.all_reduce_hook, self.before_grad_alloc,
+                            self.reduce_scatter_unused_params)
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
         """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""

@@ -199,9 +199,14 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
-        """Accepted: fully_shard always reduce-scatters the whole flat gradient buffer, so
-        parameters unused on some rank contribute zeros there (as with True)."""
+        """False (the default, as FSDP2): a parameter this rank did not use since the last
+        reduction keeps ``.grad`` None, so every rank of a shard group must use it or none
+        must. True: every parameter that requires grad gets its reduced gradient, zero
+        where no rank used it (conditional control flow, mixture of experts), as FSDP2's
+        option and DDP's ``find_unused_parameters``. See [Note: unused parameters]."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for shard_group in self._shard_groups(recurse):
+            shard_group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted: fully_shard's reduce-scatter input is the store's own gradient buffer

@@ -10,6 +10,7 @@ store holds no reference to its shard group ([Note: store and shard group]).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,9 @@ class GradSettings:
     # called before a store allocates its gradient buffer: finishes completed reductions
     # of earlier shard groups
     before_grad_alloc: Callable[[], None]
+    # [Note: unused parameters]: True gives a parameter unused since the last reduction
+    # its reduced (zero where no rank used it) gradient, as FSDP2's option of that name
+    reduce_scatter_unused_params: bool = False
 
     @property
     def native_average(self) -> bool:
@@ -155,6 +159,22 @@ class GradSettings:
 # the buffer would spare the zero-fill, but it is a copy per parameter, which
 # [Note: grads into the buffer] rules out.)
 
+#
+# [Note: unused parameters]
+# A shard group reduces its whole gradient buffer, so each member's reduced slice exists
+# whether any rank used the member or not. Which members got a ``.grad`` follows FSDP2:
+# a hook on each unsharded parameter (and ``add_grad``) records the members this rank
+# gave a gradient since the last reduction; after the reduction only those get their
+# sharded ``.grad`` (a ``.grad`` the user kept stays, with zeros added). A member no rank
+# used then keeps ``.grad`` None, as on one device, so optimizers skip it instead of
+# applying weight decay and momentum to a zero gradient. The rule is local, so it costs
+# no collective and no host read: as under FSDP2, every rank must use a member in a
+# backward or none must (FSDP2 mismatches its reduce-scatter otherwise; here the ranks
+# that did not use it would leave their slice unstepped). Debug mode ([Note: consistent
+# steps]) all-reduces the marks and raises on a partial use. For conditional use (mixture
+# of experts, skipped branches) ``set_reduce_scatter_unused_params(True)``, FSDP2's
+# option, gives every member its reduced gradient, zero where no rank used it: DDP's
+# ``find_unused_parameters`` answer, which needs no knowledge of the other ranks.
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -206,6 +226,9 @@ class DtypeStore:
         # the settings of the backward whose first gradient the lazy gradient buffer awaits
         # ([Note: lazy gradient buffer])
         self._awaited_settings: GradSettings | None = None
+        # fqns of the members this rank gave a gradient since the last reduction
+        # ([Note: unused parameters])
+        self._used: set[str] = set()
         self.build(units, data, validate=validate)
 
     def specs(self, units: dict[str, int]) -> list[TensorSpec]:
@@ -387,8 +410,8 @@ class DtypeStore:
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(compute.full_view(p.fqn))
-                if self._lazy and p.requires_grad:
-                    p.unsharded.register_hook(self._on_grad)  # [Note: lazy gradient buffer]
+                if p.requires_grad:  # [Note: unused parameters], [Note: lazy gradient buffer]
+                    p.unsharded.register_hook(functools.partial(self._on_grad, p.fqn))
         return None if work is None and event is None else PendingGather(work, event, out, version)
 
     def free(self) -> None:
@@ -452,11 +475,13 @@ class DtypeStore:
         with torch.no_grad():
             self._gbuf.zero_()
 
-    def _on_grad(self, grad: torch.Tensor) -> None:
-        """Hook on an unsharded parameter's gradient, before AccumulateGrad: the store's
-        first gradient allocates the buffer ([Note: lazy gradient buffer]), under the
-        settings of the backward that ``attach_grads`` began."""
-        if not self._awaiting or self._awaited_settings.copy_in:
+    def _on_grad(self, fqn: str, grad: torch.Tensor) -> None:
+        """Hook on an unsharded parameter's gradient, before AccumulateGrad: marks ``fqn``
+        used ([Note: unused parameters]); the store's first gradient allocates the buffer
+        ([Note: lazy gradient buffer]), under the settings of the backward that
+        ``attach_grads`` began."""
+        self._used.add(fqn)
+        if not self._lazy or not self._awaiting or self._awaited_settings.copy_in:
             return
         self._awaiting = False
         self._awaited_settings.before_grad_alloc()
@@ -471,7 +496,7 @@ class DtypeStore:
         u = p.unsharded
         if u is None or not p.requires_grad:
             raise AssertionError(f"{p.fqn}: a gradient for a parameter without an unsharded face")
-        self._on_grad(grad)  # [Note: lazy gradient buffer]: maybe the store's first gradient
+        self._on_grad(p.fqn, grad)  # [Note: lazy gradient buffer]: maybe the store's first gradient
         with torch.no_grad():
             g = grad.detach().reshape(u.shape)
             if u.grad is None:  # a copy: autograd may hand the same tensor to other nodes
@@ -635,12 +660,38 @@ class DtypeStore:
                     _release_storage(reduce.local_grad)
 
             comm.add_post_reduce(pending.post_event, release)
+        used, self._used = self._used, set()
+        if settings.world_size * settings.replicate_world_size > 1 and not grad_settings.reduce_scatter_unused_params:
+            from vefsdp_optim._step_loop import check_every_step
+
+            if check_every_step():
+                self._check_used_alike(used)
         for p in self.params:
             if p.requires_grad:
-                if p.sharded.grad is None:  # a fresh alias: the use count sees who holds it
+                # [Note: unused parameters]; a fresh alias: the use count sees who holds it
+                if p.sharded.grad is None and (p.fqn in used or grad_settings.reduce_scatter_unused_params):
                     p.sharded.grad = p.sharded.with_local(master.local_grad_view(p.fqn).view(-1))
                 if p.unsharded is not None:
                     p.unsharded.grad = None
+
+    def _check_used_alike(self, used: set[str]) -> None:
+        """Debug check ([Note: unused parameters]): every rank of the shard group (and of
+        HSDP's replicate group) used each member since the last reduction, or none did."""
+        settings = self.settings
+        members = [p.fqn for p in self.params if p.requires_grad]
+        counts = torch.tensor([int(fqn in used) for fqn in members], dtype=torch.int32, device=settings.device)
+        dist.all_reduce(counts, group=settings.process_group)
+        if settings.replicate_process_group is not None:
+            dist.all_reduce(counts, group=settings.replicate_process_group)
+        ranks = settings.world_size * settings.replicate_world_size
+        partial = [f"{fqn} ({c} of {ranks} ranks)" for fqn, c in zip(members, counts.tolist()) if 0 < c < ranks]
+        if partial:
+            raise ValueError(
+                f"fully_shard: parameters got a gradient on some ranks of their shard group only since the "
+                f"last reduction: {', '.join(partial)}. As under FSDP2, every rank must use a parameter in a "
+                "backward or none must; for conditional use (mixture of experts, skipped branches) call "
+                "set_reduce_scatter_unused_params(True) on the module, which gives every rank the reduced "
+                "gradient, zero where no rank used it")
 
 
 class PendingReduce(NamedTuple):
