@@ -144,7 +144,7 @@ def test_triton_equals_c_and_eager_bitwise(device, monkeypatch, n, bs, decoupled
 
     if off64:  # the int64 offsets, which only tensors of 2**30 elements and more take
         monkeypatch.setattr(qt, "_OFF32_LIMIT", 0)
-    with _Spy(qt, "run_triton_step_") as spy:
+    with _Spy(qt, "run_triton_steps_") as spy:
         for step in range(1, 6):
             g = _grad(n, gen, step)
             for b, (pb, sb) in runs.items():
@@ -156,6 +156,64 @@ def test_triton_equals_c_and_eager_bitwise(device, monkeypatch, n, bs, decoupled
                     assert _equal(x, y), (b, step)
     assert spy.calls == 5
     assert runs["triton"][0].isnan().any()  # the non-finite case ran
+
+
+class _Launches:
+    """Counts the Triton kernel's launches while installed."""
+
+    def __init__(self, qt):
+        self.qt, self.launches = qt, 0
+
+    def __enter__(self):
+        self._orig = self.qt._kernel
+        spy = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                spy.launches += 1
+                return spy._orig()[grid]
+
+        self.qt._kernel = _Grid
+        return self
+
+    def __exit__(self, *exc):
+        self.qt._kernel = self._orig
+
+
+@needs_triton
+@pytest.mark.parametrize("bs", [7, 64])
+def test_triton_one_launch_for_many_tensors_bitwise(bs):
+    """[Note: one launch for many tensors]: uneven tensors (a block's tail, one shorter than
+    a block, an empty one) in one launch per step count, the bits of one launch per tensor
+    and of the eager ops."""
+    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._math import adam8bit_multi_tensor_step_
+
+    ns = [333, 5, 0, 2 * bs + 1, 1, 100]
+    gen = torch.Generator().manual_seed(bs)
+    init = [torch.randn(n, generator=gen) for n in ns]
+    runs = {how: ([p.clone() for p in init], [_state(n, bs, "cpu") for n in ns]) for how in ("list", "each", "eager")}
+    hp = _hp(bs, True, 1e-2, False, "cpu")
+    for step in (1, 2, 3):
+        gs = [_grad(n, gen, step) if n > 2 else torch.randn(n, generator=gen) for n in ns]
+        # the last two tensors a step behind: two step counts, two launches
+        steps = [step] * 4 + [max(1, step - 1)] * 2
+        with _Backend("triton", interpret=True), _Launches(qt) as spy:
+            ps, ss = runs["list"]
+            adam8bit_multi_tensor_step_(ps, gs, ss, steps=steps, fused=True, **hp)
+            assert spy.launches == (1 if step == 1 else 2)
+            ps, ss = runs["each"]
+            for p, g, s, t in zip(ps, gs, ss, steps, strict=True):
+                adam8bit_block_step_(p, g, *s, step=t, fused=True, **hp)
+        ps, ss = runs["eager"]
+        for p, g, s, t in zip(ps, gs, ss, steps, strict=True):
+            adam8bit_block_step_(p, g, *s, step=t, fused=False, **hp)
+        for how in ("each", "eager"):
+            for i in range(len(ns)):
+                assert _equal(runs["list"][0][i], runs[how][0][i]), (how, step, i)
+                for x, y in zip(runs["list"][1][i], runs[how][1][i], strict=True):
+                    assert _equal(x, y), (how, step, i)
+    assert runs["list"][0][0].isnan().any()  # the non-finite case ran
 
 
 @needs_triton
@@ -188,15 +246,15 @@ def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64):
     from vefsdp_optim._math import _quant8_triton as qt
 
     cfg = qt.launch_config(block_size)
-    sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "mc_ptr": "*u8", "ma_ptr": "*fp32",
-           "vc_ptr": "*u8", "va_ptr": "*fp32", "scode_ptr": "*fp32", "ucode_ptr": "*fp32",
-           "stab_ptr": "*i32", "utab_ptr": "*i32", "n": "i64", "bs": "i32", "nb": "i32",
+    sig = {"ptrs": "*i64", "starts": "*i64", "numels": "*i64", "scode_ptr": "*fp32",
+           "ucode_ptr": "*fp32", "stab_ptr": "*i32", "utab_ptr": "*i32", "T": "i32", "nb": "i32",
+           "bs": "i32",
            **dict.fromkeys(("c_wd", "wd", "w1", "beta2", "w2", "bc2", "eps", "neg_step",
                             "FLT_MAX"), "fp32"),
-           **dict.fromkeys(("MAXIMIZE", "WD_MODE", "ROWS", "BLOCK", "OFF64"), "constexpr")}
+           **dict.fromkeys(("MAXIMIZE", "WD_MODE", "ROWS", "BLOCK", "OFF64", "LOG_T"), "constexpr")}
     src = ASTSource(fn=triton.jit(qt._adam8bit_step_kernel), signature=sig,
                     constexprs={"MAXIMIZE": True, "WD_MODE": 2, "ROWS": cfg["ROWS"],
-                                "BLOCK": cfg["BLOCK"], "OFF64": off64})
+                                "BLOCK": cfg["BLOCK"], "OFF64": off64, "LOG_T": 3})
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False})
@@ -240,14 +298,14 @@ def test_backend_env_var_forces_each_path(monkeypatch):
     want = _opt_run(fused=False)
     for backend, c_calls, t_calls in (("c", 4, 0), ("eager", 0, 0), ("C ", 4, 0)):
         monkeypatch.setenv(qb.BACKEND_ENV, backend)
-        with _Spy(qf, "run_fused_steps_") as c, _Spy(qt, "run_triton_step_") as t:
+        with _Spy(qf, "run_fused_steps_") as c, _Spy(qt, "run_triton_steps_") as t:
             got = _opt_run()
         assert (c.calls, t.calls) == (c_calls, t_calls), backend
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     if HAVE_TRITON:
         monkeypatch.setenv(qb.BACKEND_ENV, "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        with _Spy(qf, "run_fused_steps_") as c, _Spy(qt, "run_triton_step_") as t:
+        with _Spy(qf, "run_fused_steps_") as c, _Spy(qt, "run_triton_steps_") as t:
             got = _opt_run()
         assert (c.calls, t.calls) == (0, 4)  # 2 steps of 2 8-bit tensors
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -334,7 +392,7 @@ def _sharded_triton_vs_single_device(kind, name):
         q = [nn.Parameter(t.clone()) for t in init]
         refs[backend] = (q, cls(q, fused=backend != "eager", **kw))
     x = torch.randn(8, 37, generator=torch.Generator().manual_seed(11 + rank))
-    with _Spy(qt, "run_triton_step_") as spy:
+    with _Spy(qt, "run_triton_steps_") as spy:
         for _ in range(3):
             opt.zero_grad()
             model(x).backward()  # each rank its own batch; the gradient is their average

@@ -505,8 +505,8 @@ def adam8bit_multi_tensor_step_(
         else:
             from . import _quant8_triton
 
-            for p32, g32, work, hp in zip(p32s, g32s, works, hps, strict=True):
-                _quant8_triton.run_triton_step_(p32, g32, *work, hp, flags, block_size, tables)
+            _quant8_triton.run_triton_steps_(p32s, g32s, *(list(w) for w in zip(*works, strict=True)),
+                                             hps, [flags] * n, block_size, tables)
         for state, work in zip(states, works, strict=True):
             for t, w in zip(state, work, strict=True):
                 if w is not t:  # a contiguous copy

@@ -21,6 +21,22 @@ order] in ``_quant8.py``), so the three backends give the same bits:
   Triton's ``/`` and ``tl.sqrt`` on fp32 are approximate on NVIDIA GPUs). The interpreter
   runs each op as one numpy float32 op, which is IEEE's too.
 
+[Note: one launch for many tensors]
+``run_triton_steps_`` steps a list of tensors in one launch, as the C++ operator takes
+them in one call ([Note: one call for many tensors] in ``quant8_adam_op.cpp``): on a GPU
+a launch costs ~5-10 us of host time and an idle tail, which a bucket of many small
+tensors would pay once each. The blocks of all the tensors are numbered one after the
+other; program ``j`` takes joint blocks ``[j * ROWS, (j + 1) * ROWS)``, and each row finds
+its tensor by a binary search (``LOG_T`` steps) in the table of first joint blocks, then
+its tensors' addresses in a table of ``data_ptr``s (6 x T int64, cast to pointers). A tile
+may hold the last blocks of one tensor and the first of the next; each block is still its
+own tensor's, with its tensor's numel masking the tail, so the bits are those of one
+launch per tensor. The scalars (the step's ``hp``, the flags) are the launch's: tensors
+with different step counts take one launch each. The tables live on the tensors' device,
+built once per list of addresses and numels (a small cache, the oldest dropped) and
+copied from pinned memory without a host sync; a steady-state step, whose tensors keep
+their storage, reuses them and copies nothing, which a captured CUDA graph also needs.
+
 Blocks of more than ``MAX_BLOCK`` elements do not fit a tile; ``triton_unavailable_reason``
 says so and those tensors take another backend. The kernel is wrapped by ``triton.jit``
 on first use, separately for the interpreter and for the GPU (the interpreter is chosen
@@ -30,8 +46,10 @@ by ``TRITON_INTERPRET`` when the function is wrapped), so a test can turn it on.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 try:  # the kernel's body reads ``tl`` as a global, as Triton requires
@@ -39,7 +57,7 @@ try:  # the kernel's body reads ``tl`` as a global, as Triton requires
 except Exception:  # noqa: BLE001 - reported by triton_unavailable_reason
     tl = None
 
-__all__ = ["MAX_BLOCK", "interpreting", "run_triton_step_", "triton_unavailable_reason"]
+__all__ = ["MAX_BLOCK", "interpreting", "run_triton_steps_", "triton_unavailable_reason"]
 
 MAX_BLOCK = 4096  # largest (power-of-two padded) block one program holds
 # elements a program takes at least, as whole blocks, and elements a thread holds: ~4 a
@@ -53,6 +71,8 @@ _OFF32_LIMIT = 1 << 30  # tensors below it index in int32 (the grid's padding is
 
 _lock = threading.Lock()
 _jitted: dict[bool, Any] = {}  # interpreter or not -> triton.jit of the kernel
+_tables: dict[tuple, tuple[Tensor, Tensor, Tensor, int]] = {}  # _tensor_table's, by key
+_MAX_TABLES = 64  # the oldest dropped beyond it
 _import_error: str | None = None
 
 
@@ -96,26 +116,46 @@ def _block(block_size: int) -> int:
     return 1 << max(0, block_size - 1).bit_length()  # next power of two
 
 
-def _adam8bit_step_kernel(p_ptr, g_ptr, mc_ptr, ma_ptr, vc_ptr, va_ptr, scode_ptr, ucode_ptr,
-                          stab_ptr, utab_ptr, n, bs, nb, c_wd, wd, w1, beta2, w2, bc2, eps,
-                          neg_step, FLT_MAX, MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr, OFF64: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) block indices
-    cols = tl.arange(0, BLOCK)  # (BLOCK,)
+def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, T, nb,
+                          bs, c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, FLT_MAX,
+                          MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr, OFF64: tl.constexpr, LOG_T: tl.constexpr):
+    # [Note: one launch for many tensors]: ``rows`` are block numbers over all the tensors
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) joint block numbers
     row_ok = rows < nb
+    t = rows * 0  # each row's tensor (not tl.zeros_like: a jit function, see below)
+    for i in tl.static_range(LOG_T):
+        cand = t + (1 << (LOG_T - 1 - i))
+        take = (cand < T) & (tl.load(starts + cand, mask=cand < T, other=0) <= rows)
+        t = tl.where(take, cand, t)
+    n = tl.load(numels + t)  # (ROWS,) int64: the row's tensor's elements
+    rows = rows - tl.load(starts + t)  # block index within its tensor
+    p_ptr = tl.load(ptrs + t).to(tl.pointer_type(tl.float32))  # (ROWS,) each row's tensors
+    g_ptr = tl.load(ptrs + T + t).to(tl.pointer_type(tl.float32))
+    mc_ptr = tl.load(ptrs + 2 * T + t).to(tl.pointer_type(tl.uint8))
+    ma_ptr = tl.load(ptrs + 3 * T + t).to(tl.pointer_type(tl.float32))
+    vc_ptr = tl.load(ptrs + 4 * T + t).to(tl.pointer_type(tl.uint8))
+    va_ptr = tl.load(ptrs + 5 * T + t).to(tl.pointer_type(tl.float32))
+    cols = tl.arange(0, BLOCK)  # (BLOCK,)
     if OFF64:
         offs = rows.to(tl.int64)[:, None] * bs + cols[None, :]  # (ROWS, BLOCK)
-    else:  # n < 2**30: every offset of the grid, padding included, fits int32
-        offs = rows[:, None] * bs + cols[None, :]
-    mask = row_ok[:, None] & (cols[None, :] < bs) & (offs < n)
-    am = tl.load(ma_ptr + rows, mask=row_ok, other=0.0)  # (ROWS,)
-    av = tl.load(va_ptr + rows, mask=row_ok, other=0.0)
-    mi = tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32)
-    vi = tl.load(vc_ptr + offs, mask=mask, other=0).to(tl.int32)
+    else:  # every tensor has < 2**30 elements: every offset of the grid fits int32
+        offs = rows.to(tl.int32)[:, None] * bs + cols[None, :]
+    mask = row_ok[:, None] & (cols[None, :] < bs) & (offs < n[:, None])
+    p_ptr = p_ptr[:, None] + offs  # (ROWS, BLOCK) addresses
+    g_ptr = g_ptr[:, None] + offs
+    mc_ptr = mc_ptr[:, None] + offs
+    vc_ptr = vc_ptr[:, None] + offs
+    ma_ptr = ma_ptr + rows  # (ROWS,)
+    va_ptr = va_ptr + rows
+    am = tl.load(ma_ptr, mask=row_ok, other=0.0)  # (ROWS,)
+    av = tl.load(va_ptr, mask=row_ok, other=0.0)
+    mi = tl.load(mc_ptr, mask=mask, other=0).to(tl.int32)
+    vi = tl.load(vc_ptr, mask=mask, other=0).to(tl.int32)
     m = tl.load(scode_ptr + mi) * am[:, None]
     v = tl.load(ucode_ptr + vi) * av[:, None]
-    gi = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    pi = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    gi = tl.load(g_ptr, mask=mask, other=0.0)
+    pi = tl.load(p_ptr, mask=mask, other=0.0)
     if MAXIMIZE:
         gi = -gi
     if WD_MODE == 1:  # AdamW: decoupled decay
@@ -125,7 +165,7 @@ def _adam8bit_step_kernel(p_ptr, g_ptr, mc_ptr, ma_ptr, vc_ptr, va_ptr, scode_pt
     m = m + (gi - m) * w1
     v = v * beta2 + (gi * gi) * w2
     denom = tl.div_rn(tl.sqrt_rn(v), bc2) + eps
-    tl.store(p_ptr + offs, pi + tl.div_rn(m * neg_step, denom), mask=mask)
+    tl.store(p_ptr, pi + tl.div_rn(m * neg_step, denom), mask=mask)
     m = tl.where(tl.abs(m) <= FLT_MAX, m, 0.0)  # NaN and inf moments: 0
     v = tl.where(tl.abs(v) <= FLT_MAX, v, 0.0)
     # absmax on the bits: for |x| the uint32 order is the float order (an exact max).
@@ -141,13 +181,13 @@ def _adam8bit_step_kernel(p_ptr, g_ptr, mc_ptr, ma_ptr, vc_ptr, va_ptr, scode_pt
     u = tl.div_rn(m, tl.where(amax_m > 0.0, amax_m, 1.0)[:, None]).to(tl.uint32, bitcast=True)
     e = tl.load(stab_ptr + (u >> 16).to(tl.int32), mask=mask, other=0).to(tl.uint32, bitcast=True)
     up = tl.where((u >> 31) != 0, (u & 0xFFFF) < (e & 0xFFFF), (u & 0xFFFF) > (e & 0xFFFF))
-    tl.store(mc_ptr + offs, ((e >> 16) + up.to(tl.uint32)).to(tl.uint8), mask=mask)
+    tl.store(mc_ptr, ((e >> 16) + up.to(tl.uint32)).to(tl.uint8), mask=mask)
     u = tl.div_rn(v, tl.where(amax_v > 0.0, amax_v, 1.0)[:, None]).to(tl.uint32, bitcast=True)
     e = tl.load(utab_ptr + (u >> 16).to(tl.int32), mask=mask, other=0).to(tl.uint32, bitcast=True)
     up = tl.where((u >> 31) != 0, (u & 0xFFFF) < (e & 0xFFFF), (u & 0xFFFF) > (e & 0xFFFF))
-    tl.store(vc_ptr + offs, ((e >> 16) + up.to(tl.uint32)).to(tl.uint8), mask=mask)
-    tl.store(ma_ptr + rows, amax_m, mask=row_ok)
-    tl.store(va_ptr + rows, amax_v, mask=row_ok)
+    tl.store(vc_ptr, ((e >> 16) + up.to(tl.uint32)).to(tl.uint8), mask=mask)
+    tl.store(ma_ptr, amax_m, mask=row_ok)
+    tl.store(va_ptr, amax_v, mask=row_ok)
 
 
 def _kernel() -> Any:
@@ -170,23 +210,58 @@ def launch_config(block_size: int) -> dict[str, int]:
     return dict(ROWS=rows, BLOCK=block, num_warps=warps)
 
 
-def run_triton_step_(
-    p: Tensor, g: Tensor, mc: Tensor, ma: Tensor, vc: Tensor, va: Tensor,
-    hp: tuple[float, ...], flags: int, block_size: int, tables: tuple[Tensor, ...],
+def run_triton_steps_(
+    p: Sequence[Tensor], g: Sequence[Tensor], mc: Sequence[Tensor], ma: Sequence[Tensor],
+    vc: Sequence[Tensor], va: Sequence[Tensor], hp: Sequence[tuple[float, ...]],
+    flags: Sequence[int], block_size: int, tables: tuple[Tensor, ...],
 ) -> None:
-    """The Triton kernel in place, with ``run_fused_step_``'s arguments (contiguous
-    tensors on one device; ``tables`` on that device too). The caller checks that
+    """The Triton kernel in place, with ``run_fused_steps_``'s arguments (lists of
+    contiguous tensors on one device; ``tables`` on that device too): one launch for all
+    the tensors of one ``(hp, flags)`` ([Note: one launch for many tensors]), so one a
+    bucket where its tensors share their step. The caller checks that
     ``triton_unavailable_reason`` is None."""
-    n = p.numel()
-    if n == 0:
-        return
-    nb = ma.numel()
+    runs: dict[tuple[tuple[float, ...], int], list[int]] = {}
+    for i, (h, f) in enumerate(zip(hp, flags, strict=True)):
+        if p[i].numel():
+            runs.setdefault((tuple(h), f), []).append(i)
     cfg = launch_config(block_size)
-    c_wd, wd, w1, beta2, w2, bc2, eps, neg_step = hp
-    wd_mode = 0 if not flags & 2 else (1 if flags & 4 else 2)
-    grid = (-(-nb // cfg["ROWS"]),)
-    _kernel()[grid](p, g, mc, ma, vc, va, *tables, n, block_size, nb, c_wd, wd, w1, beta2, w2,
-                    bc2, eps, neg_step, _FLT_MAX, MAXIMIZE=bool(flags & 1), WD_MODE=wd_mode,
-                    ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], OFF64=n >= _OFF32_LIMIT,
-                    num_warps=cfg["num_warps"],
-                    enable_fp_fusion=False)
+    for (h, f), idx in runs.items():
+        ptrs, starts, numels, nb, big = _tensor_table([(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx])
+        c_wd, wd, w1, beta2, w2, bc2, eps, neg_step = h
+        wd_mode = 0 if not f & 2 else (1 if f & 4 else 2)
+        grid = (-(-nb // cfg["ROWS"]),)
+        _kernel()[grid](ptrs, starts, numels, *tables, len(idx), nb, block_size, c_wd, wd, w1, beta2,
+                        w2, bc2, eps, neg_step, _FLT_MAX, MAXIMIZE=bool(f & 1), WD_MODE=wd_mode,
+                        ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], OFF64=big,
+                        LOG_T=max(1, (len(idx) - 1).bit_length()), num_warps=cfg["num_warps"],
+                        enable_fp_fusion=False)
+
+
+def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool]:
+    """The device tables of one launch ([Note: one launch for many tensors]): the
+    addresses (6 * T int64: every p, then every g, mc, ma, vc, va), the first joint block
+    of each tensor (T + 1 int64, the total last), the numels (T int64); the total block
+    count, and whether some tensor needs int64 offsets. Cached by the addresses and
+    numels, so a steady-state step copies nothing to the device."""
+    numel = [ts[0].numel() for ts in tensors]
+    key = (tensors[0][0].device, *(t.data_ptr() for col in zip(*tensors, strict=True) for t in col),
+           *numel, *(ts[3].numel() for ts in tensors))
+    big = max(numel) >= _OFF32_LIMIT
+    hit = _tables.get(key)
+    if hit is not None:
+        return (*hit, big)
+    starts = [0]
+    for ts in tensors:
+        starts.append(starts[-1] + ts[3].numel())
+    device = tensors[0][0].device
+    host = torch.tensor([t.data_ptr() for col in zip(*tensors, strict=True) for t in col] + starts + numel,
+                        dtype=torch.int64)
+    if device.type != "cpu":  # pinned: an asynchronous copy, no host sync
+        host = host.pin_memory().to(device, non_blocking=True)
+    t = len(tensors)
+    entry = (host[:6 * t], host[6 * t:7 * t + 1], host[7 * t + 1:], starts[-1])
+    with _lock:
+        if len(_tables) >= _MAX_TABLES:
+            _tables.pop(next(iter(_tables)))
+        _tables[key] = entry
+    return (*entry, big)
