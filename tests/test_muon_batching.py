@@ -9,10 +9,12 @@ The guard (``BATCH_MIN_DIM``) is checked on input families a random probe does n
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_distributed
+from sharded_bag import full_params, set_full_grads, shard_bag
 from torch import nn
 
 import vefsdp_optim
@@ -118,33 +120,12 @@ def test_blocks_of_several_parameters_in_one_batch(monkeypatch):
 
 
 def _sharded_run(kind):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from vefsdp_optim import ShardedParameter
-
-    model = nn.Module()
-    for k, v in _init().items():
-        setattr(model, k, nn.Parameter(v.clone()))
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        vefsdp_optim.fully_shard(model)
+    model = shard_bag(kind, _init())
     opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
     for step in range(STEPS):
-        for k, p in model.named_parameters():
-            g = _grad(step, k)
-            if isinstance(p, ShardedParameter):
-                s, n = p.ragged_layout.local(p._rank)
-                p.grad = ShardedParameter(g.reshape(-1)[s:s + n].clone(), p.ragged_layout, p.process_group,
-                                          p.shape, p._rank)
-            else:
-                assert isinstance(p, DTensor)
-                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        set_full_grads(model, partial(_grad, step))
         opt.step()
-    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
+    return full_params(model)
 
 
 def _sharded_both():

@@ -11,11 +11,13 @@ through a checkpoint saved at W = 3 and loaded at W = 2.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from sharded_bag import Bag, full_params, set_full_grads, shard_bag
 from torch import nn
 
 import vefsdp_optim
@@ -161,56 +163,15 @@ def test_bad_keys_raise_at_construction():
 # -- sharded: FSDP2 and fully_shard ----------------------------------------------------
 
 
-class _Bag(nn.Module):
-    def __init__(self, init):
-        super().__init__()
-        for k, v in init.items():
-            setattr(self, k, nn.Parameter(v.clone()))
-
-
-def _shard(kind, init):
-    model = _Bag(init)
-    if kind == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        vefsdp_optim.fully_shard(model)
-    return model
-
-
-def _set_grads(model, step):
-    """Every rank's .grad: its slice of the same full gradient (the averaged one)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from vefsdp_optim import ShardedParameter
-
-    for k, p in model.named_parameters():
-        g = _grad(step, k)
-        if isinstance(p, ShardedParameter):
-            s, n = p.ragged_layout.local(p._rank)
-            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), p.ragged_layout, p.process_group,
-                                      p.shape, p._rank)
-        elif isinstance(p, DTensor):
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-        else:
-            p.grad = g
-
-
-def _full(model):
-    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
-
-
 def _sharded_run(kind):
-    model = _shard(kind, _init())
+    model = shard_bag(kind, _init())
     opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
     for step in range(STEPS):
-        _set_grads(model, step)
+        set_full_grads(model, partial(_grad, step))
         opt.step()
     layouts = {k: p.ragged_layout.boundaries if hasattr(p, "ragged_layout") else None
                for k, p in model.named_parameters()}
-    return _full(model), layouts
+    return full_params(model), layouts
 
 
 def _sharded_both():
@@ -237,7 +198,7 @@ def _experts_fsdp2_no_exchange():
 
     import vefsdp_optim._step_loop as step_loop
 
-    model = _Bag({"experts": _init()["experts"]})
+    model = Bag({"experts": _init()["experts"]})
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     opt = vefsdp_optim.Muon([{"params": [model.experts], "flatten": False}], lr=0.02)
     calls = []
@@ -268,10 +229,10 @@ def _ckpt_save(kind, root):
         get_optimizer_state_dict,
     )
 
-    model = _shard(kind, _init())
+    model = shard_bag(kind, _init())
     opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
     for step in range(SPLIT):
-        _set_grads(model, step)
+        set_full_grads(model, partial(_grad, step))
         opt.step()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=os.path.join(root, kind))
@@ -286,16 +247,16 @@ def _ckpt_load(kind, root):
         set_optimizer_state_dict,
     )
 
-    model = _shard(kind, _init(seed=7))  # other values: all must come from the checkpoint
+    model = shard_bag(kind, _init(seed=7))  # other values: all must come from the checkpoint
     opt = vefsdp_optim.Muon(_groups(dict(model.named_parameters())), **HP)
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=os.path.join(root, kind))
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
     for step in range(SPLIT, STEPS):
-        _set_grads(model, step)
+        set_full_grads(model, partial(_grad, step))
         opt.step()
-    return _full(model)
+    return full_params(model)
 
 
 @pytest.mark.parametrize("kind", ["fully_shard", "fsdp2"])

@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 import os
 import sys
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from sharded_bag import full_params, owner_moves, set_full_grads, set_grads, shard_bag
 from torch import nn
 
 import vefsdp_optim
@@ -394,8 +396,6 @@ def test_torch_save_round_trip_single_device(tmp_path) -> None:
 
 
 def test_owners_stay_when_a_parameter_has_no_gradient() -> None:
-    from test_soap import owner_moves
-
     want = owner_moves(sharded=False, name="NorMuon")
     for got in run_distributed(owner_moves, 2, True, "NorMuon"):
         for k in want:
@@ -452,57 +452,16 @@ def test_normuon_equals_dions() -> None:
 # -- sharded: FSDP2 and fully_shard at W = 2, 3 -----------------------------------------------
 
 
-class _Bag(nn.Module):
-    def __init__(self, init: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        for k, v in init.items():
-            setattr(self, k, nn.Parameter(v.clone()))
-
-
-def _shard(kind: str, init: dict[str, torch.Tensor]) -> nn.Module:
-    model = _Bag(init)
-    if kind == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        vefsdp_optim.fully_shard(model)
-    return model
-
-
-def _set_grads(model: nn.Module, step: int) -> None:
-    """Every rank's .grad: its slice of the same full gradient (the averaged one)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from vefsdp_optim import ShardedParameter
-
-    for k, p in model.named_parameters():
-        g = _grad(step, k)
-        if isinstance(p, ShardedParameter):
-            s, n = p.ragged_layout.local(p._rank)
-            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), p.ragged_layout, p.process_group,
-                                      p.shape, p._rank)
-        elif isinstance(p, DTensor):
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-        else:
-            p.grad = g
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
-
-
 def _sharded_runs(configs: list[str]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     out = {}
     for config in configs:
         for kind in ("fsdp2", "fully_shard"):
-            model = _shard(kind, _init())
+            model = shard_bag(kind, _init())
             opt = _make(config, _groups(dict(model.named_parameters())))
             for step in range(STEPS):
-                _set_grads(model, step)
+                set_full_grads(model, partial(_grad, step))
                 opt.step()
-            out[config, kind] = _full(model)
+            out[config, kind] = full_params(model)
     return out
 
 
@@ -547,27 +506,11 @@ def _batch_run(kind: str, cls: str, steps: int = 3) -> tuple[list[torch.Tensor],
     muon_module.zeropower_via_newtonschulz_batched = lambda *a: calls.append(1) or orig(*a)
     try:
         for step in range(steps):
-            _set_list_grads(list(model), _batch_grads(step))
+            set_grads(list(model), _batch_grads(step))
             opt.step()
     finally:
         muon_module.zeropower_via_newtonschulz_batched = orig
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model], len(calls)
-
-
-def _set_list_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from vefsdp_optim import ShardedParameter
-
-    for p, g in zip(params, grads, strict=True):
-        if isinstance(p, ShardedParameter):
-            s, n = p.ragged_layout.local(p._rank)
-            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), p.ragged_layout, p.process_group,
-                                      p.shape, p._rank)
-        elif isinstance(p, DTensor):
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-        else:
-            p.grad = g.clone()
 
 
 def _batch_sharded() -> dict[tuple[str, str], tuple[list[torch.Tensor], int]]:
@@ -725,10 +668,10 @@ def _ckpt_save(configs: list[str], kind: str, root: str) -> None:
     )
 
     for config in configs:
-        model = _shard(kind, _init())
+        model = shard_bag(kind, _init())
         opt = _make(config, _groups(dict(model.named_parameters())))
         for step in range(SPLIT):
-            _set_grads(model, step)
+            set_full_grads(model, partial(_grad, step))
             opt.step()
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=os.path.join(root, f"{config}-{kind}"))
@@ -745,16 +688,16 @@ def _ckpt_load(configs: list[str], kind: str, root: str) -> dict[str, dict[str, 
 
     out = {}
     for config in configs:
-        model = _shard(kind, _init(seed=7))  # other values: all must come from the checkpoint
+        model = shard_bag(kind, _init(seed=7))  # other values: all must come from the checkpoint
         opt = _make(config, _groups(dict(model.named_parameters())))
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(sd, checkpoint_id=os.path.join(root, f"{config}-{kind}"))
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, opt, sd["optim"])
         for step in range(SPLIT, STEPS):
-            _set_grads(model, step)
+            set_full_grads(model, partial(_grad, step))
             opt.step()
-        out[config] = _full(model)
+        out[config] = full_params(model)
     return out
 
 

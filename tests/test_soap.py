@@ -16,11 +16,13 @@ import importlib.util
 import math
 import os
 import warnings
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from sharded_bag import full_params, owner_moves, set_full_grads, shard_bag
 from torch import nn
 
 import vefsdp_optim
@@ -418,56 +420,15 @@ def _plain_run(steps: int = STEPS) -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in params.items()}
 
 
-class _Bag(nn.Module):
-    def __init__(self, init: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        for k, v in init.items():
-            setattr(self, k, nn.Parameter(v.clone()))
-
-
-def _shard(kind: str, init: dict[str, torch.Tensor]) -> nn.Module:
-    model = _Bag(init)
-    if kind == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        vefsdp_optim.fully_shard(model)
-    return model
-
-
-def _set_grads(model: nn.Module, step: int) -> None:
-    """Every rank's .grad: its slice of the same full gradient (the averaged one)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from vefsdp_optim import ShardedParameter
-
-    for k, p in model.named_parameters():
-        g = _grad(step, k)
-        if isinstance(p, ShardedParameter):
-            s, n = p.ragged_layout.local(p._rank)
-            p.grad = ShardedParameter(g.reshape(-1)[s: s + n].clone(), p.ragged_layout, p.process_group,
-                                      p.shape, p._rank)
-        elif isinstance(p, DTensor):
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-        else:
-            p.grad = g
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
-
-
 def _sharded_runs() -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for kind in ("fsdp2", "fully_shard"):
-        model = _shard(kind, _init())
+        model = shard_bag(kind, _init())
         opt = _make(dict(model.named_parameters()))
         for step in range(STEPS):
-            _set_grads(model, step)
+            set_full_grads(model, partial(_grad, step))
             opt.step()
-        out[kind] = _full(model)
+        out[kind] = full_params(model)
     return out
 
 
@@ -477,30 +438,6 @@ def test_sharded_equals_one_device(world_size: int) -> None:
     for kind, full in run_distributed(_sharded_runs, world_size)[0].items():
         for k in PARAMS:
             assert torch.equal(full[k], want[k]), (kind, k, (full[k] - want[k]).abs().max())
-
-
-def owner_moves(sharded: bool = True, name: str = "SOAP") -> dict[str, torch.Tensor]:
-    """Three matrices (FSDP2 at W = 2, or one device): with no gradient for the largest
-    at the second step, the balance alone would move a small one to another owner, which
-    lacks its owner-kept state (SOAP's factors, NorMuon's row second moments); owners
-    stay ([Note: owners stay]), so the step is one device's. Shared with test_normuon."""
-    from torch.distributed.tensor import distribute_tensor
-
-    torch.manual_seed(0)
-    model = _Bag({"a": torch.randn(16, 16), "b": torch.randn(8, 8), "c": torch.randn(8, 8)})
-    if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    opt = getattr(vefsdp_optim, name)(model.parameters())
-    for step in range(3):
-        for k, p in model.named_parameters():
-            g = torch.randn(p.shape)
-            p.grad = None if step == 1 and k == "a" else (
-                distribute_tensor(g, p.device_mesh, p.placements) if sharded else g)
-        opt.step()
-    return {k: (p.full_tensor() if sharded else p).detach() for k, p in model.named_parameters()}
 
 
 def test_owners_stay_when_a_parameter_has_no_gradient() -> None:
@@ -558,10 +495,10 @@ def _ckpt_save(kind: str, root: str) -> None:
         get_optimizer_state_dict,
     )
 
-    model = _shard(kind, _init())
+    model = shard_bag(kind, _init())
     opt = _make(dict(model.named_parameters()))
     for step in range(SPLIT):
-        _set_grads(model, step)
+        set_full_grads(model, partial(_grad, step))
         opt.step()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=os.path.join(root, kind))
@@ -576,16 +513,16 @@ def _ckpt_load(kind: str, root: str) -> dict[str, torch.Tensor]:
         set_optimizer_state_dict,
     )
 
-    model = _shard(kind, _init(seed=7))  # other values: all must come from the checkpoint
+    model = shard_bag(kind, _init(seed=7))  # other values: all must come from the checkpoint
     opt = _make(dict(model.named_parameters()))
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=os.path.join(root, kind))
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
     for step in range(SPLIT, STEPS):
-        _set_grads(model, step)
+        set_full_grads(model, partial(_grad, step))
         opt.step()
-    return _full(model)
+    return full_params(model)
 
 
 @pytest.mark.parametrize("kind", ["fully_shard", "fsdp2"])
