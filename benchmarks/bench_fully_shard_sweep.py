@@ -1,5 +1,5 @@
 """fully_shard + vefsdp_optim.AdamW against FSDP2 + torch.optim.AdamW over the Muon sweep's
-dense shapes: a lead on one model is not a lead (style rule 18).
+dense shapes: a lead on one model is not a lead.
 
     python -m benchmarks.bench_fully_shard_sweep [--quick|--full] [--cases PATTERNS]
 
@@ -16,8 +16,7 @@ the optimizer's step and ``zero_grad``. Both systems start from the same weights
 the same batches and alternate every step after a warm-up (``interleave``: a barrier
 before each call, the slowest rank's time); the first losses are compared. A ratio is
 the median (quartiles) of the per-step ratios ours / FSDP2; the summary holds their
-geometric mean and worst case per world size (issue 31 item 3's goal: <= 0.85 on every
-shape).
+geometric mean and worst case per world size (the goal: <= 0.85 on every shape).
 
 Grid (``--full``): square, tall and wide at d = 64, 128, 256, 512, 1024 with 2, 4 and 16
 blocks, on W = 2 and 4 gloo CPU ranks (90 cases). Quick: a fixed subset of the same grid

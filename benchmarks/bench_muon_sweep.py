@@ -1,8 +1,8 @@
 """Muon step over a shape sweep: vefsdp_optim.Muon vs Microsoft Dion's Muon, per shape.
 
-Style rule 18: a lead on one shape is not a lead. This sweep is the grid the next
-performance work is measured on (issue 31, item 1); every shape is timed the same way
-and reported, with the geometric mean and the worst case over the grid.
+A lead on one shape is not a lead: this sweep is the grid Muon's performance work is
+measured on; every shape is timed the same way and reported, with the geometric mean
+and the worst case over the grid.
 
 Dion is not in the package index: point ``VEFSDP_DION_SRC`` at a checkout of
 github.com/microsoft/dion (the folder holding ``dion/``); without it every row says

@@ -10,7 +10,7 @@ gradients for every runner:
 * ``normuon``: vefsdp_optim.NorMuon vs dion.NorMuon, both with their defaults' Polar
   Express (5 iterations of the same three matmuls; each its own coefficient table),
   ``spectral_norm`` lr adjustment, momentum 0.95 without Nesterov, ``muon_beta2`` 0.95,
-  on a sweep of matrix sets (style rule 18: a lead on one shape is not a lead): the
+  on a sweep of matrix sets (a lead on one shape is not a lead): the
   dense GPT of bench_muon_dion, square, wide, tall, many small, and MoE experts
   (``flatten=False``); the geometric mean and the worst case over the sweep.
 * ``polar_express``: vefsdp_optim.Muon(ns_coefficients="polar_express") vs

@@ -9,8 +9,8 @@ gradients, at the reference's defaults (``precondition_frequency=10``,
 ``max_precond_dim=10000``), in alternating order ([Note: timing statistics] in
 _common.py), after 2 untimed warm-up steps (the first step of either only starts the
 factors). Their results are bit-identical (tests/test_soap.py), so both do the same
-arithmetic; what differs is the work around it. A sweep of parameter sets (style rule
-18): a tiny MLP, a GPT block at d = 256 (with biases and norms), square, wide and tall
+arithmetic; what differs is the work around it. A sweep of parameter sets (a lead on
+one shape is not a lead): a tiny MLP, a GPT block at d = 256 (with biases and norms), square, wide and tall
 matrices, convolution kernels and an embedding whose vocabulary dim (12,000) exceeds
 ``max_precond_dim`` (so only its 64-wide dim is rotated); the geometric mean and the
 worst case of the per-case median ratios. Timed steps: quick 20 (two basis updates by

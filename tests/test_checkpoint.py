@@ -1,4 +1,4 @@
-"""Distributed checkpoints that survive a change of world size (issue #8).
+"""Distributed checkpoints that survive a change of world size.
 
 Each case trains k steps at W=a, saves with DCP (through torch's
 ``torch.distributed.checkpoint.state_dict`` helpers), loads at W=b into a freshly built

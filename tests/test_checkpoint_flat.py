@@ -1,4 +1,4 @@
-"""Flattened optimizer state (torchtitan's flow) across a change of world size (issue #17).
+"""Flattened optimizer state (torchtitan's flow) across a change of world size.
 
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with
 ``StateDictOptions(flatten_optimizer_state_dict=True)`` store each parameter's state as

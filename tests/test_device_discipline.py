@@ -1,4 +1,4 @@
-"""Device discipline of the library's collectives (issue 42, item 2).
+"""Device discipline of the library's collectives.
 
 * A static scan: every tensor the library creates in a function that calls a tensor
   collective names its device, since a CPU tensor has no backend on a CUDA-only process

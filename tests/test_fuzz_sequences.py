@@ -105,13 +105,13 @@ REGRESSIONS: dict[str, list[tuple]] = {
         ("add_group",), ("backward", (True, False, False, True), -1, False), ("step",),
         ("roundtrip", False), ("backward", (True, True, True, True), -1, False), ("step",),
     ],
-    # issue 46, shrunk by this test from the library before its fix: a round trip after
+    # shrunk by this test from the library before a fix: a round trip after
     # the added group's first step, before the first step of the group before it
     "resume_before_first_step_shrunk": [
         ("add_group",), ("backward", (False, False, False, True), -1, False), ("step",),
         ("roundtrip", False), ("backward", (False, False, True, False), -1, False), ("step",),
     ],
-    # issue 46: a checkpoint taken before a parameter's first step (the later param group)
+    # a checkpoint taken before a parameter's first step (the later param group)
     "resume_before_first_step": [
         ("backward", (True, True, True, False), -1, False), ("step",), ("add_group",),
         ("roundtrip", True), ("backward", (True, True, True, True), -1, False), ("step",),

@@ -1,4 +1,4 @@
-"""Muon's block structure (issue 20): ``flatten`` and ``split_sizes``.
+"""Muon's block structure: ``flatten`` and ``split_sizes``.
 
 ``flatten=False``: each [..., m, n] slice of a >= 3-D parameter (MoE experts) is updated
 exactly as a separate 2-D parameter; ``split_sizes``: each row block of a matrix (a fused

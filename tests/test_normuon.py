@@ -1,4 +1,4 @@
-"""NorMuon and Polar Express (issue 30, items 2 and 3).
+"""NorMuon and Polar Express.
 
 Polar Express: the coefficients are the paper's Algorithm 1 table (written out here),
 and the iteration follows its polynomials and improves on Jordan's quintic as a polar

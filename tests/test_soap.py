@@ -1,4 +1,4 @@
-"""SOAP (issue 30, item 1).
+"""SOAP.
 
 One device: against a float64 SOAP written out below from the paper's algorithm (arXiv
 2409.11321, with the reference implementation's conventions: a first step that only

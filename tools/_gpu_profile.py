@@ -1,5 +1,5 @@
 """Do our ``fully_shard``'s all-gathers and reduce-scatters run off the default stream?
-(``make gpu-check``; issue 42, item 4.) FSDP2 on the same model is the control.
+(``make gpu-check``.) FSDP2 on the same model is the control.
 
 [Note: collectives in a profiler trace]
 torch.profiler with CUDA activities records each GPU kernel, copy and set with its

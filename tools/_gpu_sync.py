@@ -1,4 +1,4 @@
-"""Host-device syncs inside an optimizer's step, found where they happen (issue 42, item 3).
+"""Host-device syncs inside an optimizer's step, found where they happen.
 
 [Note: sync watch]
 On CUDA, ``torch.cuda.set_sync_debug_mode`` makes torch report each synchronizing call
