@@ -48,28 +48,22 @@ class FlatWork(NamedTuple):
 
 
 # [Note: gloo flat collectives]
-# gloo's own reduce-scatter and all-gather are much slower than sending the same bytes
-# point to point (on 2 cores, 12 MiB flat buffers: reduce-scatter 21 / 40 / 55 ms at
-# W = 2 / 3 / 4 against 5.5 / 8.5 / 16 ms; all-gather 8.5 / 20 / 29 ms against 5.3 / 5.5
-# / 13 ms; docs/performance.md), and its reduce-scatter first copies its whole input. So
-# on gloo the flat collectives are point-to-point sends between every pair of ranks,
+# gloo's own reduce-scatter and all-gather are several times slower than sending the
+# same bytes point to point, and its reduce-scatter first copies its whole input. So on
+# gloo the flat collectives are point-to-point sends between every pair of ranks,
 # launched together (``batch_isend_irecv``), straight from and into the caller's
 # buffers: an all-gather sends this rank's shard to every peer and receives each peer's
 # shard into its place in the output (no copy); at W = 2 a reduce-scatter sends the
 # peer's chunk of its input to the peer, receives its own chunk from the peer into the
 # output, and adds its own chunk on ``wait()`` (no buffer; two terms sum alike in either
 # order, so the bits are those of ``c_0 + c_1``). At W >= 3 the reduce-scatter stays on
-# gloo's collective: received chunks would then need (W - 2) m elements of buffers of our
-# own (one run with them: peak live bytes 1.06x FSDP2's on the d=768 benchmark model at
-# W = 4, while gloo's collective copies its W m input where a live-bytes count does not
-# see it: RSS 0.50x), and fully_shard's peak live bytes are held at FSDP2's. Tags keep
-# them apart from other traffic; every rank launches the same flat collectives in the
-# same order (the plans are checked equal first), so sends and receives pair up. A
-# point-to-point message pays a rendezvous that a collective between two ranks does
-# not: with a forward's prefetched all-gathers at W = 2, shards of 8 KiB took 0.5 ms more
-# each and 128 KiB broke even, while 256 KiB and above, and every size at W = 3 and 4,
-# were faster (docs/performance.md); so at W = 2 shards under P2P_MIN_SHARD_BYTES_W2
-# keep gloo's own collective. NCCL keeps its native collectives.
+# gloo's collective: received chunks would need (W - 2) m elements of buffers of our
+# own, and fully_shard's peak live bytes are held at FSDP2's. Tags keep them apart from
+# other traffic; every rank launches the same flat collectives in the same order (the
+# plans are checked equal first), so sends and receives pair up. A point-to-point
+# message pays a rendezvous that a collective between two ranks does not, so at W = 2
+# shards under P2P_MIN_SHARD_BYTES_W2 keep gloo's own collective. NCCL keeps its native
+# collectives. The measurements behind each choice: docs/decisions.md.
 _P2P_BACKENDS = frozenset({"gloo"})
 _TAG_ALL_GATHER, _TAG_REDUCE_SCATTER = 0x7A6, 0x7A7
 #: at W = 2, shards below this many bytes keep gloo's own collective (measured crossover)

@@ -12,61 +12,24 @@ flat index in the whole parameter and the step count, so the result is the same 
 every world size.
 
 [Note: no dead zone]
-Rounding to the nearest code loses every step whose increment ``(1 - momentum) (g - m)``
-is below half a code spacing: the momentum comes back to its old code and stays there
-while the gradient drifts (the increment is 0.05 of ``g - m``; code spacings are 1.4% of
-the block's absmax in the top decade, up to 14% of the value). On the toy least-squares
-task (slow, deterministic gradients) 80-98% of the elements were stuck each step, 60-93%
-of the increment was lost and the momentum drifted 26% from the float32 average of the
-same gradients; the final loss (mean of the last 30 steps) ended 3-23% above float32
-momentum (mean 14.5%, seeds 0-9). So an element whose nearest code is the code it
-already had is rounded to one of the two codes around it by a dither instead: to the
-upper one where ``u < (x - lo) / (hi - lo)``, ``x`` its normalized value; every other
-element takes its nearest code. ``u`` (``_dither``) is a hash of the element's flat
-index in the whole parameter, rotated at every step by 2**32 / golden ratio (mod 2**32):
-over one step the draws are spread over the elements like independent ones, and over
-the steps each element's draws are a low-discrepancy sequence, so the average of its
-roundings over K steps follows its value with an error of order 1 / K instead of the
-1 / sqrt(K) of independent draws. The momentum is such an average (over ~1 / (1 -
-momentum) = 20 steps), which is where independent draws cost. Deterministic, integer
-arithmetic, and the same at any sharding; the step count is the state entry
-``momentum_step`` (REPLICATED, like Adam's ``step``).
-
-The first form of the rule drew ``u`` from a hash of the index and the float32 bits of
-the value, independent draws: least squares +1.3% over float32 momentum (seeds 0-9:
-0.95-1.80%), what independent noise of 1% of the block rms in the stored momentum costs
-there (1.9%; 0.5%: 0.8%; bfloat16 momentum: 0.2%). The rotation takes it to **+0.21%**
-(seeds 0-9: -0.21 to 1.08%; the independent draws on the same machine: +1.18%, 0.45 to
-2.04%).
-
-Measured with the toy tasks' Muon settings, one device, difference of the final loss to
-float32 momentum: least squares +0.21% (above). mlp, with the independent draws: +0.29%
-mean over seeds 0-19 (nearest rounding: +0.28%), a scatter
-of 1.7% per seed around it (nearest: 1.8%); float32 itself scatters 0.9% when its
-initial weights move by 1e-3, and any perturbation of the momentum of 0.25% or more
-scatters 1-2%, so on mlp 1% is not resolvable per seed and no bias is seen (with the
-rotation: -0.45% mean over seeds 0-5, -2.2 to 2.5% each; independent draws on the same
-machine +0.01%, -1.7 to 2.8%). gpt +0.02%, conv -0.90% (-1.87 to 0.88%; float32's own
-scatter there: up to 2.4%), moe 0.00% (seeds 0-2; independent draws: +0.02%, +0.45%,
-0.00%). Stochastic
-rounding of every element does about as well (least squares 1.6%) with twice the error variance
-of the elements that move. NorMuon, independent draws: least squares 0.5% (nearest:
-2.5%, seeds 0-5), but mlp 3.4% (nearest: 4.1%; its float32 scatter 0.6 +- 0.9%); with
-the rotation, on another machine (seeds 0-9 and 0-5): least squares 0.45% -> 0.18%, mlp
-9.4% -> 5.5% (0.4-10.5% per seed). That is not a bias of the stored
-momentum (its error is 4.1% of its norm, its shrinkage -0.04%) but its resolution: in
-mlp's 96 x 96 layer 40% of the momentum's singular values lie below 1% of the largest,
-under the quantization floor, and Newton-Schulz lifts them to ~1, so ~half of that
-layer's orthogonalized update is error (as with independent noise of the same size); NorMuon's
-row second moment, estimated on it, flattens (row spread 35-40% lower) and equalizes
-rows less. A clean direction with that second moment costs +1.6%, and the same noise in
-float32 momentum costs NorMuon 4.5x what it costs Muon. Rounding rules only move the
-error between 4% and 6% (every element stochastic: +8.6%; every element dithered by
-the rotation, on the other machine: +9.0% against the rule's +5.5%); below 1% needs finer
-resolution than one code map per 256 elements gives. Cost: every element's dithered code
-is computed, and taken where its nearest code is stuck (finding the stuck ones first would
-be a host sync), so a step costs the same whatever the share of stuck elements
-(docs/performance.md, "No host sync in a step").
+Rounding to the nearest code would lose every step whose increment ``(1 - momentum)
+(g - m)`` is below half a code spacing: the momentum would come back to its old code and
+stay there while the gradient drifts (the increment is 0.05 of ``g - m``; code spacings
+are 1.4% of the block's absmax in the top decade, up to 14% of the value). So an element
+whose nearest code is the code it already had is rounded to one of the two codes around
+it by a dither instead: to the upper one where ``u < (x - lo) / (hi - lo)``, ``x`` its
+normalized value; every other element takes its nearest code. ``u`` (``_dither``) is a
+hash of the element's flat index in the whole parameter, rotated at every step by
+2**32 / golden ratio (mod 2**32): over one step the draws spread over the elements like
+independent ones, and over the steps each element's draws are a low-discrepancy
+sequence, so the average of its roundings over K steps follows its value with an error
+of order 1 / K instead of the 1 / sqrt(K) of independent draws; the momentum is such an
+average (over ~1 / (1 - momentum) = 20 steps). Integer arithmetic, deterministic and the
+same at any sharding; the step count is the state entry ``momentum_step`` (REPLICATED,
+like Adam's ``step``). Every element's dithered code is computed and taken where its
+nearest code is stuck: finding the stuck ones first would be a host sync. What each
+rounding rule cost on the toy tasks, and why 8-bit NorMuon stays above float32 momentum
+on mlp (the code map's resolution, not a bias): docs/decisions.md.
 """
 
 from __future__ import annotations

@@ -4,61 +4,31 @@
 ``adam8bit_block_step_`` (``_quant8.py``) is memory-bound: per element it reads the
 parameter, the gradient and two one-byte codes and writes the parameter and the codes
 (16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
-kernel below does the whole step block by block: dequantize both moments through the
-256-value code maps, the Adam / AdamW update with the block's absmax kept in registers,
-and the requantization through the packed bucket table of ``TableQuantizer`` ([Note:
-packed bucket table]; with AVX-512 a gather from it, by a product with the reciprocal of
-the scale, the same codes: [Note: requantization by reciprocal] in ``quant8_adam.cpp``; with
-AVX2 8 loads, by the division: [Note: AVX2 requantization by division]),
-with two blocks' new moments in a cache-resident scratch of ~4 * block_size floats. The
-data are read once and written once. Runs of whole blocks go to torch's intra-op threads
-([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any thread
-count. The requantization runs one block behind the update ([Note: requantization one
-block behind] in ``quant8_adam.cpp``): the update waits on its two divisions and square
-root, the requantization on its gathers; interleaved, they overlap. The same holds on a
-problem that stays in cache: the step is compute-bound. The kernel's measured history
-(each change's step time, on one machine) is in docs/performance.md; its current speed
-against torch's AdamW, in benchmarks/REPORT.md (``adam8bit``).
+kernel does the whole step block by block and reads and writes the data once:
+dequantize both moments through the 256-value code maps, the Adam / AdamW update with
+the block's absmax in registers, and the requantization through the packed bucket table
+([Note: packed bucket table]; [Note: requantization by reciprocal], [Note: AVX2
+requantization by division] in ``quant8_adam.cpp``), one block behind the update so
+that the two overlap ([Note: requantization one block behind]), in a cache-resident
+scratch of ~4 * block_size floats. Runs of whole blocks go to torch's intra-op threads
+([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any count.
 
-Bits. The kernel computes exactly the sequence of float32 operations that the eager
-path runs as torch ops ([Note: 8-bit Adam op order] in ``_quant8.py``): each is one
-correctly rounded IEEE add, sub, mul, div or sqrt, compiled with ``-ffp-contract=off``
-(no fused multiply-add) and without fast-math, so a vectorized and a scalar loop give
-the same bits, and so do the kernel and the eager fallback. Blocks never interact, so
-a run of whole blocks gives the bits of that part of the whole-tensor step at any world
-size. ``tests/test_adam8bit_fused.py`` checks both.
+The kernel computes exactly the float32 operations that the eager path runs as torch
+ops ([Note: 8-bit Adam op order] in ``_quant8.py``), each one correctly rounded IEEE
+add, sub, mul, div or sqrt, compiled with ``-ffp-contract=off`` and without fast-math:
+a vectorized and a scalar loop give the same bits, and so do the kernel and the eager
+fallback. Blocks never interact, so a run of whole blocks gives the bits of that part
+of the whole-tensor step at any world size. ``tests/test_adam8bit_fused.py`` checks
+both. Why a C++ kernel and not torch.compile, its lookups and what was tried and
+dropped: docs/decisions.md; its speed: benchmarks/REPORT.md (``adam8bit``).
 
-Why not torch.compile: inductor's CPU code for this step (torch 2.13) gathers the table
-lookups element by element through int64 indices with bounds checks and writes the float
-moments back to memory between its loops, several times slower than this kernel, after
-seconds of compilation. Where AVX-512 is there, the 256-value code maps are read with
-register permutes (cheaper than a vector gather; with AVX-512 VBMI, byte permutes of the
-map's four byte planes, 64 codes at a time, the planes built once per call); with AVX2
-only, by 8 scalar loads inserted into a vector (AVX2 has no permute over a 256-entry
-table, and on a Zen 3 its 8-lane gather is slower than the loads). The
-requantization's code is the number of the map's 255 midpoints below the value
-(searchsorted's, so ``code_of``'s for every finite float: checked on all 2^32 bit
-patterns). It was found by a branch-free binary search whose 8 levels read the midpoints
-with register permutes (cheaper than a gather on some CPUs, dearer on others: the
-search's permutes and compares share one port); it is now one gather from the packed
-table per 16 values, with the division by the scale replaced by a product with its
-reciprocal and redone exactly for the vectors near a midpoint (listed without a branch and
-redone after the block: a branch per vector mispredicts on every block's absmax). Tried
-and dropped (slower, figures in docs/performance.md): the absmax folded into the update
-loop as scalar C (gcc then vectorizes neither), both moments' requantizations in one loop
-(also with one moment by gather and one by search), software prefetch on the AVX-512
-paths (the AVX2 paths prefetch: [Note: prefetch ahead of the block]), and on the
-AVX-512 paths the table lookups as scalar loads and the dequantization by a gather from
-the code map (on the AVX2 paths of a Zen 3, the scalar loads won). The kernel is
-C++ source in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
+The sources are in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
 pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
 ``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
 ``-fopenmp`` (torch's at::parallel_for threads only with it; each dropped where the
-compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or
-``~/.cache``, ``vefsdp_optim/``) by the hash of the sources, flags, compiler, torch
-version, CPU and cache path, so ranks and test processes load it in milliseconds. A cold
-build takes a few seconds, nearly all of it parsing torch's operator headers (the kernel's
-own file builds in about a second).
+compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``,
+``vefsdp_optim/``) by the hash of the sources, flags, compiler, torch version, CPU and
+cache path, so ranks and test processes load it in milliseconds.
 
 Where it cannot be built (no compiler, no ninja, a failed build) the eager path runs,
 with the same bits, and the reason is logged once. CUDA tensors take the Triton kernel
