@@ -33,35 +33,25 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 # [Note: world-size-free optimizer state]
 # state_dict() gives every state tensor a form that does not depend on the world size
 # that wrote it, so DCP (torch.distributed.checkpoint) can reshard it on load:
-#   - ELEMENTWISE state (one value per parameter element: Adam moments, Muon momentum,
-#     8-bit codes) is a ShardedParameter of the parameter's global shape holding this
-#     rank's slice of the state layout (plain tensor of the global shape at W = 1);
-#   - per-block state (an int k: one value per block of k consecutive elements, e.g.
-#     8-bit absmax) is a 1-D ShardedParameter of ceil(numel / k) values, indexed by
-#     global block;
-#   - REPLICATED state (step counters) is saved as is, by the ranks whose slice is not
-#     empty (they all hold the same value; empty slices may never have stepped);
-#   - the state of a whole-tensor requirement (WholeTensor, not kept sharded by an
-#     override of state_layout) lives on the rank that computes the whole tensor, its
-#     owner: every entry of it (WHOLE ones in any shape, ELEMENTWISE ones in the
-#     parameter's shape, block ones in blocks, REPLICATED ones) is saved whole, by the
-#     rank that holds it, and loaded whole by the owner at the new world size;
+#   - ELEMENTWISE state (Adam moments, Muon momentum, 8-bit codes): a ShardedParameter
+#     of the parameter's global shape holding this rank's slice (a plain tensor at W = 1);
+#   - per-block state (an int k, e.g. 8-bit absmax): a 1-D ShardedParameter of
+#     ceil(numel / k) values, indexed by global block;
+#   - REPLICATED state (step counters): as is, by the ranks whose slice is not empty
+#     (all hold the same value; an empty slice may never have stepped);
+#   - a whole-tensor requirement's state lives on its owner: every entry, each in its
+#     own form, is saved whole by the rank that holds it and loaded whole by the owner
+#     at the new world size;
 #   - LOCAL entries are not saved; anything else (Shampoo's tiles) by the subclass
 #     hooks, keyed by global index.
-#   - every saved key is a key of the live state: framework flows (torch's
-#     flatten_optimizer_state_dict, torchtitan) rebuild an entry from the live keys and
-#     give back {} for a live key that was not saved, which load ignores
-#     (_saved_entry; [Note: Shampoo's live state keys are its saved keys]).
-#   - a parameter without state when it was saved (not yet stepped: a param group
-#     added later, an expert that got no tokens) saves an empty entry and has no
-#     state after loading, [Note: no state saved, none loaded].
-# validate_state() checks each parameter's live state against this declaration after
-# the step that creates it, so an undeclared or mismatched entry fails there, not at a
-# load at another world size.
-# The local data of every tensor handed out are the live state tensors themselves, so
-# ``dcp.load`` into ``state_dict()`` writes the state in place; load_state_dict() then
-# copies whatever is not already in place (plain full tensors from torch.load or a
-# full export: this rank's slice is taken) into the existing state tensors.
+# Every saved key is a key of the live state, since framework flows rebuild entries from
+# the live keys (_saved_entry; [Note: Shampoo's live state keys are its saved keys]), and
+# a parameter without state when saved has none after loading ([Note: no state saved,
+# none loaded]). validate_state() checks the live state against this declaration after
+# the step that creates it, so a mismatch fails there, not at a load at another world
+# size. The local data handed out are the live state tensors themselves, so ``dcp.load``
+# into ``state_dict()`` writes in place; load_state_dict() copies whatever is not
+# already in place (plain full tensors from torch.load or a full export) into the state.
 
 
 def export_state(opt: BlockOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
