@@ -7,6 +7,10 @@ weights ``w1`` (E, h, d), ``w2`` (E, d, h). Layouts, at W = 4 on gloo:
   distributed with its own ``mesh["ep"]`` slice (equal meshes, distinct objects), sharded
   by ``fully_shard(experts, mesh=mesh["edp"])``; the dense weights by a separate
   ``fully_shard(model, mesh=dp)`` over all 4 ranks (its own mesh);
+- ``ep2_one_call``: the experts as in ``ep2``, and torchtitan 0.3.0's form: one
+  ``fully_shard(model, mesh=dp)`` whose ``shard_placement_fn`` returns FSDP2's
+  ``ShardPlacementResult`` on ``mesh["edp"]`` for the experts and on ``dp`` for the rest
+  (one call, two shard groups; torch >= 2.13);
 - ``ep1``: experts plain, ``fully_shard(experts, mesh=dp)``, then the root over ``dp``;
 - ``single``: one device.
 
@@ -90,7 +94,7 @@ def _shard(model: MoE, layout: str, kind: str = "ours") -> MoE:
     dp = init_device_mesh("cpu", (w,), mesh_dim_names=("dp",))
     experts = model.experts
     e = experts.w1.shape[0]
-    if layout == "ep2":
+    if layout in ("ep2", "ep2_one_call"):
         mesh = init_device_mesh("cpu", (w // 2, 2), mesh_dim_names=("edp", "ep"))
         for k in ("w1", "w2"):  # each with its own slice: equal meshes, distinct objects
             t = distribute_tensor(getattr(experts, k).detach(), mesh["ep"], [Shard(0)])
@@ -103,6 +107,17 @@ def _shard(model: MoE, layout: str, kind: str = "ours") -> MoE:
     else:
         raise ValueError(layout)
     placement = Shard(1) if edp.size() * ep > e else Shard(0)  # torchtitan's rule
+    if layout == "ep2_one_call":  # torchtitan's apply_fsdp_to_decoder at ep > 1
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+
+        expert_params = set(experts.parameters())
+        on_edp = ShardPlacementResult(placement, FSDPMeshInfo(edp, shard_mesh_dim=0))
+        on_dp = ShardPlacementResult(Shard(0), FSDPMeshInfo(dp, shard_mesh_dim=0))
+        fully_shard(model, mesh=dp, shard_placement_fn=lambda p: on_edp if p in expert_params else on_dp)
+        return model
     fully_shard(experts, mesh=edp, shard_placement_fn=lambda p: placement)
     fully_shard(model, mesh=dp)
     return model
@@ -121,14 +136,14 @@ def _tokens(step: int) -> torch.Tensor:
 # -- our fully_shard against FSDP2: the same losses and gradients -----------------------------
 
 
-def _ours_vs_fsdp2(experts: int, steps: int = 2) -> dict[str, object]:
+def _ours_vs_fsdp2(experts: int, steps: int = 2, layout: str = "ep2") -> dict[str, object]:
     """The same EP model under our fully_shard (vefsdp_optim.AdamW) and FSDP2
     (torch.optim.AdamW): losses, full gradients and parameters after each step."""
     import vefsdp_optim
 
     runs = {}
     for kind in ("ours", "fsdp2"):
-        model = _shard(_build(experts), "ep2", kind)
+        model = _shard(_build(experts), layout, kind)
         cls = vefsdp_optim.AdamW if kind == "ours" else torch.optim.AdamW
         opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
         losses, grads, params = [], [], []
@@ -152,12 +167,25 @@ def _ours_vs_fsdp2(experts: int, steps: int = 2) -> dict[str, object]:
             "params": max(diff(a, b, e) for a, b in zip(po, pf, strict=True) for e in (True, False))}
 
 
-@pytest.mark.parametrize("experts", [3, 4])
-def test_ep_fully_shard_equals_fsdp2(experts: int) -> None:
+def _needs_shard_placement_result(layout: str) -> None:
+    if layout == "ep2_one_call":
+        pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common", exc_type=ImportError)
+        from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+        if not hasattr(_fsdp_common, "ShardPlacementResult"):
+            pytest.skip("FSDP2's ShardPlacementResult needs torch >= 2.13")
+
+
+@pytest.mark.parametrize("experts, layout", [
+    (3, "ep2"), (4, "ep2"), (3, "ep2_one_call"),
+    pytest.param(4, "ep2_one_call", marks=pytest.mark.slow)])
+def test_ep_fully_shard_equals_fsdp2(experts: int, layout: str) -> None:
     """The experts' gradients (reduced over edp = 2: one sum in either order) equal
     FSDP2's bit for bit; the dense ones, reduced over dp = 4, to rounding only: at W = 4
-    our reduce-scatter is gloo's collective, FSDP2's adds in another order."""
-    for r in run_distributed(_ours_vs_fsdp2, 4, experts):
+    our reduce-scatter is gloo's collective, FSDP2's adds in another order. ``ep2_one_call``:
+    both from one fully_shard call with a per-parameter mesh, FSDP2's the same call."""
+    _needs_shard_placement_result(layout)
+    for r in run_distributed(_ours_vs_fsdp2, 4, experts, 2, layout):
         assert r["losses"][0][0] == r["losses"][1][0], r
         assert r["expert_grad"] == 0.0, r
         assert r["dense_grad"] < 1e-6 and r["params"] < 1e-6, r
@@ -191,13 +219,14 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-def _optimizers_vs_one_device(experts: int, names: tuple[str, ...], steps: int = 3) -> dict[str, object]:
+def _optimizers_vs_one_device(experts: int, names: tuple[str, ...], steps: int = 3,
+                              layout: str = "ep2") -> dict[str, object]:
     """Per optimizer: train the ep2 model with real forwards and backwards; one device
     steps the same optimizer on the gathered full gradients. The largest difference, and
     how the experts are stored."""
     out: dict[str, object] = {}
     for name in names:
-        model = _shard(_build(experts), "ep2")
+        model = _shard(_build(experts), layout)
         ref = _build(experts)
         opt, ref_opt = make_optimizer(name, model), make_optimizer(name, ref)
         named_ref = dict(ref.named_parameters())
@@ -214,13 +243,20 @@ def _optimizers_vs_one_device(experts: int, names: tuple[str, ...], steps: int =
                 worst = max(worst, float((_full(p) - named_ref[n].detach()).abs().max()))
         out[name] = worst
     out["expert_layout"] = type(model.experts.w1.ragged_layout).__name__
+    out["shard_groups"] = [g.settings.world_size for g in model._vefsdp_state.shard_groups]
     return out
 
 
-@pytest.mark.parametrize("experts", [3, pytest.param(4, marks=pytest.mark.slow)])
-def test_every_optimizer_on_ep_bitwise(experts: int) -> None:
-    for r in run_distributed(_optimizers_vs_one_device, 4, experts, OPTIMIZERS):
+@pytest.mark.parametrize("experts, layout", [
+    (3, "ep2"), pytest.param(4, "ep2", marks=pytest.mark.slow),
+    pytest.param(3, "ep2_one_call", marks=pytest.mark.slow),
+    pytest.param(4, "ep2_one_call", marks=pytest.mark.slow)])
+def test_every_optimizer_on_ep_bitwise(experts: int, layout: str) -> None:
+    _needs_shard_placement_result(layout)
+    for r in run_distributed(_optimizers_vs_one_device, 4, experts, OPTIMIZERS, 3, layout):
         assert r.pop("expert_layout") == "BoxShard", r  # over edp x ep
+        groups = r.pop("shard_groups")
+        assert groups == ([4, 2] if layout == "ep2_one_call" else [4]), groups  # dp, then edp
         assert all(v == 0.0 for v in r.values()), r
 
 
@@ -310,10 +346,14 @@ def _resume(tmp_path, src: tuple[str, str], dst: tuple[str, str], names: tuple[s
 @pytest.mark.parametrize("src, dst", [
     (("ep2", "ours"), ("ep1", "ours")),
     (("ep2", "ours"), ("single", "ours")),
+    pytest.param(("ep2_one_call", "ours"), ("single", "ours"), marks=pytest.mark.slow),
+    pytest.param(("ep2", "fsdp2"), ("ep2_one_call", "ours"), marks=pytest.mark.slow),
     pytest.param(("ep1", "ours"), ("ep2", "ours"), marks=pytest.mark.slow),
     pytest.param(("single", "ours"), ("ep2", "ours"), marks=pytest.mark.slow),
     pytest.param(("ep2", "fsdp2"), ("ep2", "ours"), marks=pytest.mark.slow),  # FSDP2's Shard(1) experts
     pytest.param(("ep2", "ours"), ("ep2", "fsdp2"), marks=pytest.mark.slow),
 ])
 def test_checkpoint_moves_between_ep_layouts(tmp_path, src, dst) -> None:
+    _needs_shard_placement_result(src[0])
+    _needs_shard_placement_result(dst[0])
     _resume(tmp_path, src, dst, OPTIMIZERS)

@@ -220,22 +220,29 @@ def _signature() -> dict[str, object]:
             out[f"{bad}_refused"] = False
         except err as e:
             out[f"{bad}_refused"] = words in str(e) and "weight" in str(e)
-    try:  # FSDP2's per-parameter result (torch >= 2.13): this call's mesh only
+    try:  # FSDP2's per-parameter result (torch >= 2.13): its mesh, this call's or another
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     except ImportError:
         ShardPlacementResult = None
     if ShardPlacementResult is not None:
         here = init_device_mesh("cpu", (2,))
-        other = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))["b"]
-        for mesh, accepted in ((here, True), (other, False)):
-            result = ShardPlacementResult(placement=Shard(0), mesh_info=_get_mesh_info(mesh))
-            try:
-                vefsdp_optim.fully_shard(nn.Linear(3, 4), mesh=here, shard_placement_fn=lambda p, r=result: r)
-                out[f"result_accepted_{accepted}"] = accepted
-            except NotImplementedError as e:
-                out[f"result_accepted_{accepted}"] = not accepted and "fully_shard(experts, mesh=edp_mesh)" in str(e)
+        two = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
+        for key, info in (("here", _get_mesh_info(here)), ("other", _get_mesh_info(two["b"]))):
+            result = ShardPlacementResult(placement=Shard(0), mesh_info=info)
+            lin = vefsdp_optim.fully_shard(nn.Linear(3, 4), mesh=here, shard_placement_fn=lambda p, r=result: r)
+            out[f"result_{key}_accepted"] = lin.weight.ragged_layout.world_size == info.mesh.size()
+        # a 2-D mesh whose dims are not (replicate, shard)
+        result = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(two, shard_mesh_dim=0))
+        try:
+            vefsdp_optim.fully_shard(nn.Linear(3, 4), mesh=here, shard_placement_fn=lambda p, r=result: r)
+            out["result_bad_dims_refused"] = False
+        except NotImplementedError as e:
+            out["result_bad_dims_refused"] = "replicate_mesh_dim=0, shard_mesh_dim=1" in str(e)
     _backward(m)
     out["trains"] = all(p.grad is not None for p in m.parameters())
     return out

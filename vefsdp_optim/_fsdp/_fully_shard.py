@@ -116,9 +116,12 @@ def fully_shard(
     ``Shard(0)`` and ``Shard(d)`` for a dim d of the parameter (torchtitan's ``Shard(1)``
     experts) are all stored as this library's layout (a RaggedShard of the flattened
     parameter, cut where the optimizers' blocks allow; [Note: shard placements]); a
-    ``ShardPlacementResult`` on this call's mesh is accepted, on another mesh, or any other
-    placement, raises NotImplementedError. Expert parallelism: experts as DTensors on an
-    ``ep`` mesh, ``fully_shard(experts, mesh=edp_mesh)``, then the block over ``dp``.
+    ``ShardPlacementResult`` shards its parameter over its own mesh (1-D, or HSDP's
+    (replicate, shard)): the call then has one shard group per mesh ([Note: shard groups of
+    one call]); any other placement raises NotImplementedError. Expert parallelism:
+    experts as DTensors on an ``ep`` mesh and either torchtitan's one call per block (a
+    ``ShardPlacementResult`` on ``edp_mesh`` for the experts) or two calls,
+    ``fully_shard(experts, mesh=edp_mesh)``, then the block over ``dp``.
     ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy`` (the sharded
     parameters, gradients and optimizer step on the CPU: [Note: CPU offload] in
     _store.py). ``ignored_params``: left out of the shard group, as FSDP2.
@@ -154,40 +157,34 @@ def fully_shard(
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if dp_mesh_dims is not None:
         mesh = _dp_submesh(mesh, dp_mesh_dims, modules)
-    if mesh.ndim == 1:
-        shard_process_group, replicate_process_group = mesh.get_group(0), None
-    elif mesh.ndim == 2:
-        shard_process_group, replicate_process_group = mesh.get_group(1), mesh.get_group(0)
-    else:
-        raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
+    shard_process_group, replicate_process_group = _process_groups(mesh)
     device = _default_device(mesh)
     offload, pin_memory = _check_offload(offload_policy)
     params = _collect(modules, device, set(map(id, ignored_params or ())))
-    if shard_placement_fn is not None:  # [Note: shard placements]
-        for mp in params:
-            _check_placement(shard_placement_fn(mp.original), mp, mesh)  # type: ignore[attr-defined]
-    data = {}
-    for mp in params:
-        src = mp.sharded_src  # type: ignore[attr-defined]
-        if isinstance(src, DTensor):  # [Note: fully_shard over tensor parallel]
-            mp.tp = _tensor_parallel(mp, src, mesh)
-            mp.shape = src.to_local().shape
-            src = src.to_local()
-        data[mp.fqn] = src
-        del mp.sharded_src  # type: ignore[attr-defined]
-    shard_group = ShardGroup(params, shard_process_group=shard_process_group,
-                             replicate_process_group=replicate_process_group, device=device,
-                             mp_policy=mp_policy, data=data, offload=offload,
-                             pin_memory=pin_memory) if params else None
-    if shard_group is not None:
+    shard_groups = []
+    for group_mesh, group_params in _by_mesh(params, shard_placement_fn, mesh):  # [Note: shard groups of one call]
+        data = {}
+        for mp in group_params:
+            src = mp.sharded_src  # type: ignore[attr-defined]
+            if isinstance(src, DTensor):  # [Note: fully_shard over tensor parallel]
+                mp.tp = _tensor_parallel(mp, src, group_mesh)
+                mp.shape = src.to_local().shape
+                src = src.to_local()
+            data[mp.fqn] = src
+            del mp.sharded_src  # type: ignore[attr-defined]
+        shard, replicate = _process_groups(group_mesh)
+        shard_group = ShardGroup(group_params, shard_process_group=shard, replicate_process_group=replicate,
+                                 device=device, mp_policy=mp_policy, data=data, offload=offload,
+                                 pin_memory=pin_memory)
         shard_group.register(sharded=True)
-    else:  # ranks that do hold parameters here check their signature against this one
+        shard_groups.append(shard_group)
+    if not params:  # ranks that do hold parameters here check their signature against this one
         check_shard_group_consistent(
             [], shard_process_group, replicate_process_group if replicate_process_group is not None
             and replicate_process_group.size() > 1 else None)
     for m in modules:
         _move_buffers(m, device)
-    state = FSDPState(modules, shard_group, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, shard_groups, reshard_after_forward, mp_policy)
     for mp in params:  # [Note: use outside forward]
         use = ParamOutsideUse(state, mp)
         mp.sharded.bind_outside_use(use)
@@ -225,27 +222,78 @@ def fully_shard(
 # FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
 # is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
 # the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
-# (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` is
-# accepted where its mesh is this call's mesh by value ([Note: meshes by value]); a
-# parameter on another mesh (torchtitan's experts on ``efsdp``) takes its own call:
-# ``fully_shard(experts, mesh=edp_mesh)`` first, then the block over dp. Any other
+# (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` also
+# names a mesh: the parameter is sharded over that one (torchtitan's experts on
+# ``efsdp``, the rest of the block on ``dp``), [Note: shard groups of one call]. Any other
 # placement (Replicate, _StridedShard) raises NotImplementedError naming it.
 
+# [Note: shard groups of one call]
+# A shard group communicates over one (shard, replicate) pair of process groups, so one
+# fully_shard call whose shard_placement_fn puts parameters on several meshes (FSDP2's
+# ``ShardPlacementResult``: torchtitan's MoE block, experts over ``efsdp`` and the rest
+# over ``dp``, in one call) gets one ShardGroup per distinct mesh, as FSDP2 gets one
+# FSDPParamGroup per process group. Meshes are told apart by value ([Note: meshes by
+# value]): equal meshes built twice share a group. The groups are ordered by their first
+# parameter in the module's parameter order, the same on every rank, and every hook
+# walks them in that order (each launches its all-gathers, then waits for each), so
+# the collectives of each process group are issued in the same order on all of its
+# ranks. They share the call's module hooks, reshard policy and mixed precision and
+# enter and leave forward and backward together; each keeps its own stores, plan,
+# gradient buffer and reduction. Two calls, ``fully_shard(experts, mesh=edp_mesh)`` then
+# the block over ``dp``, shard the same way with one group each.
 
-def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> None:
-    """Accept ``placement`` from shard_placement_fn for ``mp`` or raise ([Note: shard placements])."""
+
+def _process_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard, replicate) process groups of a 1-D (shard) or 2-D (replicate, shard) mesh."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
+
+
+def _by_mesh(params: list[ManagedParam], fn: Callable[[nn.Parameter], object] | None,
+             mesh: DeviceMesh) -> list[tuple[DeviceMesh, list[ManagedParam]]]:
+    """The parameters grouped by the mesh ``fn`` gives each (this call's mesh by default),
+    in order of first parameter ([Note: shard groups of one call])."""
+    groups: dict[tuple, tuple[DeviceMesh, list[ManagedParam]]] = {}
+    for mp in params:
+        own = mesh if fn is None else _check_placement(fn(mp.original), mp, mesh)  # type: ignore[attr-defined]
+        groups.setdefault(mesh_key(own), (own, []))[1].append(mp)
+    return list(groups.values())
+
+
+def _result_mesh(result: object, name: str, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of FSDP2's ``ShardPlacementResult`` (its ``mesh_info``): 1-D with shard dim
+    0, or 2-D with (replicate, shard) dims (0, 1), on the call's device type."""
+    info = result.mesh_info  # type: ignore[attr-defined]
+    other = getattr(info, "mesh", None)
+    if not isinstance(other, DeviceMesh):
+        raise TypeError(f"{name}: its mesh_info must carry a DeviceMesh (FSDP2's FSDPMeshInfo), got {info!r}")
+    if getattr(info, "dp_mesh_dims", None) is not None:
+        raise NotImplementedError(
+            f"{name}: mesh_info with dp_mesh_dims (a full SPMD mesh) is not supported per parameter; "
+            "give the data-parallel submesh itself (FSDPMeshInfo(mesh=edp_mesh, shard_mesh_dim=0))")
+    dims = (getattr(info, "replicate_mesh_dim", None), getattr(info, "shard_mesh_dim", None))
+    if dims not in ((None, 0), (0, 1)) or other.ndim != (1 if dims[0] is None else 2):
+        raise NotImplementedError(
+            f"{name}: (replicate, shard) mesh dims {dims} of a {other.ndim}-D mesh {other}; accepted: a 1-D "
+            "mesh with shard_mesh_dim=0, or a 2-D HSDP mesh with replicate_mesh_dim=0, shard_mesh_dim=1")
+    if other.device_type != mesh.device_type:
+        raise ValueError(f"{name}: its mesh is on {other.device_type!r}, this call's mesh {mesh} on "
+                         f"{mesh.device_type!r}; every mesh of one call must be on one device type")
+    return other
+
+
+def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mp`` is sharded over, for ``placement`` from shard_placement_fn, or raise
+    ([Note: shard placements])."""
     name = f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}"
     if placement is not None and hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
-        other = getattr(placement.mesh_info, "mesh", None)  # FSDP2's ShardPlacementResult
-        if other is None or mesh_key(other) != mesh_key(mesh):
-            raise NotImplementedError(
-                f"{name}: a mesh other than this call's ({other} vs {mesh}); vefsdp_optim's fully_shard "
-                "shards one call's parameters over one mesh: call fully_shard on the module holding "
-                "these parameters with mesh=their mesh first (fully_shard(experts, mesh=edp_mesh)), "
-                "then on the enclosing module with its own mesh")
+        mesh = _result_mesh(placement, name, mesh)  # FSDP2's ShardPlacementResult
         placement = placement.placement
     if placement is None:
-        return
+        return mesh
     if type(placement) is not Shard:
         raise NotImplementedError(
             f"{name}; vefsdp_optim's fully_shard accepts None, Shard(0) or Shard(d) for a dim d of "
@@ -255,6 +303,7 @@ def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> N
     if not -ndim <= placement.dim < ndim:
         raise ValueError(f"{name}: dim {placement.dim} is out of range for its shape {tuple(mp.shape)} "
                          f"(expected -{ndim} <= dim < {ndim})")
+    return mesh
 
 
 def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorParallel:

@@ -26,12 +26,12 @@ class UnshardHandle:
     module; calling it again does nothing. Forward waits by itself when not called.
     """
 
-    def __init__(self, shard_group: ShardGroup | None) -> None:
-        self._shard_group = shard_group
+    def __init__(self, shard_groups: list[ShardGroup]) -> None:
+        self._shard_groups = shard_groups
 
     def wait(self) -> None:
-        shard_group, self._shard_group = self._shard_group, None
-        if shard_group is not None:
+        shard_groups, self._shard_groups = self._shard_groups, []
+        for shard_group in shard_groups:
             shard_group.wait_unshard()
             shard_group.register(sharded=False)
 
@@ -55,9 +55,8 @@ class FSDPModule(_TorchFSDPModule):
         """
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
-        handle = UnshardHandle(self._vefsdp_state.shard_group)
-        shard_group = self._vefsdp_state.shard_group
-        if shard_group is not None:
+        handle = UnshardHandle(list(self._vefsdp_state.shard_groups))
+        for shard_group in self._vefsdp_state.shard_groups:
             shard_group.unshard(async_op=async_op)
         if async_op:
             return handle
@@ -66,8 +65,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def reshard(self) -> None:
         """Free the all-gathered parameters and register the sharded ones (not recursive)."""
-        shard_group = self._vefsdp_state.shard_group
-        if shard_group is not None:
+        for shard_group in self._vefsdp_state.shard_groups:
             shard_group.reshard()
 
     def reset_iter_state(self) -> None:
@@ -86,7 +84,7 @@ class FSDPModule(_TorchFSDPModule):
         return [m._vefsdp_state for m in mods if isinstance(m, FSDPModule)]
 
     def _shard_groups(self, recurse: bool = False) -> list[ShardGroup]:
-        return [s.shard_group for s in self._states(recurse) if s.shard_group is not None]
+        return [g for s in self._states(recurse) for g in s.shard_groups]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: every backward completes its reductions in
@@ -243,8 +241,8 @@ class FSDPModule(_TorchFSDPModule):
         and the optimizers share), so ``to_empty(device=...)`` after a meta-device
         construction keeps them. A change of dtype raises (use MixedPrecisionPolicy)."""
         self.reshard()
-        slots = [(m, a, module_parameters(m)[a]) for s in self._states(recurse=True) if s.shard_group is not None
-                 for mp in s.shard_group.params for m, a in mp.slots]
+        slots = [(m, a, module_parameters(m)[a]) for g in self._shard_groups(recurse=True)
+                 for mp in g.params for m, a in mp.slots]
         dtypes = {id(p): p.dtype for _, _, p in slots}
         for m, a, _ in slots:
             module_parameters(m)[a] = None  # nn.Module._apply skips None entries

@@ -59,11 +59,13 @@ class _RootContext:
 class FSDPState:
     """Hooks and flags of one fully_shard'd module."""
 
-    def __init__(self, modules: list[nn.Module], shard_group: ShardGroup | None, reshard_after_forward: bool,
+    def __init__(self, modules: list[nn.Module], shard_groups: list[ShardGroup], reshard_after_forward: bool,
                  mp_policy: MixedPrecisionPolicy) -> None:
-        self.modules = modules  # one, or FSDP2's list of modules sharing one shard group
+        self.modules = modules  # one, or FSDP2's list of modules sharing its shard groups
         self.module = modules[0]
-        self.shard_group = shard_group
+        # one per mesh of this call's parameters, in the order of their first parameter
+        # ([Note: shard groups of one call] in _fully_shard.py); none without parameters
+        self.shard_groups = shard_groups
         self._not_run: set[int] = set()  # ids of the modules of this forward (a list of modules) yet to finish
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -84,6 +86,23 @@ class FSDPState:
         self.post_optim_event: Any = None  # set_post_optim_event before the root's lazy init
 
     @property
+    def shard_group(self) -> ShardGroup | None:
+        """The one shard group of a call whose parameters share one mesh (None: no
+        parameters); a call with several meshes has several: use ``shard_groups``."""
+        if len(self.shard_groups) > 1:
+            raise AssertionError(
+                f"this fully_shard'd module has {len(self.shard_groups)} shard groups (one per mesh of "
+                "its parameters); iterate over FSDPState.shard_groups")
+        return self.shard_groups[0] if self.shard_groups else None
+
+    def group_of(self, mp: ManagedParam) -> ShardGroup:
+        """The shard group that manages ``mp``."""
+        for g in self.shard_groups:
+            if any(q is mp for q in g.params):
+                return g
+        raise AssertionError(f"{mp.fqn}: a managed parameter without a shard group")
+
+    @property
     def is_root(self) -> bool:
         return self.role is Role.ROOT
 
@@ -97,8 +116,8 @@ class FSDPState:
         results discarded, parameters resharded."""
         self.training_state = TrainingState.IDLE
         self.uses, self.untracked = 0, False
-        if self.shard_group is not None:
-            self.shard_group.reset()
+        for g in self.shard_groups:
+            g.reset()
 
     def _set_training(self, new: TrainingState) -> None:
         self.training_state = advance(self.training_state, new, "FSDPState.training_state")
@@ -115,9 +134,9 @@ class FSDPState:
                 raise ValueError("a fully_shard'd module ran forward as root before its parent; "
                                  "run the outermost fully_shard'd module first")
         self.role = advance(self.role, Role.ROOT, "FSDPState.role")
-        devices = [s.shard_group.settings.device for s in states if s.shard_group is not None]
+        devices = [g.settings.device for s in states for g in s.shard_groups]
         ctx = _RootContext(states, CommContext(streams_for(devices[0] if devices else torch.device("cpu"))))
-        ctx.comm.host_sync = any(s.shard_group.settings.offload for s in states if s.shard_group is not None)
+        ctx.comm.host_sync = any(g.settings.offload for s in states for g in s.shard_groups)
         for s in states:
             if s.post_optim_event is not None:
                 ctx.comm.post_optim_event, s.post_optim_event = s.post_optim_event, None
@@ -125,9 +144,9 @@ class FSDPState:
             if s is not self and s.role is Role.UNSET:
                 s.role = advance(s.role, Role.NON_ROOT, "FSDPState.role")
             s.ctx = ctx
-            if s.shard_group is not None:
-                s.shard_group.before_grad_alloc = lambda: finish_completed_reductions(ctx)
-                s.shard_group.comm = ctx.comm
+            for g in s.shard_groups:
+                g.before_grad_alloc = lambda: finish_completed_reductions(ctx)
+                g.comm = ctx.comm
 
     # -- forward -----------------------------------------------------------------------
 
@@ -139,24 +158,26 @@ class FSDPState:
                 self.ctx.fwd_order.clear()
             self.ctx.comm.begin_forward()  # [Note: fully_shard streams]
             for s in self.ctx.states:  # here, not in each shard group's hook: modules get compiled
-                if s.shard_group is not None:
-                    s.shard_group.release_grads()
+                for g in s.shard_groups:
+                    g.release_grads()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
                 lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                 (args, kwargs))
-        shard_group = self.shard_group
-        if shard_group is None:
+        if not self.shard_groups:
             return args, kwargs
-        if not self._not_run:  # a new forward: every module of the shard group is to run
+        if not self._not_run:  # a new forward: every module of the shard groups is to run
             self._not_run = {id(m) for m in self.modules}
-        shard_group.unshard(overlap=True)
-        shard_group.wait_unshard()
+        for g in self.shard_groups:  # all launched, then waited for
+            g.unshard(overlap=True)
+        for g in self.shard_groups:
+            g.wait_unshard()
         for s in self.fwd_prefetch:
-            if s.shard_group is not None:
-                s.shard_group.unshard(async_op=True, overlap=True)
-        shard_group.register(sharded=False)
+            for g in s.shard_groups:
+                g.unshard(async_op=True, overlap=True)
+        for g in self.shard_groups:
+            g.register(sharded=False)
         if torch.is_grad_enabled():
             args, kwargs, hooked = self._register_post_backward(args, kwargs)
             if hooked:
@@ -166,15 +187,15 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        shard_group = self.shard_group
-        if shard_group is not None and torch.is_grad_enabled():
+        if self.shard_groups and torch.is_grad_enabled():
             self.ctx.fwd_order.append(self)
-        if shard_group is not None:
-            shard_group.register(sharded=True)
+        if self.shard_groups:
             self._not_run.discard(id(module))
+        for g in self.shard_groups:
+            g.register(sharded=True)
             # as FSDP2: root keeps its params for backward; a list of modules reshards once all ran
             if self.reshard_after_forward and not self.is_root and not self._not_run:
-                shard_group.free(deferred=True)
+                g.free(deferred=True)
         if self.is_root:  # as FSDP2: no gathered buffer waits for its free past the forward
             self.ctx.comm.release()
         if self.mp_policy.output_dtype is not None:
@@ -209,18 +230,19 @@ class FSDPState:
         if self.in_backward:
             return grad
         self._set_training(TrainingState.BACKWARD)
-        shard_group = self.shard_group
-        if shard_group is not None:
-            if shard_group.unsharding:
-                shard_group.wait_unshard()
-            elif not shard_group.gathered and self.unshard_in_backward:
-                shard_group.unshard(overlap=True)
-            if shard_group.gathered:  # as FSDP2: activation checkpointing recomputes with these
-                shard_group.register(sharded=False)
-            shard_group.attach_grads()
+        for g in self.shard_groups:
+            if not g.unsharding and not g.gathered and self.unshard_in_backward:
+                g.unshard(overlap=True)
+        for g in self.shard_groups:
+            if g.unsharding:
+                g.wait_unshard()
+            if g.gathered:  # as FSDP2: activation checkpointing recomputes with these
+                g.register(sharded=False)
+            g.attach_grads()
         for s in self.bwd_prefetch or self._implicit_bwd_prefetch():
-            if s.shard_group is not None and not s.shard_group.gathered:
-                s.shard_group.unshard(async_op=True, overlap=True)
+            for g in s.shard_groups:
+                if not g.gathered:
+                    g.unshard(async_op=True, overlap=True)
         return grad
 
     def _implicit_bwd_prefetch(self) -> list[FSDPState]:
@@ -236,9 +258,7 @@ class FSDPState:
         """The gradient of ``mp.sharded.full_tensor()`` ([Note: use outside forward]): the
         shard group enters its backward as for a use in forward, and ``grad`` is added
         where autograd puts the unsharded parameter's."""
-        shard_group = self.shard_group
-        if shard_group is None:
-            raise AssertionError(f"{mp.fqn}: a managed parameter without a shard group")
+        shard_group = self.group_of(mp)
         if mp.tp is not None:
             raise NotImplementedError(
                 f"fully_shard: {self.param_name(mp)} is tensor parallel; a gradient through its "
@@ -288,23 +308,24 @@ class FSDPState:
         if not self.in_backward:
             return
         self._set_training(TrainingState.IDLE)
-        shard_group = self.shard_group
-        if shard_group is None:
+        if not self.shard_groups:
             return
-        if self.reshard_after_backward:
-            shard_group.free(deferred=True)
-        else:
-            shard_group.wait_unshard()
-        shard_group.register(sharded=True)
+        for g in self.shard_groups:
+            if self.reshard_after_backward:
+                g.free(deferred=True)
+            else:
+                g.wait_unshard()
+            g.register(sharded=True)
         ctx = self.ctx
         if ctx is not None:
             wait_reductions(ctx)
-        shard_group.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
-        if shard_group.reducing:
-            if ctx is not None:
-                ctx.reducing.append(shard_group)
-            else:
-                shard_group.wait_reduce()
+        for g in self.shard_groups:  # this module's groups reduce together
+            g.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
+            if g.reducing:
+                if ctx is not None:
+                    ctx.reducing.append(g)
+                else:
+                    g.wait_reduce()
 
 
 # [Note: use outside forward]
@@ -386,11 +407,10 @@ def ctx_final_callback(ctx: _RootContext):  # noqa: ANN201
         for s in ctx.states:
             s.post_backward(final=True)
             s.uses, s.untracked = 0, False
-            if s.shard_group is not None:
-                s.shard_group.wait_unshard()
-                if (s.reshard_after_forward and s.reshard_after_backward and not s.is_root
-                        and s.shard_group.gathered):
-                    s.shard_group.free()  # prefetched, but its backward did not run
+            for g in s.shard_groups:
+                g.wait_unshard()
+                if s.reshard_after_forward and s.reshard_after_backward and not s.is_root and g.gathered:
+                    g.free()  # prefetched, but its backward did not run
         wait_reductions(ctx)  # the optimizer reads the sharded .grad next
         ctx.comm.finish_backward()  # [Note: fully_shard streams]
         ctx.comm.release()
