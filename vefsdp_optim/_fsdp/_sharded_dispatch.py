@@ -27,46 +27,31 @@ aten = torch.ops.aten
 
 # [Note: sharded dispatch]
 # A ShardedParameter holds one rank's contiguous slice of the flattened tensor, so an op
-# is computed on the slices only when each output element depends on the inputs at the
-# same flat element; everything else follows DTensor's model of "redistribute to
-# Replicate, compute, return a replicated result". The rules, first match wins:
-#
-# 1. Local (no communication): pointwise ops (torch.Tag.pointwise), masked_fill,
-#    *_like / clone / copy_ / detach / _to_copy, their in-place, out= and _foreach_
-#    forms, and torch's fused optimizer kernels (_FUSED: _fused_adam_, _fused_adamw_,
-#    _fused_sgd_, _fused_adagrad_: per element). All sharded operands must have the same
-#    shape, layout and process group (else ValueError). A plain operand is broadcast to the
-#    global shape and this rank's slice of it is taken (0-d tensors and Python scalars
-#    as they are), so `param.add_(full_update)` lands in the local slice. A boolean-mask
-#    index_put_ (`t[mask] = v`, Rprop) with a mask of the same layout is local too.
-# 2. Flat-order views (view, reshape, flatten, squeeze, unsqueeze, t of a vector: any
-#    view whose result on the global shape is contiguous at offset 0) keep the row-major
-#    order, hence the layout: the result is a ShardedParameter of the new shape over the
-#    same local slice, a true view.
-# 3. new_zeros / new_ones / new_empty / new_full of another size: a plain tensor
-#    (replicated), no communication.
-# 4. Reductions to a norm (linalg_vector_norm with no dim, _foreach_norm): partial sums
-#    of the slices (in float32 for 16-bit inputs) and one all_reduce per process group; a plain
-#    tensor, equal on every rank (FSDP2's Partial -> Replicate). Within rounding of the
-#    single-device norm, as with DTensor.
-# 5. Everything else (mm, permute / transpose, sums and means over dims, cat, index,
-#    sort, item(), ...): gather the full tensor of every sharded operand (one collective
-#    each, in argument order, which every rank runs alike), run the op on plain tensors
-#    and return plain, replicated results: bitwise what a single device computes. A
-#    sharded operand the op writes (in place or out=) gets this rank's slice of the
-#    result back and is returned itself. Caveat: a non-flat-order view (p.t(), p[1])
-#    is a gathered copy, not a view: writing into it does not reach p.
-#
-# 6. In-place random fills (uniform_, normal_, ..., what nn.init and reset_parameters
-#    call): the whole tensor is drawn on every rank from the same generator, as one
-#    device draws it, and this rank keeps its slice: initialisation after meta-device
-#    construction equals the single device's when the ranks share a seed (one full
-#    parameter at a time is materialised, transiently).
-#
+# runs on the slices only when each output element depends on the inputs at the same
+# flat element; anything else follows DTensor's "redistribute to Replicate, compute,
+# return a replicated result". Never a silently wrong local result. The rules:
+# 1. Local: pointwise ops (torch.Tag.pointwise), masked_fill, *_like / clone / copy_ /
+#    detach / _to_copy, their in-place, out= and _foreach_ forms, torch's fused optimizer
+#    kernels (_FUSED), and a boolean-mask index_put_ (Rprop) with a mask of the same
+#    layout. Sharded operands must share shape, layout and process group (else
+#    ValueError); a plain operand is broadcast to the global shape and this rank's slice
+#    taken (0-d tensors and scalars as they are): `param.add_(full_update)` works.
+# 2. Flat-order views (contiguous at offset 0 on the global shape: view, reshape,
+#    flatten, squeeze, unsqueeze, t of a vector): a ShardedParameter of the new shape
+#    over the same slice, a true view.
+# 3. new_zeros / new_ones / new_empty / new_full of another size: a plain tensor.
+# 4. Norms with no dim (linalg_vector_norm, _foreach_norm): partial sums of the slices
+#    (float32 for 16-bit inputs), one all_reduce per process group, a plain result equal
+#    on every rank, within rounding of one device's (as DTensor's).
+# 5. Everything else: gather every sharded operand (one collective each, in argument
+#    order, alike on every rank), run the op on plain tensors and return replicated
+#    results, bitwise one device's; a sharded operand the op writes gets its slice back.
+#    So a non-flat-order view (p.t(), p[1]) is a gathered copy: writes miss p.
+# 6. In-place random fills (uniform_, normal_, ...: nn.init): every rank draws the whole
+#    tensor from the same generator and keeps its slice, so meta-device initialisation
+#    equals one device's when the ranks share a seed.
 # Refused with NotImplementedError naming the op: in-place shape changes (t_, resize_,
-# set_, ...), other random ops (each rank's generator would give a different tensor),
-# and fused / foreach kernels handed a plain non-scalar tensor.
-# Never a silently wrong local result.
+# set_), other random ops, fused / foreach kernels handed a plain non-scalar tensor.
 
 _RANDOM_FILLS = {
     aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.random_.default,
