@@ -1,5 +1,19 @@
 """The fused 8-bit Adam step on the CPU: one C++ kernel, built once by torch's extension machinery.
 
+The sources are in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
+pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
+``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
+``-fopenmp`` (torch's at::parallel_for threads only with it; each dropped where the
+compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``,
+``vefsdp_optim/``) by the hash of the sources, flags, compiler, torch version, CPU and
+cache path, so ranks and test processes load it in milliseconds.
+
+Where it cannot be built (no compiler, no ninja, a failed build) the eager path runs,
+with the same bits, and the reason is logged once. CUDA tensors take the Triton kernel
+(``_quant8_triton.py``) or the eager path; ``_quant8_backend.py`` picks the backend
+(``VEFSDP_ADAM8BIT_BACKEND``). ``VEFSDP_ADAM8BIT_FUSED=0`` (or ``fused=False`` on the
+optimizer) turns the kernels off.
+
 [Note: fused 8-bit step]
 ``adam8bit_block_step_`` (``_quant8.py``) is memory-bound: per element it reads the
 parameter, the gradient and two one-byte codes and writes the parameter and the codes
@@ -21,20 +35,6 @@ fallback. Blocks never interact, so a run of whole blocks gives the bits of that
 of the whole-tensor step at any world size. ``tests/test_adam8bit_fused.py`` checks
 both. Why a C++ kernel and not torch.compile, its lookups and what was tried and
 dropped: docs/decisions.md; its speed: benchmarks/REPORT.md (``adam8bit``).
-
-The sources are in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
-pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
-``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
-``-fopenmp`` (torch's at::parallel_for threads only with it; each dropped where the
-compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``,
-``vefsdp_optim/``) by the hash of the sources, flags, compiler, torch version, CPU and
-cache path, so ranks and test processes load it in milliseconds.
-
-Where it cannot be built (no compiler, no ninja, a failed build) the eager path runs,
-with the same bits, and the reason is logged once. CUDA tensors take the Triton kernel
-(``_quant8_triton.py``) or the eager path; ``_quant8_backend.py`` picks the backend
-(``VEFSDP_ADAM8BIT_BACKEND``). ``VEFSDP_ADAM8BIT_FUSED=0`` (or ``fused=False`` on the
-optimizer) turns the kernels off.
 """
 
 from __future__ import annotations
