@@ -197,3 +197,91 @@ def test_large_matrix_equals_torch():
         opt.step()
         ref_opt.step()
     assert torch.equal(ours.detach(), ref.detach())
+
+
+# -- off the CPU: the probe's answer without a host sync ([Note: batch probes off the CPU]) --
+
+class _Event:
+    done = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+
+def test_probe_off_the_cpu_answers_when_its_event_is_done(monkeypatch):
+    """The probe is queued once; the per-matrix path (False) runs until its event is
+    done, then the verdict read from the host flag."""
+    from vefsdp_optim._math import _batch_probe as bp
+
+    event = _Event()
+    monkeypatch.setattr(bp, "_event", lambda device: event)
+    monkeypatch.setattr(bp, "_host_flag", lambda: torch.empty((), dtype=torch.bool))
+    monkeypatch.setattr(bp, "_answers", {})
+    monkeypatch.setattr(bp, "_pending", {})
+    runs = []
+
+    def run(verdict):
+        runs.append(verdict)
+        return torch.tensor(verdict)
+
+    meta = torch.device("meta")  # not the CPU: the asynchronous path
+    for verdict in (True, False):
+        event.done = False
+        assert bp.batch_probe(("k", verdict), meta, lambda v=verdict: run(v)) is False  # queued
+        assert bp.batch_probe(("k", verdict), meta, lambda v=verdict: run(v)) is False  # pending
+        event.done = True
+        assert bp.batch_probe(("k", verdict), meta, lambda v=verdict: run(v)) is verdict
+        assert bp.batch_probe(("k", verdict), meta, lambda v=verdict: run(v)) is verdict
+    assert runs == [True, False]  # once per key
+
+
+def test_probe_is_not_queued_under_fake_tensor_mode(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vefsdp_optim._math import _batch_probe as bp
+
+    monkeypatch.setattr(bp, "_answers", {})
+    monkeypatch.setattr(bp, "_pending", {})
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert bp.batch_probe("k", torch.device("cuda"), lambda: pytest.fail("probe queued")) is False
+    assert bp._pending == {} and bp._answers == {}
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a torch without CUDA makes fake CUDA tensors "
+                    "but indexes them with CPU kernels")
+@pytest.mark.parametrize("name", ["Muon", "NorMuon"])
+def test_fake_cuda_batched_step_makes_no_host_sync(monkeypatch, name):
+    """Where the probes have answered True, Muon's and NorMuon's steps on fake CUDA
+    parameters batch Newton-Schulz (and NorMuon its normalization) over same-shape
+    blocks, with no data-dependent op (FakeTensorMode raises on one) and no sync."""
+    from test_no_host_sync import SyncRecorder
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import vefsdp_optim._muon as muon_mod
+
+    batched = []
+    real_ns, real_nm = muon_mod.zeropower_via_newtonschulz_batched, muon_mod.normuon_normalize_batched_
+    monkeypatch.setattr(muon_mod, "newtonschulz_batch_exact", lambda *a: True)
+    monkeypatch.setattr(muon_mod, "normuon_batch_exact", lambda *a: True)
+    monkeypatch.setattr(muon_mod, "zeropower_via_newtonschulz_batched",
+                        lambda x, *a: batched.append(("ns", *x.shape)) or real_ns(x, *a))
+    monkeypatch.setattr(muon_mod, "normuon_normalize_batched_",
+                        lambda x, *a, **k: batched.append(("norm", *x.shape)) or real_nm(x, *a, **k))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        params = [nn.Parameter(torch.randn(s, device="cuda")) for s in [(40, 33), (40, 33), (3, 32, 48)]]
+    groups = [dict(params=params[:2]), dict(params=params[2:], flatten=False)]
+    opt = getattr(vefsdp_optim, name)(groups, lr=0.02)
+    for _ in range(2):
+        with mode:
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda")
+            with SyncRecorder(device_type="cuda") as rec:
+                opt.step()
+        assert rec.found == []
+    want = {("ns", 2, 40, 33), ("ns", 3, 32, 48)} | ({("norm", 2, 40, 33), ("norm", 3, 32, 48)}
+                                                       if name == "NorMuon" else set())
+    assert set(batched) == want, batched

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._batch_probe import batch_probe
 from ._bf16_matmul import addmm, mm_nt
 from ._polar_express import POLAR_EXPRESS, POLAR_EXPRESS_SAFETY, polar_express_coefficients
 
@@ -139,10 +140,10 @@ def zeropower_via_newtonschulz_batched(
     eps: float = NS_EPS,
 ) -> Tensor:
     """``zeropower_via_newtonschulz`` of each ``grads[i]`` of a 3-D batch, with batched
-    matmuls (``baddbmm``) in the same op order: the norm and its division per matrix,
-    then each step's two products for the whole batch. Whether the bits equal the
-    per-matrix function's depends on the matmul kernels of the device and shape: use it
-    only where :func:`newtonschulz_batch_exact` says so."""
+    matmuls (``baddbmm``) in the same op order: the norms (one reduction over the last
+    two dims) and their division, then each step's two products for the whole batch.
+    Whether the bits equal the per-matrix function's depends on the kernels of the
+    device and shape: use it only where :func:`newtonschulz_batch_exact` says so."""
     if not isinstance(grads, Tensor) or grads.ndim != 3:
         raise ValueError(f"grads must be a 3-D batch of matrices, got {getattr(grads, 'shape', grads)!r}")
     polar, schedule = _schedule(ns_coefficients, ns_steps)
@@ -150,9 +151,10 @@ def zeropower_via_newtonschulz_batched(
     x = grads.bfloat16()  # (batch, rows, cols), bf16
     if tall:
         x = x.mT  # (batch, cols, rows)
-    # per matrix, as the single-matrix function: the same norm bits (and a division is
-    # exact elementwise, broadcast or not)
-    norms = torch.stack([m.norm() for m in x]).view(-1, 1, 1)
+    # each matrix's norm in one reduction over its two dims (each output one matrix's
+    # reduction; the probe checks its bits against the single matrix's), and a division
+    # is exact elementwise, broadcast or not
+    norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # (batch, 1, 1)
     norms = norms * POLAR_EXPRESS_SAFETY + eps if polar else norms.clamp(min=eps)
     x = x.div(norms) if grads.dtype == torch.bfloat16 else x.div_(norms)
     for a, b, c in schedule:
@@ -168,7 +170,6 @@ def zeropower_via_newtonschulz_batched(
 BATCH_MIN_DIM = 32
 
 
-@functools.lru_cache(maxsize=256)
 def newtonschulz_batch_exact(
     batch: int, rows: int, cols: int, device: torch.device, ns_coefficients: NsCoefficients,
     ns_steps: int, eps: float, threads: int,
@@ -192,19 +193,25 @@ def newtonschulz_batch_exact(
     either kernel and contractions of >= 32 terms, whose summation order a random probe
     shows. Measured on five input families (normal, quantized momentum, 90% zeros, rank
     two, constant rows) at batches 2-16: batched equal to per-matrix at shorter sides
-    17-63, and differing at sides 7, 8 and 16 (tests/test_muon_blocks.py). Off the
-    CPU nothing is probed and nothing is batched: reading the probe's answer back
-    from a device is a host sync (inside the step that first meets the shape), and
-    the per-matrix kernels there are torch.optim.Muon's own. On the CPU the probe is
-    host work, cached, run by the first step that meets each class.
+    17-63, and differing at sides 7, 8 and 16 (tests/test_muon_blocks.py). On the
+    CPU the probe is host work, run by the first step that meets each class; on an
+    accelerator it is queued and its answer read later without a host sync, the
+    per-matrix path running until then ([Note: batch probes off the CPU] in
+    _batch_probe.py).
     """
-    if torch.device(device).type != "cpu" or min(rows, cols) < BATCH_MIN_DIM:
+    if min(rows, cols) < BATCH_MIN_DIM:
         return False
-    g = torch.Generator().manual_seed(rows * 1_000_003 + cols)
-    probe = torch.randn(batch, rows, cols, generator=g).to(device)
-    want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps) for m in probe])
-    got = zeropower_via_newtonschulz_batched(probe, ns_coefficients, ns_steps, eps)
-    return bool(torch.equal(got, want))
+    device = torch.device(device)
+
+    def run() -> Tensor:
+        g = torch.Generator(device=device).manual_seed(rows * 1_000_003 + cols)
+        probe = torch.randn(batch, rows, cols, generator=g, device=device)
+        want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps) for m in probe])
+        got = zeropower_via_newtonschulz_batched(probe, ns_coefficients, ns_steps, eps)
+        return torch.eq(got, want).all()
+
+    key = ("newton-schulz", batch, rows, cols, device, ns_coefficients, ns_steps, eps, threads)
+    return batch_probe(key, device, run)
 
 
 def muon_matrix_view(shape: Sequence[int]) -> tuple[int, int]:

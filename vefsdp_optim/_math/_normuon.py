@@ -39,19 +39,20 @@ batched Newton-Schulz] in _newton_schulz.py), the bits are checked, not assumed:
 dtype, device, beta2, threads), on full-precision values (the squares of bfloat16 values,
 Newton-Schulz's, often sum exactly in float32 whatever the order, and would hide one),
 and refuses blocks with a side below ``BATCH_MIN_DIM`` (a sum of fewer terms may round
-alike in two orders on the probe and not on the data). As for Newton-Schulz, only on
-the CPU: off it nothing is probed (a host read of a device value) or batched.
+alike in two orders on the probe and not on the data). Off the CPU, as for
+Newton-Schulz, the answer comes back without a host sync, the per-matrix path running
+until it does ([Note: batch probes off the CPU] in _batch_probe.py).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .._torch_compat import foreach_lerp_
+from ._batch_probe import batch_probe
 from ._newton_schulz import BATCH_MIN_DIM
 
 __all__ = ["NORMUON_EPS", "normuon_batch_exact", "normuon_normalize_", "normuon_normalize_batched_"]
@@ -157,22 +158,27 @@ def normuon_normalize_batched_(
     return out
 
 
-@functools.lru_cache(maxsize=256)
 def normuon_batch_exact(batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
                         beta2: float, threads: int) -> bool:
     """Whether :func:`normuon_normalize_batched_` gives, for ``batch`` matrices of ``rows x
     cols`` normalized in ``dtype`` on ``device`` with ``threads`` intra-op threads, the
     bits of :func:`normuon_normalize_` on each ([Note: batched NorMuon normalization]):
-    checked once on a fixed random stack, on the CPU only; never below ``BATCH_MIN_DIM``."""
-    if torch.device(device).type != "cpu" or batch < 2 or min(rows, cols) < BATCH_MIN_DIM:
+    checked once on a fixed random stack (off the CPU, answered when the queued probe
+    has finished: [Note: batch probes off the CPU]); never below ``BATCH_MIN_DIM``."""
+    if batch < 2 or min(rows, cols) < BATCH_MIN_DIM:
         return False
-    g = torch.Generator().manual_seed(rows * 1_000_003 + cols * 7 + batch)
-    # full-precision values: the squares of bfloat16 ones sum exactly in float32 in any
-    # order (short mantissas), so a bfloat16 probe would not show a summation order
-    probe = torch.randn(batch, rows, cols, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
-    start = torch.rand(batch, rows, generator=g).to(device=device, dtype=dtype)
-    want_v = [v.clone() for v in start]
-    want = torch.stack([normuon_normalize_(m, v, beta2) for m, v in zip(probe, want_v, strict=True)])
-    got_v = [v.clone() for v in start]
-    got = normuon_normalize_batched_(probe, got_v, beta2)
-    return bool(torch.equal(got, want)) and all(torch.equal(a, b) for a, b in zip(got_v, want_v, strict=True))
+    device = torch.device(device)
+
+    def run() -> Tensor:
+        g = torch.Generator(device=device).manual_seed(rows * 1_000_003 + cols * 7 + batch)
+        # full-precision values: the squares of bfloat16 ones sum exactly in float32 in any
+        # order (short mantissas), so a bfloat16 probe would not show a summation order
+        probe = torch.randn(batch, rows, cols, generator=g, dtype=torch.float64, device=device).to(dtype)
+        start = torch.rand(batch, rows, generator=g, device=device).to(dtype)
+        want_v = [v.clone() for v in start]
+        want = torch.stack([normuon_normalize_(m, v, beta2) for m, v in zip(probe, want_v, strict=True)])
+        got_v = [v.clone() for v in start]
+        got = normuon_normalize_batched_(probe, got_v, beta2)
+        return torch.stack([torch.eq(got, want).all(), torch.eq(torch.stack(got_v), torch.stack(want_v)).all()]).all()
+
+    return batch_probe(("normuon", batch, rows, cols, dtype, device, beta2, threads), device, run)
