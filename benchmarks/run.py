@@ -6,7 +6,8 @@
 Each benchmark runs as ``python -m benchmarks.bench_NAME`` in its own process (which
 spawns its own ranks), one after the other; a benchmark that fails or is missing is
 reported as such and the others still run. ``--render-only`` re-renders the report
-from an existing ``results.json``.
+from an existing ``results.json``. The report's marked sections (``KEPT_SECTIONS``: the
+GPU check's, the figures the README links to) are carried over from the earlier report.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from ._common import machine_info, markdown_table, write_json
 
-__all__ = ["BENCHMARKS", "main", "render_report", "run_suite"]
+__all__ = ["BENCHMARKS", "KEPT_SECTIONS", "kept_sections", "main", "render_report", "run_suite"]
 
 # name -> module (under benchmarks/), in run order
 BENCHMARKS: dict[str, str] = {
@@ -187,6 +188,24 @@ def render_report(suite: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# Sections of REPORT.md that a render keeps, each between its markers: the GPU
+# check's (written by tools/gpu_check.py) and the figures the README links to (written
+# by hand from docs/performance.md's measurements).
+KEPT_SECTIONS = ("figures", "gpu-check")
+
+
+def kept_sections(old: str) -> str:
+    """The marked sections of an earlier report (``<!-- NAME: begin -->`` to
+    ``<!-- NAME: end -->`` for each of ``KEPT_SECTIONS``), in that order, or ""."""
+    parts = []
+    for name in KEPT_SECTIONS:
+        begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+        if begin in old and end in old[old.index(begin):]:
+            i = old.index(begin)
+            parts.append(old[i: old.index(end, i) + len(end)])
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
@@ -214,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
             suite.pop("cpu_s", None)
             suite["assembled"] = f"--only {','.join(only)} merged into an earlier results.json"
         write_json(results_path, suite)
-    Path(a.report).write_text(render_report(suite))
+    report = Path(a.report)
+    kept = kept_sections(report.read_text()) if report.exists() else ""
+    report.write_text(render_report(suite) + (f"\n{kept}\n" if kept else ""))
     print(f"wrote {results_path} and {a.report} ({suite['wall_s']:.0f} s)")
 
 

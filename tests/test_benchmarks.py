@@ -175,3 +175,23 @@ def test_one_dion_loader(tmp_path, monkeypatch):
     for mod in (bench_muon_dion, bench_muon_sweep, bench_normuon_dion):
         assert not hasattr(mod, "DION_ENV") or mod.DION_ENV is _common.DION_ENV
         assert "sys.path" not in inspect.getsource(mod), mod.__name__
+
+
+def test_a_render_keeps_the_marked_sections(tmp_path):
+    """Re-rendering REPORT.md keeps the GPU check's section and the README's figures,
+    and drops everything else of the earlier report."""
+    suite_result = {"mode": "quick", "wall_s": 1.0,
+                    "machine": {"cpu": "cpu", "cores": 2, "ram_gib": 1.0, "torch": "x", "python": "3",
+                                "cuda_devices": [], "date_utc": "today"},
+                    "results": {"tiny": result("tiny", [{"world": 2}], [])}}
+    (tmp_path / "results.json").write_text(json.dumps(suite_result))
+    report = tmp_path / "REPORT.md"
+    gpu = "<!-- gpu-check: begin -->\n## GPU\nkept gpu\n<!-- gpu-check: end -->"
+    figures = "<!-- figures: begin -->\n## Figures\nkept figures\n<!-- figures: end -->"
+    report.write_text(f"# old\nstale line\n\n{gpu}\n\n{figures}\n")
+    for _ in range(2):  # a second render keeps them once
+        suite.main(["--render-only", "--out", str(tmp_path), "--report", str(report)])
+        text = report.read_text()
+        assert "stale line" not in text and "# Benchmark report" in text
+        assert text.count("kept gpu") == 1 and text.count("kept figures") == 1
+        assert text.index("kept figures") < text.index("kept gpu")
