@@ -47,6 +47,7 @@ __all__ = [
     "dion_src",
     "import_dion",
     "interleave",
+    "interleave_cpu",
     "machine_info",
     "markdown_table",
     "not_run_row",
@@ -193,6 +194,29 @@ def interleave(
             if step >= warmup:
                 times[name].append(dt)
     return times
+
+
+def interleave_cpu(runners: dict[str, Callable[[], object]], steps: int, device: str) -> dict[str, list[float]]:
+    """``interleave``'s alternating order and barrier over the default group, also
+    recording each step's CPU time of this (the only intra-op) thread: compute and
+    Python overhead without the waits, which a loaded machine stretches. Keys ``name``
+    (wall) and ``name:cpu``, each the slowest rank's."""
+    names = list(runners)
+    out: dict[str, list[float]] = {k: [] for n in names for k in (n, f"{n}:cpu")}
+    for step in range(steps):
+        for name in names if step % 2 == 0 else names[::-1]:
+            dist.barrier()
+            synchronize(device)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            runners[name]()
+            synchronize(device)
+            t = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64,
+                             device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            wall, cpu = t.tolist()
+            out[name].append(wall)
+            out[f"{name}:cpu"].append(cpu)
+    return out
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:

@@ -73,13 +73,13 @@ from ._common import (
     fsdp2_params,
     import_dion,
     interleave,
+    interleave_cpu,
     not_run_row,
     ns_kernels,
     paired_ratio,
     result,
     spawn,
     stats,
-    synchronize,
 )
 
 NAME = "muon_sweep"
@@ -253,27 +253,6 @@ def _build(case: Case, mesh: Any, device: str, dion: Any, pe: bool) -> dict[str,
     return runners
 
 
-def _interleave_cpu(runners: dict[str, Any], steps: int, device: str) -> dict[str, list[float]]:
-    """``interleave``'s alternating order and barrier, also recording each step's CPU time
-    of this (the only intra-op) thread: compute and Python overhead without the waits,
-    which a loaded machine stretches. Keys ``name`` (wall) and ``name:cpu``, each the
-    slowest rank's."""
-    names = list(runners)
-    out: dict[str, list[float]] = {k: [] for n in names for k in (n, f"{n}:cpu")}
-    for step in range(steps):
-        for name in names if step % 2 == 0 else names[::-1]:
-            dist.barrier()
-            synchronize(device)
-            c0, t0 = time.thread_time(), time.perf_counter()
-            runners[name]()
-            synchronize(device)
-            t = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            out[name].append(float(t[0]))
-            out[f"{name}:cpu"].append(float(t[1]))
-    return out
-
-
 def _steps_for(runners: dict[str, Any], budget_s: float, lo: int, hi: int, device: str) -> int:
     """Timed steps that fit ``budget_s`` (from one warm round), in [lo, hi], the same on all ranks."""
     t0 = time.perf_counter()
@@ -301,7 +280,7 @@ def _worker(cases: list[Case], budget_s: float, lo: int, hi: int, src: str) -> l
             warm_s = time.perf_counter() - t0
             steps = _steps_for(runners, budget_s, lo, hi, device)
             load = os.getloadavg()[0]
-            times = _interleave_cpu(runners, steps, device)
+            times = interleave_cpu(runners, steps, device)
         except Exception as e:  # noqa: BLE001 - the case's row says what failed
             out.append({"case": case, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
@@ -340,7 +319,7 @@ def _titan_attempt(world: int) -> dict[str, Any]:
 
 FASTEST = "fastest"
 # ratio key -> (ours runner, peer runner; FASTEST: the case's faster Dion by median step);
-# cpu_: the same ratio of the steps' main-thread CPU time (see _interleave_cpu)
+# cpu_: the same ratio of the steps' main-thread CPU time (see _common.interleave_cpu)
 RATIOS: dict[str, tuple[str, str]] = {
     "fs_vs_fastest": ("ours_fs", FASTEST),
     "fsdp2_vs_fastest": ("ours_fsdp2", FASTEST),

@@ -45,6 +45,7 @@ from ._common import (
     fsdp2_params,
     import_dion,
     interleave,
+    interleave_cpu,
     not_run_row,
     ns_kernels,
     paired_ratio,
@@ -52,7 +53,6 @@ from ._common import (
     spawn,
     stats,
 )
-from .bench_muon_sweep import _interleave_cpu
 
 WORLD = 2
 D = 256
@@ -108,7 +108,7 @@ def _worker(steps: int, comparison: str, case: str, src: str) -> dict:
     runners = {"ours_fully_shard": ours_fs.step, "ours_fsdp2": ours(fsdp2()).step, "dion_fsdp2": peer.step}
     interleave(runners, 0, warmup=3, group=dist.group.WORLD, device=device)
     load = os.getloadavg()[0]
-    return {"times": _interleave_cpu(runners, steps, device), "load": load}
+    return {"times": interleave_cpu(runners, steps, device), "load": load}
 
 
 def _row(comparison: str, case: str, steps: int, src: str, repeats: int) -> dict:
