@@ -1,4 +1,4 @@
-"""No host-device sync in any optimizer's step (issue 42, item 3).
+"""No host-device sync in any optimizer's step.
 
 A host sync is an op that makes the host wait for the device: a device value read back
 (``.item()``, ``bool()`` / ``if`` of a tensor, ``.tolist()``, ``torch.equal``), an op
