@@ -2,9 +2,11 @@
 
 In code: ``train_all([RunConfig("gpt", "muon", "none", 50)])`` on one process, or
 ``launch(configs, world_size=2)`` on spawned gloo ranks; ``check_results`` compares
-sharded runs with their single-device references and the task thresholds.
+sharded runs with their single-device references and the task thresholds;
+``launch_ep_check(EPCheckConfig(), world_size=4)`` is the expert-parallel MoE run.
 """
 
+from ._moe_ep import EPCheckConfig, EPCheckResult, launch_ep_check, run_ep_check
 from ._report import CheckFailure, check_results, curve_departure, format_table, write_outputs
 from ._runner import (
     BUILTIN_OPTIMIZERS,
@@ -37,6 +39,10 @@ __all__ = [
     "train",
     "train_all",
     "launch",
+    "EPCheckConfig",
+    "EPCheckResult",
+    "run_ep_check",
+    "launch_ep_check",
     "CheckFailure",
     "check_results",
     "curve_departure",

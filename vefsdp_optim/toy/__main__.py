@@ -1,18 +1,28 @@
 """``python -m vefsdp_optim.toy`` (console script ``vefsdp-optim-toy``): bundled toy runs.
 
 With no arguments: every built-in optimizer on the toy GPT, sharded by this library's
-fully_shard over 2 gloo ranks on the CPU. ``--help`` lists the options.
+fully_shard over 2 gloo ranks on the CPU. ``--task moe --sharding ep --world-size 4
+--check``: the expert-parallel run of ``_moe_ep.py``. ``--help`` lists the options.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 
 from vefsdp_optim._registry import get_optimizer, list_optimizers
 
+from ._moe_ep import (
+    EP_DEFAULT_STEPS,
+    EP_GRAD_RTOL,
+    EP_LOSS_RTOL,
+    EP_OPTIMIZERS,
+    EPCheckConfig,
+    launch_ep_check,
+)
 from ._report import check_results, curve_departure, format_table, write_outputs
 from ._runner import (
     BUILTIN_OPTIMIZERS,
@@ -25,7 +35,7 @@ from ._runner import (
 )
 from ._tasks import TASKS
 
-__all__ = ["main", "parse_args", "configs_from_args"]
+__all__ = ["main", "parse_args", "configs_from_args", "ep_config_from_args"]
 
 
 def _split(values: Sequence[str] | None) -> list[str]:
@@ -44,12 +54,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer(s), repeatable or comma-separated: a registered name "
                         f"({', '.join(BUILTIN_OPTIMIZERS)}, ...), 'all' for the built-ins, or "
                         "'package.module:Class' (default: all)")
-    p.add_argument("--sharding", choices=SHARDINGS, default="fully_shard",
-                   help="none (one process), fsdp2 (torch's fully_shard) or fully_shard "
-                        "(vefsdp_optim's) (default: fully_shard)")
+    p.add_argument("--sharding", choices=(*SHARDINGS, "ep"), default="fully_shard",
+                   help="none (one process), fsdp2 (torch's fully_shard), fully_shard "
+                        "(vefsdp_optim's) or ep (the moe task expert parallel, ep 2 x dp W/2, on "
+                        "fully_shard, with QK-clip and a checkpoint moved to ep 1 x dp W halfway; "
+                        "Muon or NorMuon) (default: fully_shard)")
     p.add_argument("--world-size", type=int, default=None, metavar="W",
                    help="ranks to spawn (gloo, CPU); under torchrun its WORLD_SIZE "
-                        "(default: 2, or 1 with --sharding none)")
+                        "(default: 2, 1 with --sharding none, 4 with --sharding ep)")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps (default: each task's own, see --list)")
     p.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
@@ -105,6 +117,68 @@ def configs_from_args(args: argparse.Namespace) -> tuple[list[RunConfig], int]:
     return configs, world
 
 
+def ep_config_from_args(args: argparse.Namespace) -> tuple[EPCheckConfig, int]:
+    """The expert-parallel run (``--sharding ep``) the arguments ask for and the world
+    size; ValueError on bad values."""
+    tasks = _split(args.task) or ["moe"]
+    if [t.lower() for t in tasks] != ["moe"]:
+        raise ValueError(f"--sharding ep runs the moe task only, got --task {','.join(tasks)}")
+    opts = _split(args.optimizer) or ["muon"]
+    if len(opts) != 1:
+        raise ValueError(f"--sharding ep runs one optimizer (one of {', '.join(EP_OPTIMIZERS)}), got {opts}")
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = args.world_size
+    if world is None:
+        world = int(os.environ["WORLD_SIZE"]) if in_torchrun else 4
+    if world < 2 or world % 2:
+        raise ValueError(f"--sharding ep lays experts out over ep 2 x dp W/2: --world-size must be even "
+                         f"and >= 2, got {world}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is an existing file; give a directory (new or existing)")
+    steps = EP_DEFAULT_STEPS if args.steps is None else args.steps
+    config = EPCheckConfig(optimizer=opts[0].lower(), steps=steps, seed=args.seed, lr=args.lr, check=args.check)
+    return config, world
+
+
+def _main_ep(args: argparse.Namespace, config: EPCheckConfig, world: int) -> int:
+    import json
+
+    import torch.distributed as dist
+
+    result = launch_ep_check(config, world)
+    if dist.is_initialized():  # torchrun: the other ranks are done
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "moe_ep.json")
+    with open(path, "w") as f:
+        json.dump(result.to_json(), f, indent=1)
+    split = config.split
+    print(f"moe/{config.optimizer} W={world}: {result.layouts[0]} for steps 0-{split - 1}, checkpoint, "
+          f"{result.layouts[1]} for steps {split}-{config.steps - 1}; loss {result.losses[0]:.4f} -> "
+          f"{result.losses[-1]:.4f}; QK-clip scaled {sum(result.clipped_heads)} heads in "
+          f"{sum(1 for c in result.clipped_heads if c)} of {len(result.clipped_heads)} steps "
+          f"(threshold {config.qk_clip_threshold:g}); {result.seconds:.1f} s")
+    print(f"wrote {path}")
+    if not args.check:
+        return 0
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, result.ref_losses, strict=True)]
+    print(f"check: parameters vs one device replaying the same gradients: max |diff| "
+          f"{max(result.param_diff, default=math.inf):.3g} over {len(result.param_diff)} steps, "
+          f"{result.load_diff:.3g} after the load (must be 0); loss vs one device's forward: "
+          f"{max(rel, default=math.inf):.3g} (tolerance {EP_LOSS_RTOL:g}); gradient: "
+          f"{max(result.grad_rdiff, default=math.inf):.3g} (tolerance {EP_GRAD_RTOL:g})")
+    failures = result.failures()
+    for f in failures:
+        print(f"CHECK FAILED [ep] moe/{config.optimizer} W={world}: {f}", file=sys.stderr)
+    if failures:
+        return 1
+    print("all checks passed")
+    return 0
+
+
 def _list() -> str:
     lines = ["tasks:"]
     for t in TASKS.values():
@@ -123,6 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print(_list())
         return 0
+    if args.sharding == "ep":
+        try:
+            config, world = ep_config_from_args(args)
+        except (ValueError, TypeError) as e:
+            parser.error(str(e))
+        return _main_ep(args, config, world)
     try:
         configs, world = configs_from_args(args)
     except (ValueError, TypeError) as e:
