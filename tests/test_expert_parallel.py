@@ -268,10 +268,10 @@ CKPT_EXPERTS = 3  # Shard(1) experts, uneven over ep 2
 
 def _set_grads(model: nn.Module, step: int) -> None:
     """Every parameter's .grad: this rank's part of the same full gradient."""
-    from test_nd_mesh import _full_grad, _set_box_grad
+    from tp_utils import full_grad, set_box_grad
 
     for n, p in model.named_parameters():
-        _set_box_grad(p, _full_grad(step, n, p.shape))
+        set_box_grad(p, full_grad(step, n, p.shape))
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:

@@ -16,27 +16,9 @@ from dist_utils import run_distributed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from tp_utils import TP_PLAN, TPBlock, full_grad, gathered, parallelize, set_box_grad
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit", "adam8bit", "shampoo")
-
-
-class TPBlock(nn.Module):
-    """A norm and two colwise / rowwise Linear pairs, odd sizes (dp 3 cuts them unevenly)."""
-
-    def __init__(self, d: int = 10, h: int = 14) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-        self.up2 = nn.Linear(d, 2 * h, bias=False)
-        self.down2 = nn.Linear(2 * h, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.down(torch.relu(self.up(self.norm(x))))
-        return x + self.down2(torch.tanh(self.up2(x)))
-
-
-TP_PLAN = {"up": "colwise", "down": "rowwise", "up2": "colwise", "down2": "rowwise"}
 
 
 def make_optimizer(name: str, params: list, *, experts: bool = False) -> torch.optim.Optimizer:
@@ -66,21 +48,6 @@ def make_optimizer(name: str, params: list, *, experts: bool = False) -> torch.o
     raise ValueError(name)
 
 
-def _parallelize(model: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, tp_mesh, {k: styles[v]() for k, v in plan.items()})
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-
-
 def _train_nd(name: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], steps: int = 3,
               replicate: bool = False, shard: str = "fsdp2") -> dict[str, object]:
     """FSDP2 (or our fully_shard; + HSDP when ``replicate``) + TP on ``mesh_shape``; every
@@ -100,7 +67,7 @@ def _train_nd(name: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], st
     ref = TPBlock()
     ref.load_state_dict(model.state_dict())
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    _parallelize(model, mesh["tp"], TP_PLAN)
+    parallelize(model, mesh["tp"], TP_PLAN)
     dp = mesh[names[:-1]] if replicate else mesh["dp"]
     fully_shard(model, mesh=dp)
     opt = make_optimizer(name, model.parameters())
@@ -114,13 +81,13 @@ def _train_nd(name: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], st
         x = torch.randn(3, 5, 10, generator=g)
         model(x).pow(2).mean().backward()
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-            q.grad = _full(p.grad)
+            q.grad = gathered(p.grad)
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-            worst = max(worst, float((_full(p) - q.detach()).abs().max()))
+            worst = max(worst, float((gathered(p) - q.detach()).abs().max()))
     placements = sorted({str(p.placements) if hasattr(p, "placements") else type(p.ragged_layout).__name__
                          for p in model.parameters()})
     return {"worst": worst, "placements": placements}
@@ -175,33 +142,6 @@ def test_checkpoint_across_meshes_more(tmp_path, src, dst):
 # -- synthetic gradients: any placements, expert parallel, a 3-D mesh ---------------------------
 
 
-def _full_grad(step: int, name: str, shape: torch.Size) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
-    return torch.randn(shape, generator=g)
-
-
-def _set_box_grad(p: torch.Tensor, full: torch.Tensor) -> None:
-    """This rank's part of ``full`` as ``p.grad``: cut with the library's layout, then
-    checked against DTensor's own gather, so a wrong layout fails here."""
-    from torch.distributed.tensor import DTensor
-
-    from vefsdp_optim import ShardedParameter
-    from vefsdp_optim.comm import sharded_view
-
-    if isinstance(p, ShardedParameter):  # our fully_shard: its RaggedShard or BoxShard runs
-        p.grad = p.with_local(full.reshape(-1)[p.ragged_layout.local_index(p.shard_rank)].clone())
-        assert torch.equal(p.grad.full_tensor(), full), tuple(p.shape)
-        return
-    if not isinstance(p, DTensor):
-        p.grad = full.clone()
-        return
-    g = torch.zeros_like(p)
-    view = sharded_view(g)
-    view.local.copy_(full.reshape(-1)[view.layout.local_index(view.rank)])
-    assert torch.equal(g.full_tensor(), full), (p.placements, tuple(p.shape))
-    p.grad = g
-
-
 def _synthetic_run(name: str, build: str, steps: int = 3, seed: int = 0, **kw: object) -> float:
     """Build a model with ``build`` (DTensor parameters on some mesh), step ``name`` on
     seeded full gradients, replay them on one device; the largest difference."""
@@ -214,15 +154,15 @@ def _synthetic_run(name: str, build: str, steps: int = 3, seed: int = 0, **kw: o
     named_ref = dict(ref.named_parameters())
     for step in range(steps):
         for n, p in model.named_parameters():
-            full = _full_grad(step, n, p.shape)
-            _set_box_grad(p, full)
+            full = full_grad(step, n, p.shape)
+            set_box_grad(p, full)
             named_ref[n].grad = full.clone()
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
     for n, p in model.named_parameters():
-        worst = max(worst, float((_full(p).detach() - named_ref[n].detach()).abs().max()))
+        worst = max(worst, float((gathered(p).detach() - named_ref[n].detach()).abs().max()))
     return worst
 
 
@@ -263,7 +203,7 @@ def _build_3d(ours: bool = False) -> tuple[nn.Module, nn.Module]:
     model, ref = TPBlock(), TPBlock()
     ref.load_state_dict(model.state_dict())
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
-    _parallelize(model, mesh["tp"], TP_PLAN)
+    parallelize(model, mesh["tp"], TP_PLAN)
     fully_shard(model, mesh=mesh["rep", "dp"])
     return model, ref
 
@@ -361,7 +301,7 @@ def _ours_vs_fsdp2_tp(name: str, mesh_shape: tuple[int, int], steps: int = 3, ac
     for kind, shard in (("ours", vefsdp_optim.fully_shard), ("fsdp2", fsdp2_shard)):
         torch.manual_seed(0)
         model = TPBlock()
-        _parallelize(model, mesh["tp"], TP_PLAN)
+        parallelize(model, mesh["tp"], TP_PLAN)
         if ac:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper,
@@ -384,7 +324,7 @@ def _ours_vs_fsdp2_tp(name: str, mesh_shape: tuple[int, int], steps: int = 3, ac
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach().full_tensor() if isinstance(loss, DTensor) else loss))
-        runs[kind] = (losses, [_full(p).detach() for p in model.parameters()], sorted(inside))
+        runs[kind] = (losses, [gathered(p).detach() for p in model.parameters()], sorted(inside))
     (lo, po, io), (lf, pf, _) = runs["ours"], runs["fsdp2"]
     return {"losses": (lo, lf), "params_equal": all(torch.equal(a, b) for a, b in zip(po, pf, strict=True)),
             "max_diff": max(float((a - b).abs().max()) for a, b in zip(po, pf, strict=True)),
@@ -429,7 +369,7 @@ def _meta_and_dims() -> dict[str, object]:
         else:
             torch.manual_seed(0)
             model = TPBlock()
-        _parallelize(model, mesh["tp"], TP_PLAN)
+        parallelize(model, mesh["tp"], TP_PLAN)
         if kind == "dims":
             vefsdp_optim.fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
                                      reshard_after_forward=False)
@@ -452,7 +392,7 @@ def _meta_and_dims() -> dict[str, object]:
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        params[kind] = [_full(p).detach() for p in model.parameters()]
+        params[kind] = [gathered(p).detach() for p in model.parameters()]
     out["meta_equal"] = all(torch.equal(a, b) for a, b in zip(params["meta"], params["eager"], strict=True))
     if "dims" in params:
         out["dims_equal"] = all(torch.equal(a, b) for a, b in zip(params["dims"], params["eager"], strict=True))

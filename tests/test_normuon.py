@@ -622,9 +622,9 @@ def _tp_groups(params: list[nn.Parameter], config: str) -> torch.optim.Optimizer
 def _train_tp(configs: list[str], steps: int = 3) -> dict[str, float]:
     """FSDP2 + TP on a dp 2 x tp 2 mesh; each step's gathered full gradients replayed on
     one device by the same optimizer: the largest parameter difference per config."""
-    from test_nd_mesh import TP_PLAN, TPBlock, _full, _parallelize
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from tp_utils import TP_PLAN, TPBlock, gathered, parallelize
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     worst = {}
@@ -632,7 +632,7 @@ def _train_tp(configs: list[str], steps: int = 3) -> dict[str, float]:
         torch.manual_seed(0)
         model, ref = TPBlock(), TPBlock()
         ref.load_state_dict(model.state_dict())
-        _parallelize(model, mesh["tp"], TP_PLAN)
+        parallelize(model, mesh["tp"], TP_PLAN)
         fully_shard(model, mesh=mesh["dp"])
         opt, ref_opt = _tp_groups(list(model.parameters()), config), _tp_groups(list(ref.parameters()), config)
         worst[config] = 0.0
@@ -640,13 +640,13 @@ def _train_tp(configs: list[str], steps: int = 3) -> dict[str, float]:
             x = torch.randn(3, 5, 10, generator=torch.Generator().manual_seed(100 * step + dist.get_rank() // 2))
             model(x).pow(2).mean().backward()
             for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                q.grad = _full(p.grad)
+                q.grad = gathered(p.grad)
             opt.step()
             opt.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
             for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                worst[config] = max(worst[config], float((_full(p) - q.detach()).abs().max()))
+                worst[config] = max(worst[config], float((gathered(p) - q.detach()).abs().max()))
     return worst
 
 
