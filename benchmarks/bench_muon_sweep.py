@@ -534,6 +534,77 @@ def profile(spec: str, steps: int = 10, top: int = 25) -> None:
         print(text)
 
 
+def _ns_classes(cases: list[Case]) -> list[tuple[int, int, int]]:
+    """(count, rows, cols): the same-shape blocks of each case, once each (the world size
+    does not change what one rank's batch is)."""
+    out: dict[tuple[int, int, int], None] = {}
+    for c in cases:
+        by: dict[tuple[int, int], int] = {}
+        for b in c.blocks():
+            by[b] = by.get(b, 0) + 1
+        for (rows, cols), k in by.items():
+            out[(k, rows, cols)] = None
+    return list(out)
+
+
+def ns_batch(cases: list[Case], quick: bool) -> dict:
+    """Batched Newton-Schulz (``zeropower_via_newtonschulz_batched``) against the
+    per-matrix loop, and NorMuon's batched normalization against its loop, on each case's
+    same-shape blocks, one process on one thread, interleaved; medians of the per-call
+    ratios, whether the bits agree, and whether the step would batch (the probe)."""
+    from vefsdp_optim._math._newton_schulz import (
+        NS_COEFFICIENTS,
+        NS_EPS,
+        NS_STEPS,
+        newtonschulz_batch_exact,
+        zeropower_via_newtonschulz,
+        zeropower_via_newtonschulz_batched,
+    )
+    from vefsdp_optim._math._normuon import normuon_normalize_, normuon_normalize_batched_
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    budget = 1.5 if quick else 6.0
+    rows_out = []
+    try:
+        for k, rows, cols in _ns_classes(cases):
+            g = torch.Generator().manual_seed(rows * 31 + cols + k)
+            x = torch.randn(k, rows, cols, generator=g)
+            ortho = zeropower_via_newtonschulz_batched(x)
+            v0 = torch.rand(k, rows, generator=g)
+            t0 = time.perf_counter()
+            zeropower_via_newtonschulz_batched(x)
+            once = time.perf_counter() - t0
+            steps = max(3, min(30, int(budget / max(once, 1e-6) / 2)))
+            ns = interleave({"loop": lambda x=x: [zeropower_via_newtonschulz(m) for m in x],
+                             "batched": lambda x=x: zeropower_via_newtonschulz_batched(x)}, steps)
+            vs = [v.clone() for v in v0]
+            norm = interleave({"loop": lambda o=ortho, vs=vs: [normuon_normalize_(a, v, 0.95)
+                                                               for a, v in zip(o, vs, strict=True)],
+                               "batched": lambda o=ortho, vs=vs: normuon_normalize_batched_(o, vs, 0.95)}, steps)
+            loop = torch.stack([zeropower_via_newtonschulz(m) for m in x])
+            rows_out.append({
+                "blocks": f"{k} x {rows}x{cols}", "steps": steps,
+                "ns_loop_ms": stats(ns["loop"], 1e3)["median"],
+                "ns_batched_ms": stats(ns["batched"], 1e3)["median"],
+                "ns_ratio": paired_ratio(ns["batched"], ns["loop"])["median"],
+                "ns_bits_equal": bool(torch.equal(zeropower_via_newtonschulz_batched(x), loop)),
+                "ns_probe_batches": k > 1 and newtonschulz_batch_exact(
+                    k, rows, cols, torch.device("cpu"), NS_COEFFICIENTS, NS_STEPS, NS_EPS, 1),
+                "norm_loop_ms": stats(norm["loop"], 1e3)["median"],
+                "norm_ratio": paired_ratio(norm["batched"], norm["loop"])["median"],
+            })
+    finally:
+        torch.set_num_threads(threads)
+    ratios = [r["ns_ratio"] for r in rows_out]
+    nratios = [r["norm_ratio"] for r in rows_out]
+    notes = [f"one thread, {os.cpu_count()} CPUs, CPU flags {cpu_flags()}; {ns_kernels()}",
+             "ratio: batched / per-matrix loop (median of the per-call ratios, interleaved; < 1: batched faster)",
+             f"Newton-Schulz: geometric mean {_geomean(ratios):.3f}, worst {max(ratios):.3f}; "
+             f"NorMuon normalization: geometric mean {_geomean(nratios):.3f}, worst {max(nratios):.3f}"]
+    return result(f"{NAME}_ns_batch", rows_out, notes)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     """``--quick`` / ``--full`` / ``--out`` as every bench module; ``--cases PATTERNS``
     times only the full grid's matching cases (quick budgets unless ``--full``);
@@ -542,11 +613,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--profile", metavar="FAMILY:D:COUNT:W")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--cases", metavar="PATTERNS")
+    ap.add_argument("--ns-batch", action="store_true",
+                    help="batched Newton-Schulz and NorMuon normalization against their per-matrix loops instead")
     ap.add_argument("--out", default=f"benchmarks/out/{NAME}.json")
     a, rest = ap.parse_known_args(argv)
     if a.profile:
         profile(a.profile, a.profile_steps)
         return None
+    if a.ns_batch:
+        out = str(Path(a.out).with_name(f"{NAME}_ns_batch.json")) if a.out else ""
+        return cli(lambda quick: ns_batch(select(a.cases) if a.cases else (QUICK if quick else full_grid()), quick),
+                   f"{NAME}_ns_batch", [*rest, "--out", out])
     plot = Path(a.out).with_suffix(".png") if a.out else PLOT  # the plot beside the JSON
     cases = select(a.cases) if a.cases else None
     what = f"--cases {a.cases}" if a.cases else None

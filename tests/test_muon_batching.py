@@ -285,3 +285,29 @@ def test_fake_cuda_batched_step_makes_no_host_sync(monkeypatch, name):
     want = {("ns", 2, 40, 33), ("ns", 3, 32, 48)} | ({("norm", 2, 40, 33), ("norm", 3, 32, 48)}
                                                        if name == "NorMuon" else set())
     assert set(batched) == want, batched
+
+
+def test_normuon_normalization_batched_where_newton_schulz_is_not(monkeypatch):
+    """NorMuon normalizes same-shape blocks in one batch also where Newton-Schulz ran per
+    block (its results cast into the batch one by one): the bits of the per-block path."""
+    import vefsdp_optim._muon as muon_mod
+
+    shapes = [(40, 33), (40, 33), (40, 33), (64, 48)]
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    monkeypatch.setattr(muon_mod, "newtonschulz_batch_exact", lambda *a: False)
+    real, lists = muon_mod.normuon_normalize_batched_, []
+    monkeypatch.setattr(muon_mod, "normuon_normalize_batched_",
+                        lambda o, *a, **k: lists.append(isinstance(o, list)) or real(o, *a, **k))
+    out = {}
+    for batch in (True, False):
+        if not batch:
+            monkeypatch.setattr(muon_mod, "normuon_batch_exact", lambda *a: False)
+        ps = [nn.Parameter(t.clone()) for t in init]
+        opt = vefsdp_optim.NorMuon(ps, lr=0.02, weight_decay=0.1)
+        for step in range(STEPS):
+            for i, p in enumerate(ps):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+            opt.step()
+        out[batch] = [p.detach() for p in ps]
+    assert lists == [True] * STEPS  # the three 40 x 33 blocks, once a step
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False], strict=True))

@@ -582,7 +582,8 @@ def normuon_orthogonalise_batched(
     of ``blocks[i]``, updated in place), bit for bit; returns 1-D ``dtype`` tensors. The
     blocks of one shape are normalized in one batch where :func:`normuon_batch_exact`
     says it gives the per-block bits ([Note: batched NorMuon normalization]), straight
-    from Newton-Schulz's batch into the results (no bfloat16 copy in between)."""
+    from Newton-Schulz's batch (or its per-block results) into the results (no bfloat16
+    copy in between)."""
     results: list[torch.Tensor | None] = [None] * len(updates)
     threads = torch.get_num_threads()
     for sb in _newton_schulz_by_shape(updates, blocks, ns_coefficients, ns_steps, eps):
@@ -590,7 +591,8 @@ def normuon_orthogonalise_batched(
         n = rows * cols
         vs = [variances[i][j] for i, j, _ in sb.members]
         device = updates[sb.members[0][0]].device
-        if isinstance(sb.ortho, list) or not normuon_batch_exact(k, rows, cols, dtype, device, beta2, threads):
+        # batched even where Newton-Schulz was not (its results one by one into the batch)
+        if not normuon_batch_exact(k, rows, cols, dtype, device, beta2, threads):
             for m, ((i, _, a), v) in enumerate(zip(sb.members, vs, strict=True)):
                 dst = _result(results, i, updates[i], dtype)[a:a + n].view(rows, cols)
                 normuon_normalize_(sb.ortho[m], v, beta2, out=dst)

@@ -104,7 +104,8 @@ def normuon_normalize_(
 
 
 def normuon_normalize_batched_(
-    ortho: Tensor, variances: Sequence[Tensor], beta2: float, eps: float = NORMUON_EPS, out: Tensor | None = None,
+    ortho: Tensor | Sequence[Tensor], variances: Sequence[Tensor], beta2: float, eps: float = NORMUON_EPS,
+    out: Tensor | None = None,
 ) -> Tensor:
     """:func:`normuon_normalize_` of each ``ortho[i]`` with ``variances[i]``, in batched
     ops ([Note: batched NorMuon normalization]): the same bits where
@@ -112,7 +113,8 @@ def normuon_normalize_batched_(
 
     Args:
         ortho: (k, rows, cols), any float dtype and strides (a tall Newton-Schulz batch is
-            a transposed view); not modified.
+            a transposed view), or k (rows, cols) matrices of one dtype (Newton-Schulz's
+            results one by one, cast into ``out`` one by one); not modified.
         variances: k (rows,) row second moments of one dtype, float32 or wider: updated in
             place.
         out: a contiguous (k, rows, cols) tensor of the variances' dtype; a new one when None.
@@ -120,9 +122,16 @@ def normuon_normalize_batched_(
     Returns:
         ``out`` (or the new tensor): the normalized updates.
     """
-    if ortho.ndim != 3:
+    mats = None if isinstance(ortho, Tensor) else list(ortho)
+    if mats is not None:
+        if not mats or any(m.ndim != 2 or m.shape != mats[0].shape or m.dtype != mats[0].dtype for m in mats):
+            raise ValueError("ortho must be a (k, rows, cols) batch or k > 0 matrices of one shape and dtype, got "
+                             f"{[(tuple(m.shape), m.dtype) for m in mats][:4]}")
+        k, (rows, cols), device = len(mats), mats[0].shape, mats[0].device
+    elif ortho.ndim != 3:
         raise ValueError(f"ortho must be a (k, rows, cols) batch, got shape {tuple(ortho.shape)}")
-    k, rows, cols = ortho.shape
+    else:
+        (k, rows, cols), device = ortho.shape, ortho.device
     if len(variances) != k:
         raise ValueError(f"{len(variances)} row second moments for a batch of {k} matrices")
     dtype = variances[0].dtype if variances else torch.float32
@@ -133,13 +142,16 @@ def normuon_normalize_batched_(
     if not 0.0 <= beta2 <= 1.0:
         raise ValueError(f"beta2 must be in [0, 1], got {beta2}")
     if out is None:
-        out = torch.empty(ortho.shape, dtype=dtype, device=ortho.device)
-    elif out.shape != ortho.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(ortho.shape)}, "
+        out = torch.empty((k, rows, cols), dtype=dtype, device=device)
+    elif out.shape != (k, rows, cols) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(k, rows, cols)}, "
                          f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
     if k == 0:
         return out
-    if ortho.device.type == "cpu" and not ortho.is_contiguous():
+    if mats is not None:  # the cast of each, as normuon_normalize_'s copy into ``out``
+        for i, m in enumerate(mats):
+            out[i].copy_(m)
+    elif ortho.device.type == "cpu" and not ortho.is_contiguous():
         # a tall batch (transposed): torch's CPU copy transposes fast only one matrix at a
         # time and within one dtype, so transpose each in its dtype first, then cast all
         src = ortho if ortho.dtype == dtype else torch.empty(ortho.shape, dtype=ortho.dtype, device=ortho.device)
