@@ -56,9 +56,9 @@ def _rounds_run():
     ids = {id(p): i for i, p in enumerate(model)}
     orig_exchange, orig_compute, orig_apply = bo.exchange, opt.compute_bucket, opt._apply
 
-    def exchange(bucket, tensors, *, forward):
+    def exchange(bucket, tensors, *, forward, **kwargs):
         events.append(("send" if forward else "return", tuple(ids[id(it.param)] for it in bucket)))
-        return orig_exchange(bucket, tensors, forward=forward)
+        return orig_exchange(bucket, tensors, forward=forward, **kwargs)
 
     def compute(items, inputs):
         events.append(("compute", tuple(ids[id(it.param)] for it in items)))

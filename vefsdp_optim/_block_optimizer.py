@@ -27,6 +27,7 @@ from ._step_loop import (
     gc_paused,
     make_buckets,
 )
+from ._step_plan import GroupPlan, StepPlan, group_values, param_key, view_key
 
 __all__ = ["BlockOptimizer", "BlockContext"]
 
@@ -87,6 +88,7 @@ class BlockOptimizer(Optimizer):
         self._pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
         # the step structure last checked; None: check at the next step ([Note: consistent steps])
         self._checked_structure: list[tuple] | None = None
+        self._step_plan: StepPlan | None = None  # None: build at the next step ([Note: step plan])
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 _check_not_replaced(p, type(self).__name__)
@@ -114,12 +116,12 @@ class BlockOptimizer(Optimizer):
         """
         wanted = {p: self.requirement(sharded_view(p).shape, group)
                   for group in self.param_groups for p in group["params"] if flat_store(p) is not None}
-        self._checked_structure = None  # [Note: consistent steps]
+        self._drop_plan()  # [Note: step plan], [Note: consistent steps]
         return apply_requirements(wanted, holder=self) if wanted else ReplanReport()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        self._checked_structure = None  # [Note: consistent steps]
+        self._drop_plan()  # [Note: step plan], [Note: consistent steps]
 
     # -- subclass API ---------------------------------------------------------------
 
@@ -144,6 +146,9 @@ class BlockOptimizer(Optimizer):
 
     #: param-group keys that shape the state; a checkpoint must agree on them to load
     structural_keys: tuple[str, ...] = ()
+    #: further param-group keys that requirement() or cost() reads: a change of one (or of
+    #: a structural key) rebuilds the step plan ([Note: step plan])
+    plan_keys: tuple[str, ...] = ()
     #: prefixes of state keys handled by export/import_extra_state
     extra_state_prefixes: tuple[str, ...] = ()
 
@@ -196,7 +201,7 @@ class BlockOptimizer(Optimizer):
             super().load_state_dict(state_dict)
         else:
             load_state(self, state_dict)
-        self._checked_structure = None  # [Note: consistent steps]
+        self._drop_plan()  # [Note: step plan], [Note: consistent steps]
 
     # -- hooks (defaults: state lives with the blocks) ----------------------------
 
@@ -240,34 +245,71 @@ class BlockOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
-        entries: list[StepEntry] = []
-        structure: list[tuple] = []
-        items = [it for gi, group in enumerate(self.param_groups)
-                 for it in self._collect(group, gi, entries, structure)]
+        plan = self._current_plan()
+        items = plan.items
+        state = self.state
         for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
-            self.state[it.param]
-        if structure != self._checked_structure or check_every_step():  # [Note: consistent steps]
-            check_consistent(entries)
-            self._checked_structure = structure
-        buckets = make_buckets(items, self.bucket_numel, self.min_round_numel)
+            state[it.param]
+        buckets, moving = plan.buckets, plan.moving
         # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
         # are in flight while bucket k computes
-        pending = self._launch(buckets[0]) if buckets else None
+        pending = self._launch(buckets[0], moving[0]) if buckets else None
         returning: tuple[list[StepItem], PendingExchange] | None = None
         for k, bucket in enumerate(buckets):
             current = pending
-            pending = self._launch(buckets[k + 1]) if k + 1 < len(buckets) else None
+            pending = self._launch(buckets[k + 1], moving[k + 1]) if k + 1 < len(buckets) else None
             outputs = self.compute_bucket(bucket, current.wait())
-            back = exchange(bucket, outputs, forward=False)
+            back = exchange(bucket, outputs, forward=False, moving=moving[k])
             if returning is not None:
                 self._apply(*returning)
             returning = (bucket, back)
         if returning is not None:
             self._apply(*returning)
-        for it in items:  # once per parameter, after the step that made its state
-            if id(it.param) not in self._validated and self.state.get(it.param):
-                validate_state(self, it.param, it.group)
-                self._validated.add(id(it.param))
+        if not plan.validated:
+            validated = self._validated
+            for it in items:  # once per parameter, after the step that made its state
+                if id(it.param) not in validated and state.get(it.param):
+                    validate_state(self, it.param, it.group)
+                    validated.add(id(it.param))
+            plan.validated = all(id(it.param) in validated for it in items)
+
+    def _current_plan(self) -> StepPlan:
+        """This step's plan ([Note: step plan]), each group's items holding this step's
+        gradients: the last one where nothing it was built from changed, else rebuilt."""
+        plan = self._step_plan
+        groups = self.param_groups
+        old = plan.groups if plan is not None else []
+        keys = self.structural_keys + self.plan_keys
+        fresh: list[GroupPlan] = []
+        rebuilt = plan is None or len(old) != len(groups)
+        for gi, group in enumerate(groups):
+            claimed = self.claim_params(group)
+            values = group_values(group, keys)
+            gp = old[gi] if gi < len(old) else None
+            if gp is None or not gp.refresh(group, claimed, values):
+                gp = self._plan_group(group, gi, claimed, values)
+                rebuilt = True
+            fresh.append(gp)
+        sizes = (self.bucket_numel, self.min_round_numel)
+        if not rebuilt and sizes == plan.sizes:
+            if check_every_step():  # [Note: consistent steps]
+                check_consistent([e for gp in fresh for e in gp.entries])
+            return plan
+        items = [it for gp in fresh for it in gp.items]
+        structure = [s for gp in fresh for s in gp.structure]
+        if structure != self._checked_structure or check_every_step():  # [Note: consistent steps]
+            check_consistent([e for gp in fresh for e in gp.entries])
+            self._checked_structure = structure
+        buckets = make_buckets(items, *sizes)
+        moving = [[i for i, it in enumerate(b) if it.moves] for b in buckets]
+        self._step_plan = StepPlan(fresh, items, buckets, moving, sizes)
+        return self._step_plan
+
+    def _drop_plan(self) -> None:
+        """Rebuild the step plan, and check consistency, at the next step
+        ([Note: step plan], [Note: consistent steps])."""
+        self._step_plan = None
+        self._checked_structure = None
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Hook: the parameters of ``group`` left to the step loop. A subclass may first
@@ -275,19 +317,23 @@ class BlockOptimizer(Optimizer):
         stores, [Note: fused stores]) and leave out those it updated."""
         return group["params"]
 
-    def _collect(self, group: dict[str, Any], gi: int, entries: list[StepEntry],
-                 structure: list[tuple]) -> list[StepItem]:
-        """The step items of param group ``gi``; appends to ``entries`` an entry per
-        parameter without a gradient and per sharded parameter with one ([Note:
-        consistent steps] compares the sharded ones), and to ``structure`` what every
-        sharded parameter's exchange depends on except its gradient."""
-        items = []
+    def _plan_group(self, group: dict[str, Any], gi: int, claimed: list[Any], values: tuple) -> GroupPlan:
+        """The plan of param group ``gi`` ([Note: step plan]): a step item per parameter
+        with a gradient; an entry per parameter without a gradient and per sharded
+        parameter with one ([Note: consistent steps] compares the sharded ones); and
+        what every sharded parameter's exchange depends on except its gradient."""
+        items: list[StepItem] = []
+        entries: list[StepEntry] = []
+        structure: list[tuple] = []
+        keys: list[tuple] = []
+        plain: list[bool] = []
+        slots: list[StepItem | None] = []
         whole: list[int] = []
-        claimed = self.claim_params(group)
         position = ({id(p): i for i, p in enumerate(group["params"])}
                     if claimed is not group["params"] else None)
         for pi, p in enumerate(claimed):
             pos = (gi, pi if position is None else position[id(p)])
+            key = param_key(p)
             if p.grad is None:
                 _check_not_replaced(p, type(self).__name__)
                 view = sharded_view(p)
@@ -297,6 +343,9 @@ class BlockOptimizer(Optimizer):
                                          view.local.device))
                 if view.process_group is not None:
                     structure.append((pos, id(p), id(view.process_group), view.layout, compute))
+                keys.append(key if key is not None else view_key(view))
+                plain.append(key is not None)
+                slots.append(None)
                 continue
             if p.is_meta:
                 raise NotImplementedError(
@@ -321,13 +370,17 @@ class BlockOptimizer(Optimizer):
             if compute is None:
                 compute = view.layout  # replaced by the owner layout below
                 whole.append(len(items))
-            items.append(StepItem(p, view, gview.local, req, compute, group))
+            item = StepItem(p, view, gview.local, req, compute, group)
+            items.append(item)
+            keys.append(key if key is not None else view_key(view))
+            plain.append(key is not None)
+            slots.append(item)
             if view.process_group is not None:  # check_consistent skips the others
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
                                          view.process_group, view.local.device))
         if whole:
             self._assign_owners([items[i] for i in whole])
-        return items
+        return GroupPlan(group, values, list(claimed), keys, plain, slots, items, entries, structure)
 
     def _compute_layout(self, req: Requirement, view: ShardedView) -> RaggedShard | None:
         """The compute layout for ``req`` ([Note: one step loop]); None: whole on an owner."""
@@ -384,8 +437,8 @@ class BlockOptimizer(Optimizer):
         for it, outs in zip(bucket, back.wait(), strict=True):
             self.apply_results(it, outs)
 
-    def _launch(self, bucket: list[StepItem]) -> PendingExchange:
-        return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True)
+    def _launch(self, bucket: list[StepItem], moving: list[int]) -> PendingExchange:
+        return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True, moving=moving)
 
 
 # [Note: aligned gradients]

@@ -339,6 +339,7 @@ class Muon(QKClip, BlockOptimizer):
         return req
 
     structural_keys = ("use_muon", "momentum_dtype")
+    plan_keys = ("flatten", "split_sizes", "num_heads")  # _plan() reads them ([Note: step plan])
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
         return self._momentum_spec(group) if self._is_muon(shape, group) else adam_state_spec()

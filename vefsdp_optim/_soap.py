@@ -167,6 +167,7 @@ class SOAP(BlockOptimizer):
     # -- checkpoint ([Note: SOAP state]) ---------------------------------------------------
 
     structural_keys = ("max_precond_dim", "merge_dims", "precondition_1d", "normalize_grads", "data_format")
+    plan_keys = ("precondition_frequency",)  # cost() reads it ([Note: step plan])
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
         if not self._is_whole(shape, group):

@@ -255,14 +255,19 @@ def _layout_key(layout: RaggedShard | BoxShard) -> tuple:
     return layout.shape, tuple((b.offsets, b.sizes, b.start, b.length) for b in layout.boxes)
 
 
-def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool) -> PendingExchange:
+def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool,
+             moving: list[int] | None = None) -> PendingExchange:
     """Send each moving item's ``tensors`` from its storage layout to its compute layout
-    (``forward``) or back, in one ``all_to_all`` per dtype; returns at once."""
+    (``forward``) or back, in one ``all_to_all`` per dtype; returns at once. ``moving``:
+    the indices of the items that move, where the caller knows them ([Note: step plan])."""
+    if moving is None:
+        moving = [i for i, it in enumerate(bucket) if it.moves]
+    if not moving:
+        return PendingExchange(tensors)
     out = [list(ts) for ts in tensors]
     sends, src, dst, where = [], [], [], []
-    for i, it in enumerate(bucket):
-        if not it.moves:
-            continue
+    for i in moving:
+        it = bucket[i]
         a, b = (it.view.layout, it.compute) if forward else (it.compute, it.view.layout)
         for j, t in enumerate(tensors[i]):
             sends.append(t)

@@ -1,0 +1,125 @@
+"""The step plan: what a step derives from its parameters' layouts, built once and reused
+([Note: step plan])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vefsdp_optim.comm import ShardedView, sharded_view
+from vefsdp_optim.comm._views import step_grad_view
+
+from ._fsdp import replaced_by_fully_shard
+from ._step_loop import StepEntry, StepItem
+
+__all__ = ["GroupPlan", "StepPlan", "group_values", "param_key", "view_key"]
+
+# [Note: step plan]
+# A step derives from each parameter its view, requirement and compute layout, from the
+# parameters with gradients its step items, owners ([Note: owners stay]), consistency
+# entries ([Note: consistent steps]), exchange buckets and the items each bucket moves
+# ([Note: owner rounds]). All of it is a function of host facts that a steady-state
+# training loop does not change, so it is built at the first step and reused; a step
+# then reads, per parameter, only its key and its gradient. A GroupPlan is rebuilt when
+# any of its inputs differs from what it was built from:
+#   - the param group (by identity) or a value of its plan keys (structural_keys and
+#     plan_keys: what requirement() and cost() read);
+#   - the parameters claim_params() leaves to the loop, by identity and order;
+#   - per parameter, which of them have a gradient;
+#   - per plain tensor, its data_ptr, shape and contiguity (a `.data` swap or a new
+#     storage; the plan's view keeps the old storage alive, so a new one cannot reuse its
+#     address); per other kind (DTensor, fully_shard), its view's storage, offset,
+#     layout, process group and shape, from a fresh view each step;
+# and dropped whole by replan(), add_param_group() and load_state_dict(). A gradient is
+# read afresh every step and must match its parameter's layout, or the rebuild raises
+# the same error as a first step. No key reads a device value: a step stays free of
+# host syncs.
+
+
+def param_key(p: Any) -> tuple | None:
+    """A plain tensor's plan key ([Note: step plan]); None for other kinds (and for a
+    tensor without a data pointer: empty, fake or meta), which are keyed by their view."""
+    kind = type(p)
+    if kind is nn.Parameter or kind is torch.Tensor:
+        ptr = p.data_ptr()
+        if ptr:
+            return ptr, p.shape
+    return None
+
+
+def view_key(view: ShardedView) -> tuple:
+    """The plan key of a view: its storage, offset, layout, process group and shape."""
+    local = view.local
+    return (local.untyped_storage()._cdata, local.storage_offset(), local.dtype, view.layout,
+            id(view.process_group), view.shape)
+
+
+def group_values(group: dict[str, Any], keys: tuple[str, ...]) -> tuple:
+    """The values of ``group``'s plan keys (lists as tuples, so an edit in place shows)."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in map(group.get, keys))
+
+
+@dataclass(slots=True)
+class GroupPlan:
+    """The step plan of one param group ([Note: step plan])."""
+
+    group: dict[str, Any]
+    values: tuple  # group_values() at build
+    params: list[Any]  # the claimed parameters, in order
+    keys: list[tuple]  # per parameter: param_key(), or view_key() where that is None
+    plain: list[bool]  # per parameter: keyed by param_key()
+    slots: list[StepItem | None]  # per parameter: its item, None without a gradient
+    items: list[StepItem]  # the items, in parameter order
+    entries: list[StepEntry]  # [Note: consistent steps]
+    structure: list[tuple]  # [Note: consistent steps]
+
+    def refresh(self, group: dict[str, Any], claimed: list[Any], values: tuple) -> bool:
+        """Give each item this step's gradient; False (items unusable) where any input of
+        the plan changed."""
+        if group is not self.group or values != self.values or len(claimed) != len(self.params):
+            return False
+        for p, q, key, plain, item in zip(claimed, self.params, self.keys, self.plain, self.slots, strict=True):
+            if p is not q:
+                return False
+            if plain:
+                if p.data_ptr() != key[0] or p.shape != key[1] or not p.is_contiguous():
+                    return False
+            elif view_key(sharded_view(p)) != key:
+                return False
+            g = p.grad
+            if item is None:
+                if g is not None:
+                    return False
+                if replaced_by_fully_shard(p):
+                    return False  # the rebuild raises
+                continue
+            if g is None:
+                return False
+            if plain and type(g) is torch.Tensor and g.is_contiguous():  # sparse: not contiguous
+                local = g if g.dim() == 1 else g.view(-1)
+                if local.numel() != item.view.local.numel():
+                    return False  # the rebuild raises
+            else:
+                if g.is_sparse:
+                    return False
+                gview = step_grad_view(g)
+                if gview.layout is not item.view.layout and gview.layout != item.view.layout:
+                    return False
+                local = gview.local
+            item.grad = local
+        return True
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The step plan of the whole optimizer: its group plans and buckets."""
+
+    groups: list[GroupPlan]
+    items: list[StepItem]  # every group's, in order
+    buckets: list[list[StepItem]]
+    moving: list[list[int]]  # per bucket: the indices of its items that move
+    sizes: tuple[int, int]  # (bucket_numel, min_round_numel) at build
+    validated: bool = False  # every item's state has been validated
