@@ -14,24 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_packages import register_package
 
-
-def _register_package(name: str) -> None:
-    """Make the repository's ``benchmarks`` (or ``tools``) folder importable as a package
-    without putting the repository root on sys.path (which would expose ``comm`` and
-    ``sharding`` as top-level packages)."""
-    if name in sys.modules:
-        return
-    root = Path(__file__).resolve().parents[1] / name
-    spec = importlib.util.spec_from_file_location(
-        name, root / "__init__.py", submodule_search_locations=[str(root)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-
-
-_register_package("benchmarks")
-_register_package("tools")
+register_package("benchmarks")
+register_package("tools")
 
 from benchmarks import run as suite  # noqa: E402
 from benchmarks._common import markdown_table, paired_ratio, result, stats  # noqa: E402

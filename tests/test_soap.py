@@ -538,8 +538,9 @@ def test_checkpoint_resharded_3_to_2(kind: str, tmp_path) -> None:
 
 
 def test_benchmark_says_peer_not_installed(monkeypatch) -> None:
-    import test_benchmarks  # noqa: F401  (makes the repository's benchmarks folder importable)
+    from repo_packages import register_package
 
+    register_package("benchmarks")
     from benchmarks import bench_soap
 
     monkeypatch.delenv("VEFSDP_SOAP_REF", raising=False)
