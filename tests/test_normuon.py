@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from functools import partial
 
 import pytest
@@ -403,8 +402,13 @@ def test_owners_stay_when_a_parameter_has_no_gradient() -> None:
 
 
 def _dion_src() -> str | None:
-    src = os.environ.get("VEFSDP_DION_SRC")
-    return src if src and os.path.isfile(os.path.join(src, "dion", "normuon.py")) else None
+    """The benchmarks' one Dion loader (benchmarks/_common.py) finds the checkout."""
+    from repo_packages import register_package
+
+    register_package("benchmarks")
+    from benchmarks._common import dion_src
+
+    return dion_src("normuon")
 
 
 @pytest.mark.slow
@@ -416,8 +420,9 @@ def test_normuon_equals_dions() -> None:
     (experts) parameters: equal up to float32 rounding without momentum, and within the
     bfloat16 rounding of differently scaled momentum with it (Dion sums, torch averages:
     the same direction, rounded differently into Newton-Schulz)."""
-    sys.path.insert(0, _dion_src())
-    import dion
+    from benchmarks._common import import_dion
+
+    dion = import_dion(_dion_src())
 
     def ns(x: torch.Tensor, epsilon: object = None) -> torch.Tensor:
         mats = x.reshape(-1, *x.shape[-2:])
