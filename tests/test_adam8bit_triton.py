@@ -182,23 +182,23 @@ class _Launches:
 
 @needs_triton
 @pytest.mark.parametrize("bs", [7, 64])
-def test_triton_one_launch_for_many_tensors_bitwise(bs):
+def test_triton_one_launch_for_many_tensors_bitwise(device, bs):
     """[Note: one launch for many tensors]: uneven tensors (a block's tail, one shorter than
     a block, an empty one) in one launch per step count, the bits of one launch per tensor
-    and of the eager ops."""
+    and of the eager ops (on ``device``: the GPU check runs it on CUDA)."""
     from vefsdp_optim._math import _quant8_triton as qt
     from vefsdp_optim._math import adam8bit_multi_tensor_step_
 
     ns = [333, 5, 0, 2 * bs + 1, 1, 100]
     gen = torch.Generator().manual_seed(bs)
-    init = [torch.randn(n, generator=gen) for n in ns]
-    runs = {how: ([p.clone() for p in init], [_state(n, bs, "cpu") for n in ns]) for how in ("list", "each", "eager")}
-    hp = _hp(bs, True, 1e-2, False, "cpu")
+    init = [torch.randn(n, generator=gen).to(device) for n in ns]
+    runs = {how: ([p.clone() for p in init], [_state(n, bs, device) for n in ns]) for how in ("list", "each", "eager")}
+    hp = _hp(bs, True, 1e-2, False, device)
     for step in (1, 2, 3):
-        gs = [_grad(n, gen, step) if n > 2 else torch.randn(n, generator=gen) for n in ns]
+        gs = [(_grad(n, gen, step) if n > 2 else torch.randn(n, generator=gen)).to(device) for n in ns]
         # the last two tensors a step behind: two step counts, two launches
         steps = [step] * 4 + [max(1, step - 1)] * 2
-        with _Backend("triton", interpret=True), _Launches(qt) as spy:
+        with _Backend("triton", interpret=torch.device(device).type == "cpu"), _Launches(qt) as spy:
             ps, ss = runs["list"]
             adam8bit_multi_tensor_step_(ps, gs, ss, steps=steps, fused=True, **hp)
             assert spy.launches == (1 if step == 1 else 2)

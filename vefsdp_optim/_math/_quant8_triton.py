@@ -34,8 +34,9 @@ own tensor's, with its tensor's numel masking the tail, so the bits are those of
 launch per tensor. The scalars (the step's ``hp``, the flags) are the launch's: tensors
 with different step counts take one launch each. The tables live on the tensors' device,
 built once per list of addresses and numels (a small cache, the oldest dropped) and
-copied from pinned memory without a host sync; a steady-state step, whose tensors keep
-their storage, reuses them and copies nothing, which a captured CUDA graph also needs.
+copied from pinned memory without a host sync (the pinned copy kept with them, which a
+copy captured in a CUDA graph reads at each replay); a steady-state step, whose tensors
+keep their storage, reuses them and copies nothing.
 
 Blocks of more than ``MAX_BLOCK`` elements do not fit a tile; ``triton_unavailable_reason``
 says so and those tensors take another backend. The kernel is wrapped by ``triton.jit``
@@ -71,7 +72,7 @@ _OFF32_LIMIT = 1 << 30  # tensors below it index in int32 (the grid's padding is
 
 _lock = threading.Lock()
 _jitted: dict[bool, Any] = {}  # interpreter or not -> triton.jit of the kernel
-_tables: dict[tuple, tuple[Tensor, Tensor, Tensor, int]] = {}  # _tensor_table's, by key
+_tables: dict[tuple, tuple[Tensor, Tensor, Tensor, int, Tensor]] = {}  # _tensor_table's, by key
 _MAX_TABLES = 64  # the oldest dropped beyond it
 _import_error: str | None = None
 
@@ -249,19 +250,21 @@ def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Te
     big = max(numel) >= _OFF32_LIMIT
     hit = _tables.get(key)
     if hit is not None:
-        return (*hit, big)
+        return (*hit[:4], big)
     starts = [0]
     for ts in tensors:
         starts.append(starts[-1] + ts[3].numel())
     device = tensors[0][0].device
     host = torch.tensor([t.data_ptr() for col in zip(*tensors, strict=True) for t in col] + starts + numel,
                         dtype=torch.int64)
+    table = host
     if device.type != "cpu":  # pinned: an asynchronous copy, no host sync
-        host = host.pin_memory().to(device, non_blocking=True)
+        host = host.pin_memory()  # kept with the entry: a captured graph's copy reads it again
+        table = host.to(device, non_blocking=True)
     t = len(tensors)
-    entry = (host[:6 * t], host[6 * t:7 * t + 1], host[7 * t + 1:], starts[-1])
+    entry = (table[:6 * t], table[6 * t:7 * t + 1], table[7 * t + 1:], starts[-1], host)
     with _lock:
         if len(_tables) >= _MAX_TABLES:
             _tables.pop(next(iter(_tables)))
         _tables[key] = entry
-    return (*entry, big)
+    return (*entry[:4], big)
