@@ -181,7 +181,7 @@ class _Launches:
 
 
 @needs_triton
-@pytest.mark.parametrize("bs", [7, 64])
+@pytest.mark.parametrize("bs", [7, pytest.param(64, marks=pytest.mark.slow)])
 def test_triton_one_launch_for_many_tensors_bitwise(device, bs):
     """[Note: one launch for many tensors]: uneven tensors (a block's tail, one shorter than
     a block, an empty one) in one launch per step count, the bits of one launch per tensor
