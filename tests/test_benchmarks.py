@@ -181,3 +181,16 @@ def test_a_render_keeps_the_marked_sections(tmp_path):
         assert "stale line" not in text and "# Benchmark report" in text
         assert text.count("kept gpu") == 1 and text.count("kept figures") == 1
         assert text.index("kept figures") < text.index("kept gpu")
+
+
+def test_muon_sweep_ns_batch_rows():
+    """``--ns-batch``: each case's same-shape blocks once, timed batched against the loop."""
+    from benchmarks import bench_muon_sweep as sweep
+
+    cases = [sweep.Case.parse(s) for s in ("gqa:32:2:2", "gqa:32:2:4", "experts:16:2:2")]
+    assert sweep._ns_classes(cases) == [(2, 32, 32), (4, 8, 32), (2, 32, 16), (2, 16, 32)]
+    res = sweep.ns_batch(cases[:1], quick=True)
+    assert [r["blocks"] for r in res["rows"]] == ["2 x 32x32", "4 x 8x32"]
+    assert res["rows"][1]["ns_probe_batches"] is False  # 8 rows: below the guard
+    assert all(r["ns_ratio"] > 0 and isinstance(r["ns_bits_equal"], bool) for r in res["rows"])
+    assert any("geometric mean" in n for n in res["notes"])
