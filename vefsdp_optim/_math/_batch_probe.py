@@ -16,7 +16,8 @@ where the answer is True, so the step's bits do not depend on when the answer ar
 nor on which rank learned it first. Nothing is queued under FakeTensorMode (fake tensors
 hold no values) or while a CUDA graph is being captured (the probe would enter the
 graph); those calls answer from what is already known. A probe that cannot be queued
-(an accelerator without events or pinned memory) answers False for good.
+(an accelerator without events or pinned memory) answers False for good. Why not a rule
+from host facts: docs/decisions.md (2026-11-28).
 """
 
 from __future__ import annotations
