@@ -61,7 +61,7 @@ class StoreSettings:
     replicate_world_size: int  # 1 without a replicate process group
     device: torch.device
     mp_policy: MixedPrecisionPolicy
-    # [Note: CPU offload] CPUOffloadPolicy: the master buffer (the sharded parameters,
+    # CPUOffloadPolicy ([Note: CPU offload]): the master buffer (the sharded parameters,
     # their gradients, the optimizer's data) on the CPU, pinned when ``device`` is an
     # accelerator and the policy asks for it
     offload: bool = False
