@@ -42,7 +42,9 @@ W = 2; its row says what it raised where it does not run (it requires CUDA).
     VEFSDP_DION_SRC=... python -m benchmarks.bench_muon_sweep --profile square:64:16:2
 
 ``--profile FAMILY:D:COUNT:W`` prints cProfile's top functions (rank 0) of a few steps
-of each runner on one case, to see where the per-matrix overhead goes.
+of each runner on one case, to see where the per-matrix overhead goes. ``--ns-batch``
+times instead, in one process on one thread, batched Newton-Schulz and NorMuon's batched
+normalization against their per-matrix loops on each case's same-shape blocks (no peer).
 """
 
 from __future__ import annotations
