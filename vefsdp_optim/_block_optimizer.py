@@ -248,8 +248,9 @@ class BlockOptimizer(Optimizer):
         plan = self._current_plan()
         items = plan.items
         state = self.state
-        for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
-            state[it.param]
+        if not plan.validated:
+            for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
+                state[it.param]
         buckets, moving = plan.buckets, plan.moving
         # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
         # are in flight while bucket k computes

@@ -98,10 +98,8 @@ class GroupPlan:
                 continue
             if g is None:
                 return False
-            if plain and type(g) is torch.Tensor and g.is_contiguous():  # sparse: not contiguous
-                local = g if g.dim() == 1 else g.view(-1)
-                if local.numel() != item.view.local.numel():
-                    return False  # the rebuild raises
+            if plain and type(g) is torch.Tensor and g.shape == key[1] and g.is_contiguous():
+                local = g if len(key[1]) == 1 else g.ravel()  # a view: contiguous (sparse is not)
             else:
                 if g.is_sparse:
                     return False
