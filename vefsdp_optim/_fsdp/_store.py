@@ -684,7 +684,7 @@ class DtypeStore:
         if settings.replicate_process_group is not None:
             dist.all_reduce(counts, group=settings.replicate_process_group)
         ranks = settings.world_size * settings.replicate_world_size
-        partial = [f"{fqn} ({c} of {ranks} ranks)" for fqn, c in zip(members, counts.tolist()) if 0 < c < ranks]
+        partial = [f"{fqn} ({c} of {ranks} ranks)" for fqn, c in zip(members, counts.tolist(), strict=True) if 0 < c < ranks]
         if partial:
             raise ValueError(
                 f"fully_shard: parameters got a gradient on some ranks of their shard group only since the "
