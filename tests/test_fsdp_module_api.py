@@ -232,10 +232,14 @@ def _signature() -> dict[str, object]:
     if ShardPlacementResult is not None:
         here = init_device_mesh("cpu", (2,))
         two = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
-        for key, info in (("here", _get_mesh_info(here)), ("other", _get_mesh_info(two["b"]))):
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+        hsdp = HSDPMeshInfo(two, shard_mesh_dim=1, replicate_mesh_dim=0)  # replicate 2, shard 1
+        for key, info in (("here", _get_mesh_info(here)), ("other", _get_mesh_info(two["b"])),
+                          ("hsdp", hsdp)):
             result = ShardPlacementResult(placement=Shard(0), mesh_info=info)
             lin = vefsdp_optim.fully_shard(nn.Linear(3, 4), mesh=here, shard_placement_fn=lambda p, r=result: r)
-            out[f"result_{key}_accepted"] = lin.weight.ragged_layout.world_size == info.mesh.size()
+            out[f"result_{key}_accepted"] = lin.weight.ragged_layout.world_size == info.shard_mesh_size
         # a 2-D mesh whose dims are not (replicate, shard)
         result = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(two, shard_mesh_dim=0))
         try:
