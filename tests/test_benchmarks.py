@@ -143,7 +143,7 @@ def test_muon_sweep_grid_and_summary():
 def test_one_dion_loader(tmp_path, monkeypatch):
     """The benches find Dion through ``_common``'s loader alone: a checkout lacking a
     module they need reads as not installed, and the package imports from the checkout."""
-    from benchmarks import _common, bench_muon_dion, bench_muon_sweep, bench_normuon_dion
+    from benchmarks import _common, bench_muon_dion, bench_muon_moe, bench_muon_sweep, bench_normuon_dion
 
     pkg = tmp_path / "dion"
     pkg.mkdir()
@@ -158,7 +158,7 @@ def test_one_dion_loader(tmp_path, monkeypatch):
         _common.import_dion(str(tmp_path / "elsewhere"))
     monkeypatch.delenv(_common.DION_ENV)
     assert _common.dion_src() is None
-    for mod in (bench_muon_dion, bench_muon_sweep, bench_normuon_dion):
+    for mod in (bench_muon_dion, bench_muon_sweep, bench_normuon_dion, bench_muon_moe):
         assert not hasattr(mod, "DION_ENV") or mod.DION_ENV is _common.DION_ENV
         assert "sys.path" not in inspect.getsource(mod), mod.__name__
 
