@@ -19,8 +19,9 @@ class, host work: [Note: batched Newton-Schulz]):
    storage, so the views of a flat step buffer (AdamW's fused stores) count too; the CPU
    tensors among the hyperparameters (a Tensor ``lr``, which torch.optim also reads on
    the host); and the tensors computed from them alone (an op whose tensor operands are all host-side runs
-   on the host, e.g. ``torch.stack(steps)``); plain Python numbers need no rule. Plain parameters on one device, and at W = 2 on FSDP2
-   DTensors and on our ``fully_shard``. ``.tolist()`` dispatches nothing on a CPU tensor,
+   on the host, e.g. ``torch.stack(steps)``); plain Python numbers need no rule. Plain parameters on one device, and at W = 2 and 3 on
+   FSDP2 DTensors and on our ``fully_shard`` (at W = 3 FSDP2 splits the 64-row matrices
+   22/22/20 and gives one rank no row of the 2-row gate). ``.tolist()`` dispatches nothing on a CPU tensor,
    so it is wrapped for the step; ``.cpu()`` of a CPU tensor is no op at all (check 2
    sees it).
 2. On fake CUDA parameters, where torch has a CUDA build (.venv-torch-lo and -hi; the
@@ -231,7 +232,7 @@ def test_recorder_sees_each_kind_of_sync() -> None:
         "aten.equal.default", "aten.index.Tensor with a boolean mask", "Tensor.tolist"], rec.found
 
 
-# -- sharded at W = 2: FSDP2 DTensors and fully_shard ----------------------------------------
+# -- sharded at W = 2 and 3: FSDP2 DTensors and fully_shard ----------------------------------
 
 
 class _Net(nn.Module):
@@ -242,9 +243,10 @@ class _Net(nn.Module):
         self.b = nn.Parameter(torch.randn(64, 48, generator=g) / 8)
         self.c = nn.Parameter(torch.randn(48, 33, generator=g) / 8)
         self.bias = nn.Parameter(torch.randn(33, generator=g))
+        self.gate = nn.Parameter(torch.randn(2, 33, generator=g))  # fewer rows than ranks at W = 3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x @ self.a + x @ self.b) @ self.c + self.bias).square().mean()
+        return (((x @ self.a + x @ self.b) @ self.c + self.bias) * self.gate.sum(0)).square().mean()
 
 
 def _sharded_steps(kind: str) -> dict[str, list[str]]:
@@ -269,9 +271,10 @@ def _sharded_steps(kind: str) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("kind", ["fsdp2", "fully_shard"])
-def test_sharded_step_makes_no_host_sync(kind: str) -> None:
-    for rank, found in enumerate(run_distributed(_sharded_steps, 2, kind)):
+def test_sharded_step_makes_no_host_sync(kind: str, world_size: int) -> None:
+    for rank, found in enumerate(run_distributed(_sharded_steps, world_size, kind)):
         assert found == dict.fromkeys(CASES, []), (rank, {k: v for k, v in found.items() if v})
 
 
