@@ -10,7 +10,8 @@ last use (the race detector's ``violations``); the next module's all-gather does
 wait for this module's forward compute, and at most two all-gathers are in flight; the
 post-optim event replaces the current stream; the all-reduce hook runs on its stream;
 HSDP's all-reduce runs on its own stream. The parameters after the steps equal those of
-the CPU run without streams, bit for bit. A deliberately broken protocol is caught.
+the CPU run without streams, bit for bit. A deliberately broken protocol is caught. Each
+at W = 2 and 3, on layers whose flat slices are uneven at both (WIDTH).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from vefsdp_optim import AdamW, fully_shard
 
 N_LAYERS = 4
+WIDTH = 9  # 90 elements a layer: flat slices of 48/42 at W = 2, 32/32/26 at W = 3
 
 
 def _model(mp: MixedPrecisionPolicy | None = None, hsdp: bool = False) -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(N_LAYERS)])
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(N_LAYERS)])
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("rep", "shard")) if hsdp else None
     for layer in model:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -42,7 +44,7 @@ def _model(mp: MixedPrecisionPolicy | None = None, hsdp: bool = False) -> nn.Seq
 def _train(model: nn.Module, steps: int, rec: RecordingStreams | None = None,
            between=None) -> list[torch.Tensor]:  # noqa: ANN001
     opt = AdamW(model.parameters(), lr=0.1)
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(1))
     for step in range(steps):
         if rec is not None:
             rec.phase = f"fwd{step}"
@@ -196,8 +198,9 @@ def _broken() -> dict[str, object]:
     return {"violations": len(rec.violations)}
 
 
-def test_stream_protocol() -> None:
-    for res in run_distributed(_protocol, 2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stream_protocol(world_size: int) -> None:
+    for res in run_distributed(_protocol, world_size):
         for name in ("fp32", "bf16"):
             assert res[f"{name}_violations"] == [], res
             assert res[f"{name}_bitwise"], res
@@ -209,32 +212,36 @@ def test_stream_protocol() -> None:
         assert res["bf16_casts_on_copy_in"] > 0, res
 
 
-def test_all_reduce_hook_runs_on_its_stream() -> None:
-    for res in run_distributed(_hook_stream, 2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_hook_runs_on_its_stream(world_size: int) -> None:
+    for res in run_distributed(_hook_stream, world_size):
         assert res["violations"] == [], res
         assert res["hook_streams"] == ["hook"], res
         assert res["bitwise"], res
         assert res["calls"][0] == res["calls"][1] > 0, res
 
 
-def test_post_optim_event_replaces_the_current_stream() -> None:
-    for res in run_distributed(_post_optim_event, 2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_post_optim_event_replaces_the_current_stream(world_size: int) -> None:
+    for res in run_distributed(_post_optim_event, world_size):
         assert res["True_violations"] == [] and res["False_violations"] == [], res
         assert res["True_after_optimizer"] and res["False_after_optimizer"], res
         assert not res["True_after_unrelated"], res  # waits on the event only
         assert res["False_after_unrelated"], res  # waits on the whole current stream
 
 
-def test_hsdp_all_reduce_on_its_stream() -> None:
-    for res in run_distributed(_hsdp, 2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hsdp_all_reduce_on_its_stream(world_size: int) -> None:
+    for res in run_distributed(_hsdp, world_size):
         assert res["violations"] == [], res
         assert res["all_reduce_streams"] == ["all_reduce"], res
         assert res["bitwise"], res
         assert res["stream_refused"], res
 
 
-def test_the_recorder_catches_a_missing_wait() -> None:
-    for res in run_distributed(_broken, 2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_recorder_catches_a_missing_wait(world_size: int) -> None:
+    for res in run_distributed(_broken, world_size):
         assert res["violations"] > 0, res
 
 
