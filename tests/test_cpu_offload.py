@@ -7,12 +7,14 @@ the master's gradient. Its parameters after AdamW steps (with kept gradients, mi
 precision, HSDP) equal those of the run without offload, bit for bit. With the
 recording streams of tests/stream_recorder.py (the accelerator code path) the copies run
 on the copy-in and reduce-scatter streams, the race detector finds nothing, and the
-root's final callback synchronizes the host before the optimizer runs on it. What needs
+root's final callback synchronizes the host before the optimizer runs on it. At W = 2 and
+3 (the slow tier), on layers whose flat slices are uneven at both (WIDTH). What needs
 a GPU (pinned memory, asynchronous copies, NCCL) has not run.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
@@ -23,10 +25,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from vefsdp_optim import AdamW, fully_shard
 
+WIDTH = 9  # 90 elements a layer: flat slices of 48/42 at W = 2, 32/32/26 at W = 3
+
 
 def _model(offload: bool, mp: MixedPrecisionPolicy | None = None, hsdp: bool = False) -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)])
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("rep", "shard")) if hsdp else None
     policy = CPUOffloadPolicy() if offload else None
     for layer in model:
@@ -37,7 +41,7 @@ def _model(offload: bool, mp: MixedPrecisionPolicy | None = None, hsdp: bool = F
 
 def _train(model: nn.Module, steps: int = 2, accumulate: int = 2) -> list[torch.Tensor]:
     opt = AdamW(model.parameters(), lr=0.1)
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         for i in range(accumulate):  # kept gradients: the second backward adds to the first
             model(x + i).square().sum().backward()
@@ -80,8 +84,9 @@ def _offload() -> dict[str, object]:
     return out
 
 
-def test_cpu_offload_matches_no_offload() -> None:
-    for res in run_distributed(_offload, 2):
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])  # W = 3: 1-2 s
+def test_cpu_offload_matches_no_offload(world_size: int) -> None:
+    for res in run_distributed(_offload, world_size):
         for name in ("fp32", "bf16", "hsdp", "hsdp_bf16"):
             assert res[f"{name}_apart"], res
             assert res[f"{name}_bitwise"] and res[f"{name}_streams_bitwise"], res
