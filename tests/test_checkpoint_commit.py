@@ -1,7 +1,7 @@
 """Checkpoints lose nothing: save never touches files it did not write, load takes the
 newest complete copy (and says when it recovered one), corruption is detected.
 
-Faults are injected at each phase of save() through ``_checkpoint._fault_hook`` (the
+Faults are injected at each phase of save() through ``_save_load._fault_hook`` (the
 job stops there on every rank: what a killed job leaves on disk), and during the DCP
 write by one rank failing to serialise its entry (DCP makes every rank raise).
 """
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 import vefsdp_optim
-from vefsdp_optim import _checkpoint
+from vefsdp_optim._checkpoint import _commit, _save_load
 
 MARKER = ".vefsdp-checkpoint.json"
 
@@ -59,7 +59,7 @@ def _interrupted(path: str, v: float, phase: str) -> str:
         if p == phase:
             raise _Stop(p)
 
-    _checkpoint._fault_hook = hook
+    _save_load._fault_hook = hook
     try:
         vefsdp_optim.save(sd, path)
     except _Stop:
@@ -67,7 +67,7 @@ def _interrupted(path: str, v: float, phase: str) -> str:
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         return "raised: " + ("simulated" if "simulated" in str(e) else repr(e)[:200])
     finally:
-        _checkpoint._fault_hook = None
+        _save_load._fault_hook = None
     return "no error"
 
 
@@ -211,7 +211,7 @@ import os, sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, {tests!r})
 import vefsdp_optim
-from vefsdp_optim import _checkpoint
+from vefsdp_optim._checkpoint import _save_load
 from test_checkpoint_commit import EXPECT, _sd, _value
 
 class _Die:
@@ -228,7 +228,7 @@ for phase in ["before_write", *EXPECT]:
         if phase == "write":
             sd["die"] = _Die()  # killed during the DCP write
         stop = "write" if phase == "before_write" else phase
-        _checkpoint._fault_hook = lambda p: os._exit(17) if p == stop and phase != "write" else None
+        _save_load._fault_hook = lambda p: os._exit(17) if p == stop and phase != "write" else None
         vefsdp_optim.save(sd, path)
         os._exit(0)
     _, status = os.waitpid(pid, 0)
@@ -254,20 +254,20 @@ def test_killed_saves_recover_the_newest(tmp_path):
 def _commit_fails(root: str) -> tuple[str, tuple[float, list[str]], list[str]]:
     path = os.path.join(root, "ckpt")
     vefsdp_optim.save(_sd(1.0), path)
-    real = _checkpoint._commit.describe_files
+    real = _commit.describe_files
 
     def full(d: str) -> dict:
         raise OSError(28, "No space left on device")
 
     if dist.get_rank() == 0:  # only rank 0 commits: the others must hear of its failure
-        _checkpoint._commit.describe_files = full
+        _commit.describe_files = full
     try:
         vefsdp_optim.save(_sd(2.0), path)
         err = "no error"
     except OSError as e:
         err = str(e)
     finally:
-        _checkpoint._commit.describe_files = real
+        _commit.describe_files = real
     dist.barrier()
     got = _value(path)
     vefsdp_optim.save(_sd(3.0), path)

@@ -21,8 +21,8 @@ from vefsdp_optim.sharding import Elementwise, FlatBlocks, Requirement
 
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockContext, BlockOptimizer
+from ._checkpoint import ELEMENTWISE, REPLICATED
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, REPLICATED
 from ._step_loop import StepItem
 from ._torch_compat import foreach_add_
 

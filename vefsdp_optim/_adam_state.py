@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from ._checkpoint import ELEMENTWISE, REPLICATED
 from ._math import adam_foreach_
-from ._state_format import ELEMENTWISE, REPLICATED
 
 __all__ = ["adam_state_spec", "adam_bucket_"]
 

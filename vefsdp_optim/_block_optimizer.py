@@ -13,9 +13,9 @@ from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
 from vefsdp_optim.comm._views import step_grad_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
+from ._checkpoint import export_state, load_state, validate_state
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._fsdp import replaced_by_fully_shard
-from ._state_format import export_state, load_state, validate_state
 from ._step_loop import (
     BlockContext,
     PendingExchange,

@@ -56,9 +56,9 @@ from vefsdp_optim.sharding import (
 
 from ._adam_state import adam_bucket_, adam_state_spec
 from ._block_optimizer import BlockOptimizer
+from ._checkpoint import ELEMENTWISE, LOCAL, REPLICATED
 from ._qk_clip import QKClip, qk_clip_defaults
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, LOCAL, REPLICATED
 from ._step_loop import StepItem
 
 __all__ = ["Muon", "muon_defaults"]

@@ -14,10 +14,10 @@ from vefsdp_optim.sharding import RaggedShard
 
 from ._adam_state import adam_state_spec
 from ._block_optimizer import BlockOptimizer
+from ._checkpoint import LOCAL
 from ._muon import Muon, _MuonPlan, _ns_args, muon_defaults, normuon_orthogonalise_batched
 from ._qk_clip import qk_clip_defaults
 from ._registry import register_optimizer
-from ._state_format import LOCAL
 from ._step_loop import StepItem
 
 __all__ = ["NorMuon"]

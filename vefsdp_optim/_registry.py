@@ -15,6 +15,33 @@ __all__ = ["register_optimizer", "get_optimizer", "list_optimizers"]
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
 
+# [Note: built-in names]
+# The built-in optimizers register their names with @register_optimizer when their
+# module is imported, and the package imports its modules only when a name is asked
+# for ([Note: lazy top level] in __init__.py). So a lookup must not depend on which
+# optimizer happens to be loaded: _BUILTINS names each built-in's module and class, and
+# get_optimizer and list_optimizers import that module before they read _REGISTRY.
+# register_optimizer does the same for a built-in's name, unless the class being
+# registered is that built-in itself (its module is being imported), so that taking a
+# built-in's name still raises without overwrite=True, whatever was imported before.
+# tests/test_lazy_import.py checks that the decorators and this table agree.
+_BUILTINS: dict[str, tuple[str, str]] = {
+    "adamw": ("vefsdp_optim._adamw", "AdamW"),
+    "adamw8bit": ("vefsdp_optim._adam8bit", "AdamW8bit"),
+    "adam8bit": ("vefsdp_optim._adam8bit", "Adam8bit"),
+    "muon": ("vefsdp_optim._muon", "Muon"),
+    "normuon": ("vefsdp_optim._normuon", "NorMuon"),
+    "shampoo": ("vefsdp_optim._shampoo", "Shampoo"),
+    "soap": ("vefsdp_optim._soap", "SOAP"),
+}
+
+
+def _load_builtin(key: str) -> None:
+    """Import the module of the built-in optimizer named ``key``, if it is one
+    ([Note: built-in names])."""
+    if key in _BUILTINS and key not in _REGISTRY:
+        importlib.import_module(_BUILTINS[key][0])
+
 
 def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = False) -> Callable[[T], T] | type:
     """Register an optimizer class under ``name`` (case-insensitive).
@@ -32,6 +59,8 @@ def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = 
     def deco(c: T) -> T:
         if not (isinstance(c, type) and issubclass(c, torch.optim.Optimizer)):
             raise TypeError(f"register_optimizer takes a torch.optim.Optimizer subclass, got {c!r}")
+        if _BUILTINS.get(key, (c.__module__, c.__qualname__)) != (c.__module__, c.__qualname__):
+            _load_builtin(key)
         old = _REGISTRY.get(key)
         if old is not None and old is not c and not overwrite and not _same_definition(old, c):
             raise ValueError(
@@ -59,6 +88,7 @@ def get_optimizer(name: str) -> type:
     if not isinstance(name, str):
         raise TypeError(f"optimizer name must be a str, got {name!r}")
     key = name.strip().lower()
+    _load_builtin(key)
     if key in _REGISTRY:
         return _REGISTRY[key]
     if ":" in name:
@@ -76,4 +106,6 @@ def get_optimizer(name: str) -> type:
 
 
 def list_optimizers() -> list[str]:
+    for key in _BUILTINS:
+        _load_builtin(key)
     return sorted(_REGISTRY)

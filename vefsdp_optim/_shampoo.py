@@ -14,8 +14,8 @@ from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBlocks
 
 from ._block_optimizer import BlockContext, BlockOptimizer
+from ._checkpoint import ELEMENTWISE, LOCAL, REPLICATED
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, LOCAL, REPLICATED
 
 __all__ = ["Shampoo"]
 

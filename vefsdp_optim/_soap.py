@@ -13,8 +13,8 @@ from vefsdp_optim._math._soap import SoapGeometry, SoapHparams, SoapState, soap_
 from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
 
 from ._block_optimizer import BlockContext, BlockOptimizer, aligned
+from ._checkpoint import ELEMENTWISE, REPLICATED, WHOLE, validate_state
 from ._registry import register_optimizer
-from ._state_format import ELEMENTWISE, REPLICATED, WHOLE, validate_state
 from ._step_loop import StepItem
 from ._torch_compat import FakeTensor
 

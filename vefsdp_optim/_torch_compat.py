@@ -78,7 +78,7 @@ SINCE: dict[str, str] = {
 
 # torch's dotted name -> the releases it was checked on (meaning and signature as used here)
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
-    # checkpoints: DCP internals (_checkpoint, _safe_load)
+    # checkpoints: DCP internals (_checkpoint/_save_load.py, _checkpoint/_safe_load.py)
     "torch.distributed.checkpoint._nested_dict.flatten_state_dict": CHECKED,
     "torch.distributed.checkpoint._traverse.set_element": CHECKED,
     "torch.distributed.checkpoint.filesystem._StorageInfo": CHECKED,

@@ -16,7 +16,7 @@ from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 if TYPE_CHECKING:
-    from ._block_optimizer import BlockOptimizer
+    from vefsdp_optim._block_optimizer import BlockOptimizer
 
 __all__ = ["REPLICATED", "ELEMENTWISE", "WHOLE", "LOCAL", "CLASS_KEY", "export_state", "load_state",
            "validate_state"]
@@ -119,7 +119,7 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
 # each rank takes alone, and a collective step on some ranks only would hang.
 # Through DCP at another world size the fresh optimizer's template asks for state the
 # checkpoint never had; vefsdp_optim.load empties such entries ([Note: stateless
-# parameters in a checkpoint] in _checkpoint.py) so that they arrive here empty.
+# parameters in a checkpoint] in _save_load.py) so that they arrive here empty.
 
 
 def _saved_entry(saved: Any) -> Any:

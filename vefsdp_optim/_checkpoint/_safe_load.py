@@ -29,6 +29,8 @@ from torch.distributed.checkpoint import metadata as _md
 
 from vefsdp_optim._torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout
 
+from ._commit import sha256
+
 __all__ = ["read_dcp_metadata", "SafeReader", "MetadataRefused"]
 
 # [Note: restricted metadata]
@@ -245,12 +247,9 @@ class SafeReader(FileSystemReader):
         if size != want.get("size"):
             raise MetadataRefused(f"checkpoint {root!r}: {rel!r} has {size} bytes, its save wrote "
                                   f"{want.get('size')} (truncated or replaced)")
-        if self._verify:
-            from vefsdp_optim._ckpt_commit import sha256
-
-            if sha256(p) != want.get("sha256"):
-                raise MetadataRefused(f"checkpoint {root!r}: {rel!r} does not match the checksum its save "
-                                      "recorded (corrupt); load(..., verify=False) skips this check")
+        if self._verify and sha256(p) != want.get("sha256"):
+            raise MetadataRefused(f"checkpoint {root!r}: {rel!r} does not match the checksum its save "
+                                  "recorded (corrupt); load(..., verify=False) skips this check")
         self._checked.add(rel)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
