@@ -186,6 +186,10 @@ class RecordingStreams(Streams):
     def synchronize(self) -> None:
         self.log.append(("synchronize", self.current().name))
 
+    def synchronize_event(self, event: FakeEvent | None) -> None:
+        if event is not None:
+            self.log.append(("synchronize", event.stream))
+
     # -- the model -----------------------------------------------------------------
 
     def track(self, t: torch.Tensor, name: str) -> None:

@@ -136,7 +136,6 @@ class FSDPState:
         self.role = advance(self.role, Role.ROOT, "FSDPState.role")
         devices = [g.settings.device for s in states for g in s.shard_groups]
         ctx = _RootContext(states, CommContext(streams_for(devices[0] if devices else torch.device("cpu"))))
-        ctx.comm.host_sync = any(g.settings.offload for s in states for g in s.shard_groups)
         for s in states:
             if s.post_optim_event is not None:
                 ctx.comm.post_optim_event, s.post_optim_event = s.post_optim_event, None

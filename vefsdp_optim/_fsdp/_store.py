@@ -97,9 +97,11 @@ class StoreSettings:
 # cast) of the shard into ``compute.local``; the epilogue copies the reduce-scatter's
 # output device-to-host into ``master.local_grad``, asynchronously from pinned memory
 # unless kept gradients are added on the host right after (then blocking, as FSDP2).
-# The root's final callback, after the current stream has waited on every gather and
-# reduction, synchronizes the host with it: the optimizer then reads finished gradients
-# and overwrites shards that no host-to-device copy still reads. On a CPU mesh the same
+# The root's final callback makes the host wait on each offloaded reduction's last event
+# (as FSDP2 on its offload events), which follows that store's last gather and so its
+# host-to-device copies: the optimizer then reads finished gradients and overwrites
+# shards that no copy still reads. A backward that reduces nothing (no sync) leaves the
+# host free. On a CPU mesh the same
 # buffers exist and the copies are CPU copies, with the bits of the run without offload.
 
 
@@ -659,7 +661,7 @@ class DtypeStore:
                 if staging:
                     _release_storage(reduce.local_grad)
 
-            comm.add_post_reduce(pending.post_event, release)
+            comm.add_post_reduce(pending.post_event, release, host=settings.offload)
         used, self._used = self._used, set()
         if settings.world_size * settings.replicate_world_size > 1 and not grad_settings.reduce_scatter_unused_params:
             from vefsdp_optim._step_loop import check_every_step

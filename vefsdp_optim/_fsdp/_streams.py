@@ -83,6 +83,9 @@ class Streams:
     def synchronize(self) -> None:
         """The host waits for the work issued so far on the current stream."""
 
+    def synchronize_event(self, event: Any) -> None:
+        """The host waits for ``event`` (None: nothing to wait for)."""
+
 
 NO_STREAMS = Streams()
 
@@ -132,6 +135,10 @@ class DeviceStreams(Streams):
     def synchronize(self) -> None:
         self.current().synchronize()
 
+    def synchronize_event(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
 
 def _default_factory(device: torch.device) -> Streams:
     return NO_STREAMS if device.type in ("cpu", "meta") else DeviceStreams(device)
@@ -173,11 +180,10 @@ class CommContext:
         # the reshard on the current stream), oldest first
         self.pending_free: list[tuple[ShardGroup, Any]] = []
         # (post-reduce event, what to release once the current stream waited on it)
-        self.post_reduce: list[tuple[Any, Callable[[], None]]] = []
+        # True where the host must wait for it too: an offloaded store's device-to-host
+        # copy ([Note: CPU offload] in _store.py)
+        self.post_reduce: list[tuple[Any, Callable[[], None], bool]] = []
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
-        # some shard group offloads to the CPU: the final callback synchronizes the host
-        # ([Note: CPU offload] in _store.py)
-        self.host_sync = False
 
     @property
     def active(self) -> bool:
@@ -225,18 +231,21 @@ class CommContext:
             self.gather_streams_wait(event)
             shard_group.release_buffers()
 
-    def add_post_reduce(self, event: Any, release: Callable[[], None]) -> None:
-        self.post_reduce.append((event, release))
+    def add_post_reduce(self, event: Any, release: Callable[[], None], host: bool = False) -> None:
+        self.post_reduce.append((event, release, host))
 
     def finish_backward(self) -> None:
         """The root's final callback: the current stream waits on every reduction's last
-        event (the optimizer reads .grad next); their staging buffers are then released."""
+        event (the optimizer reads .grad next); their staging buffers are then released.
+        The host waits only on the events of offloaded reductions, as FSDP2 on its offload
+        events: the optimizer reads those gradients on the host next; a backward without
+        a reduction (no sync) waits for nothing."""
         pending, self.post_reduce = self.post_reduce, []
-        for event, release in pending:
+        for event, release, host in pending:
             self.streams.wait_event(None, event)
+            if host:
+                self.streams.synchronize_event(event)
             release()
-        if self.host_sync and self.streams.active:
-            self.streams.synchronize()  # the optimizer runs on the host next
 
     def reset(self) -> None:
         """FSDPModule.reset_iter_state: wait for and release everything in flight."""
