@@ -9,7 +9,8 @@ and sparse ("efsdp", "ep") mesh), ``parallelize_deepseekv3`` (``Module.paralleli
 experts become DTensors ``Shard(0)`` on "ep", the token dispatcher all-to-alls over it;
 then ``apply_fsdp_to_decoder``: one ``fully_shard`` per block whose
 ``shard_placement_fn`` gives FSDP2's ``ShardPlacementResult`` on "efsdp" for the experts
-and on "fsdp" for the rest, then the root), ``init_weights`` and its cross-entropy loss
+and on "fsdp" for the rest, then the root; before it, activation checkpointing,
+selective as in torchtitan's debug config, ``--ac``), ``init_weights`` and its cross-entropy loss
 normalised by the global token count. The one swap, marked ``# vefsdp_optim``:
 torchtitan's ``fully_shard`` is ours (one attribute of ``torchtitan.distributed.fsdp``);
 our fully_shard gives each such block two shard groups ([Note: shard groups of one call]).
@@ -85,6 +86,7 @@ def build_model(args: argparse.Namespace, fsdp: str, full: dict[str, torch.Tenso
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as tt_utils
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 
     tt_dims.device_type = "cpu"  # no accelerator: a CPU (gloo) mesh
@@ -96,6 +98,7 @@ def build_model(args: argparse.Namespace, fsdp: str, full: dict[str, torch.Tenso
     tt_utils.set_spmd_backend("partial_dtensor")
     with torch.device("meta"):
         model = model_config(args).build()
+    ac = {"full": FullAC.Config(), "selective": SelectiveAC.Config(), "none": None}[args.ac]
     torch_fully_shard = tt_fsdp.fully_shard
     if fsdp == "vefsdp":
         tt_fsdp.fully_shard = vefsdp_optim.fully_shard  # vefsdp_optim: the one swap
@@ -105,7 +108,7 @@ def build_model(args: argparse.Namespace, fsdp: str, full: dict[str, torch.Tenso
             training=TrainingConfig(seq_len=args.seq_len, mixed_precision_param="float32"),
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
                                           expert_parallel_degree=args.ep),
-            compile_config=CompileConfig(), ac_config=None, dump_folder=args.dump_folder)
+            compile_config=CompileConfig(), ac_config=ac, dump_folder=args.dump_folder)
     finally:
         tt_fsdp.fully_shard = torch_fully_shard
     if fsdp == "torch":  # gloo has no PREMUL_SUM (FSDP2's summed-gradient reduction)
@@ -244,6 +247,8 @@ def _spawned(rank: int, world_size: int, init_file: str, args: argparse.Namespac
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fsdp", choices=("vefsdp", "torch", "both"), default="both")
+    p.add_argument("--ac", choices=("full", "selective", "none"), default="selective",
+                   help="torchtitan's activation checkpointing policy (its debug model's: selective)")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel degree (divides W and 8)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=3, help="blocks of the debug model (6; the first dense)")
