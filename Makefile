@@ -70,11 +70,11 @@ test-fast: $(STAMP)
 lint: $(STAMP) lint-csrc
 	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks tools
 
-# The C++ kernel sources (vefsdp_optim/_csrc): warnings are errors, for the native and
+# The C++ kernel sources (vefsdp_optim/_kernels/csrc): warnings are errors, for the native and
 # (on x86-64) the portable, AVX2 and AVX-512 (VBMI) instruction sets, and the operator
 # file against torch's headers.
 CXX_LINT ?= c++
-CSRC      = vefsdp_optim/_csrc
+CSRC      = vefsdp_optim/_kernels/csrc
 CXX_WARN  = -fsyntax-only -std=c++20 -Wall -Wextra -Werror -ffp-contract=off
 lint-csrc: $(STAMP)
 	$(CXX_LINT) $(CXX_WARN) -march=native $(CSRC)/quant8_adam.cpp

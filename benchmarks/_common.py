@@ -303,7 +303,7 @@ def cpu_flags() -> dict[str, bool]:
 def ns_kernels() -> str:
     """Whether our Newton-Schulz ran on this library's bfloat16 matmul kernels (a note for
     the reports: they change our speed on CPUs without bfloat16 units, never the bits)."""
-    from vefsdp_optim._math._bf16_matmul import fast_addmm_available, fast_mm_nt_available
+    from vefsdp_optim._kernels import fast_addmm_available, fast_mm_nt_available
 
     parts = []
     for name, (ok, why) in (("addmm", fast_addmm_available()), ("X X^T", fast_mm_nt_available())):

@@ -131,7 +131,7 @@ def kernel_build_time() -> dict:
     import os
     import tempfile
 
-    from vefsdp_optim._math import _quant8_fused as qf
+    from vefsdp_optim._kernels import _native as qf
 
     old = os.environ.get("XDG_CACHE_HOME")
     with tempfile.TemporaryDirectory() as tmp:

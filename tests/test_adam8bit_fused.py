@@ -15,7 +15,8 @@ from dist_utils import run_distributed
 from torch import nn
 
 import vefsdp_optim
-from vefsdp_optim._math import _quant8_fused as qf
+from vefsdp_optim._kernels import BACKEND_ENV
+from vefsdp_optim._kernels import _native as qf
 from vefsdp_optim._math import adam8bit_block_step_, dynamic_code_map, quantize_blockwise
 
 SIGNED, UNSIGNED = dynamic_code_map(True), dynamic_code_map(False)
@@ -233,11 +234,14 @@ def _opt_run(fused, steps=3, **kw):
 
 @needs_cc
 def test_optimizer_uses_kernel_by_default_and_env_var_turns_it_off(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    # the switch before VEFSDP_ADAM8BIT_BACKEND is gone, not an alias: it changes nothing
+    monkeypatch.setenv("VEFSDP_ADAM8BIT_FUSED", "0")
     with _Spy() as spy:
         got = _opt_run(None)
     # two 8-bit tensors (the 10x10 one keeps fp32 moments), one kernel call a step
     assert (spy.calls, spy.tensors) == (3, 3 * 2)
-    monkeypatch.setenv(qf.ENV_VAR, "0")
+    monkeypatch.setenv(BACKEND_ENV, "eager")
     with _Spy() as spy:
         off = _opt_run(None)
         forced = _opt_run(True)  # fused=True wins over the environment variable

@@ -19,8 +19,8 @@ from dist_utils import run_distributed
 from torch import nn
 
 import vefsdp_optim
-from vefsdp_optim._math import _quant8_backend as qb
-from vefsdp_optim._math import _quant8_fused as qf
+from vefsdp_optim._kernels import _backend as qb
+from vefsdp_optim._kernels import _native as qf
 from vefsdp_optim._math import adam8bit_block_step_, dynamic_code_map, quantize_blockwise
 
 try:
@@ -140,7 +140,7 @@ def test_triton_equals_c_and_eager_bitwise(device, monkeypatch, n, bs, decoupled
     runs = {b: (p.clone(), _state(n, bs, "cpu")) for b in ("triton", "c", "eager")}
     where = {"triton": device, "c": "cpu", "eager": device}
     hp = _hp(bs, decoupled, wd, maximize, "cpu")
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
 
     if off64:  # the int64 offsets, which only tensors of 2**30 elements and more take
         monkeypatch.setattr(qt, "_OFF32_LIMIT", 0)
@@ -186,7 +186,7 @@ def test_triton_one_launch_for_many_tensors_bitwise(device, bs):
     """[Note: one launch for many tensors]: uneven tensors (a block's tail, one shorter than
     a block, an empty one) in one launch per step count, the bits of one launch per tensor
     and of the eager ops (on ``device``: the GPU check runs it on CUDA)."""
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
     from vefsdp_optim._math import adam8bit_multi_tensor_step_
 
     ns = [333, 5, 0, 2 * bs + 1, 1, 100]
@@ -243,7 +243,7 @@ def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
 
     cfg = qt.launch_config(block_size)
     sig = {"ptrs": "*i64", "starts": "*i64", "numels": "*i64", "scode_ptr": "*fp32",
@@ -293,7 +293,7 @@ def test_bad_backend_value_raises(monkeypatch):
 
 @needs_cxx
 def test_backend_env_var_forces_each_path(monkeypatch):
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
 
     want = _opt_run(fused=False)
     for backend, c_calls, t_calls in (("c", 4, 0), ("eager", 0, 0), ("C ", 4, 0)):
@@ -330,7 +330,7 @@ def test_default_backend_is_logged_once(monkeypatch, caplog):
 
 def test_default_on_cuda_is_triton_else_eager_with_a_reason(monkeypatch, caplog):
     """The choice for CUDA tensors, made without a GPU (it reads no tensor)."""
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
 
     monkeypatch.delenv(qb.BACKEND_ENV, raising=False)
     monkeypatch.setattr(qb, "_logged", set())
@@ -371,7 +371,7 @@ class _Uneven(nn.Module):
 
 
 def _sharded_triton_vs_single_device(kind, name):
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
 
     rank, w = dist.get_rank(), dist.get_world_size()
     model = _Uneven()

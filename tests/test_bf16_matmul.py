@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from vefsdp_optim._math import _bf16_matmul as bm
-from vefsdp_optim._math import _quant8_fused as qf
+from vefsdp_optim._kernels import _bf16_matmul as bm
+from vefsdp_optim._kernels import _native as qf
 from vefsdp_optim._math import zeropower_via_newtonschulz
 
 

@@ -23,8 +23,10 @@ def test_wheel_top_level_is_only_vefsdp_optim(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"vefsdp_optim", next(t for t in top if t.endswith(".dist-info"))}, top
     for pkg in ("vefsdp_optim/sharding/__init__.py", "vefsdp_optim/comm/__init__.py",
-                "vefsdp_optim/py.typed", "vefsdp_optim/_csrc/quant8_adam.cpp",
-                "vefsdp_optim/_csrc/quant8_adam_op.cpp", "vefsdp_optim/_csrc/quant8_adam.h"):
+                "vefsdp_optim/py.typed", "vefsdp_optim/_kernels/csrc/quant8_adam.cpp",
+                "vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp",
+                "vefsdp_optim/_kernels/csrc/quant8_adam.h",
+                "vefsdp_optim/_kernels/csrc/bf16_matmul.cpp"):
         assert pkg in names, (pkg, sorted(names))
     assert not any(n.startswith(("comm/", "sharding/", "tests/")) for n in names)
     # every source module of the three folders is in the wheel

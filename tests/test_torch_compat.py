@@ -25,7 +25,7 @@ LIBRARY = [f for d in ("vefsdp_optim", "sharding", "comm") for f in sorted((ROOT
 NOT_TORCH = {
     "_exit": "os._exit (the standard library's, documented): _teardown.exit_rank",
     "_elementwise_max": "triton.language.standard's combine function for tl.reduce, inside a "
-                        "@triton.jit kernel (_math._quant8_triton); triton's, checked by the "
+                        "@triton.jit kernel (_kernels._quant8_triton); triton's, checked by the "
                         "Triton tests on each triton a tested torch brings",
 }
 

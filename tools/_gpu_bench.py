@@ -159,7 +159,7 @@ def _count(n: int) -> str:
 
 def _adam8bit(size: str, device: str) -> dict[str, Any]:
     import vefsdp_optim
-    from vefsdp_optim._math._quant8_backend import select_backend
+    from vefsdp_optim._kernels import select_backend
 
     shapes = ADAM8_SHAPES[size]
 

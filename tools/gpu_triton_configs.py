@@ -45,7 +45,7 @@ class _Kernel:
                 *quantize_blockwise(v, self.codes[1], self.bs)]
 
     def step(self, p, g, s, t: int, cfg: dict | None) -> None:
-        from vefsdp_optim._math import _quant8_triton as qt
+        from vefsdp_optim._kernels import _quant8_triton as qt
         from vefsdp_optim._math import adam8bit_block_step_
 
         saved = qt.launch_config
@@ -129,7 +129,7 @@ def main() -> int:
     _import_math()
     import torch
 
-    from vefsdp_optim._math import _quant8_triton as qt
+    from vefsdp_optim._kernels import _quant8_triton as qt
 
     dev = torch.device("cuda")
     kernel = _Kernel(dev)

@@ -72,7 +72,7 @@ class _Adam8bitBase(BlockOptimizer):
         #: a fused kernel (Triton on CUDA, C++ on the CPU): None where one runs, True
         #: required, False never ([Note: 8-bit Adam backends]; the same bits every way)
         self.fused = fused
-        from vefsdp_optim._math._quant8_backend import requested_backend, select_backend
+        from vefsdp_optim._kernels import requested_backend, select_backend
 
         requested_backend()  # a bad VEFSDP_ADAM8BIT_BACKEND raises here, before any step
         if amsgrad:
@@ -228,7 +228,7 @@ class AdamW8bit(_Adam8bitBase):
     ``fused=None`` (default) steps the 8-bit tensors with a fused kernel: Triton on
     CUDA (with ``pip install 'vefsdp-optim[triton]'``), C++ on the CPU where the system
     compiler can build it; with eager torch ops elsewhere (a logged reason; also with
-    ``fused=False`` or ``VEFSDP_ADAM8BIT_FUSED=0``). ``VEFSDP_ADAM8BIT_BACKEND`` =
+    ``fused=False``). ``VEFSDP_ADAM8BIT_BACKEND`` =
     ``triton`` / ``c`` / ``eager`` forces one ([Note: 8-bit Adam backends]);
     ``fused=True`` raises where no kernel can run. All give the same bits.
     """

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vefsdp_optim._kernels import fast_addmm_available, fast_mm_nt_available
 from vefsdp_optim._math import (
     NS_COEFFICIENTS,
     check_adam_hparams,
@@ -18,7 +19,6 @@ from vefsdp_optim._math import (
     muon_adjust_lr,
     zeropower_via_newtonschulz,
 )
-from vefsdp_optim._math._bf16_matmul import fast_addmm_available, fast_mm_nt_available
 from vefsdp_optim._math._muon import (
     Int8Momentum,
     _add_,  # noqa: F401 - re-exported for tests

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._kernels import addmm, mm_nt
 from ._batch_probe import batch_probe
-from ._bf16_matmul import addmm, mm_nt
 from ._polar_express import POLAR_EXPRESS, POLAR_EXPRESS_SAFETY, polar_express_coefficients
 
 __all__ = [

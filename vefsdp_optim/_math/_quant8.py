@@ -445,7 +445,7 @@ def adam8bit_multi_tensor_step_(
     ``step=steps[i]`` (``states[i]``: the exp_avg codes and absmax, then the exp_avg_sq
     codes and absmax), the same bits as one call per tensor. The shared arguments are
     checked and the backend chosen once, and on the C++ kernel all tensors go in one
-    call ([Note: one call for many tensors] in ``_csrc/quant8_adam_op.cpp``): an
+    call ([Note: one call for many tensors] in ``_kernels/csrc/quant8_adam_op.cpp``): an
     optimizer's per-tensor overhead is then a few checks."""
     n = len(params)
     if len(grads) != n or len(states) != n or len(steps) != n:
@@ -480,7 +480,7 @@ def adam8bit_multi_tensor_step_(
     if n == 0:
         return
     hps = [by_step[step] for step in steps]
-    from ._quant8_backend import select_backend
+    from .._kernels import run_adam8bit_kernel_, select_backend
 
     # "cpu", "cuda", ...; tensors on several devices take the eager ops ("cpu+cuda")
     if all(t.is_cpu for param, grad, state in zip(params, grads, states, strict=True)
@@ -497,16 +497,8 @@ def adam8bit_multi_tensor_step_(
         works = [[t if t.is_contiguous() else t.contiguous() for t in state] for state in states]
         tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
                   quantizers[1].packed)
-        if backend == "c":
-            from . import _quant8_fused
-
-            _quant8_fused.run_fused_steps_(p32s, g32s, *(list(w) for w in zip(*works, strict=True)),
-                                           hps, [flags] * n, block_size, tables)
-        else:
-            from . import _quant8_triton
-
-            _quant8_triton.run_triton_steps_(p32s, g32s, *(list(w) for w in zip(*works, strict=True)),
-                                             hps, [flags] * n, block_size, tables)
+        run_adam8bit_kernel_(backend, p32s, g32s, *(list(w) for w in zip(*works, strict=True)),
+                             hps, [flags] * n, block_size, tables)
         for state, work in zip(states, works, strict=True):
             for t, w in zip(state, work, strict=True):
                 if w is not t:  # a contiguous copy

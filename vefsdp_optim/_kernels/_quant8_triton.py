@@ -2,9 +2,9 @@
 interpreter, ``TRITON_INTERPRET=1``).
 
 [Note: Triton 8-bit step]
-The same step as the C++ kernel ([Note: fused 8-bit step] in ``_quant8_fused.py``), in
+The same step as the C++ kernel ([Note: fused 8-bit step] in ``_native.py``), in
 the same fixed sequence of correctly rounded float32 operations ([Note: 8-bit Adam op
-order] in ``_quant8.py``), so the three backends give the same bits:
+order] in ``_math/_quant8.py``), so the three backends give the same bits:
 
 - a program takes ``ROWS`` whole quantization blocks as a ``(ROWS, BLOCK)`` tile
   (``BLOCK``: the block size rounded up to a power of two, the padding masked off; about
@@ -23,7 +23,7 @@ order] in ``_quant8.py``), so the three backends give the same bits:
 
 [Note: one launch for many tensors]
 ``run_triton_steps_`` steps a list of tensors in one launch, as the C++ operator takes
-them in one call ([Note: one call for many tensors] in ``quant8_adam_op.cpp``): on a GPU
+them in one call ([Note: one call for many tensors] in ``csrc/quant8_adam_op.cpp``): on a GPU
 a launch costs ~5-10 us of host time and an idle tail, which a bucket of many small
 tensors would pay once each. The blocks of all the tensors are numbered one after the
 other; program ``j`` takes joint blocks ``[j * ROWS, (j + 1) * ROWS)``, and each row finds

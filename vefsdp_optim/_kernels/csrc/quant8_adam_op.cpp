@@ -1,5 +1,5 @@
 // quant8_adam.cpp's kernel as a torch operator over lists of tensors:
-// TORCH_EXTENSION_NAME::adam8bit_steps_, CPU only. _quant8_fused.py builds both files
+// TORCH_EXTENSION_NAME::adam8bit_steps_, CPU only. _kernels/_native.py builds the files
 // with torch.utils.cpp_extension.load; the build's name (the namespace here) carries the
 // hash of the sources, flags and CPU, so two builds (native and portable) can live in
 // one process.

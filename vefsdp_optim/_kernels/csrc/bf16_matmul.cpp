@@ -1,6 +1,6 @@
 // bfloat16 matrix products with the bits of torch's reference CPU loop, fast:
 // TORCH_EXTENSION_NAME::bf16_addmm_out_. Built into the same library as the 8-bit Adam
-// kernel (_quant8_fused.py); _math/_bf16_matmul.py decides where it may run.
+// kernel (_kernels/_native.py); _kernels/_bf16_matmul.py decides where it may run.
 //
 // [Note: torch's bfloat16 reference matmul]
 // On a CPU that oneDNN cannot run bfloat16 products on (no AVX-512 and no AMX: AVX2 CPUs

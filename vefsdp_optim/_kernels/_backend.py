@@ -10,8 +10,8 @@ the CPU, else the eager ops, the choice logged once per device type (a warning w
 reasons where a kernel was wanted and could not run). The optimizer's ``fused`` argument
 wins over the environment: ``False`` runs the eager ops, ``True`` requires a kernel (the
 forced one if the variable names a kernel, else the best one) and raises where none can
-run. ``VEFSDP_ADAM8BIT_FUSED=0`` (the older switch) means eager when ``fused`` is None
-and no backend is forced.
+run. This variable is the one switch: an unknown value raises ValueError naming the
+accepted ones, at the optimizer's construction and at each step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import logging
 import os
 from collections.abc import Sequence
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "requested_backend", "select_backend"]
+from torch import Tensor
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "requested_backend", "run_adam8bit_kernel_", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ def _unavailable(backend: str, device_type: str, block_size: int, max_k: int) ->
     if backend == "c":
         if device_type != "cpu":
             return f"the C++ kernel runs on CPU tensors, got {device_type} tensors"
-        from ._quant8_fused import fused_kernel, fused_unavailable_reason
+        from ._native import fused_kernel, fused_unavailable_reason
 
         return None if fused_kernel() is not None else fused_unavailable_reason()
     from ._quant8_triton import triton_unavailable_reason
@@ -74,8 +76,7 @@ def select_backend(device_type: str, block_size: int, max_k: int = 1,
     if fused is False:
         return "eager"
     forced = requested_backend()
-    if fused is None and (forced == "eager" or (
-            forced is None and os.environ.get("VEFSDP_ADAM8BIT_FUSED", "1") == "0")):
+    if fused is None and forced == "eager":
         return "eager"
     if forced in ("triton", "c"):
         why = _unavailable(forced, device_type, block_size, max_k)
@@ -95,3 +96,25 @@ def select_backend(device_type: str, block_size: int, max_k: int = 1,
         raise RuntimeError(f"fused=True but {'; '.join(reasons)}")
     _log_once(device_type, "eager", "; ".join(reasons), logging.WARNING)
     return "eager"
+
+
+def run_adam8bit_kernel_(
+    backend: str, p: Sequence[Tensor], g: Sequence[Tensor], mc: Sequence[Tensor],
+    ma: Sequence[Tensor], vc: Sequence[Tensor], va: Sequence[Tensor],
+    hp: Sequence[tuple[float, ...]], flags: Sequence[int], block_size: int,
+    tables: tuple[Tensor, ...],
+) -> None:
+    """The 8-bit Adam step in place on lists of contiguous tensors, by ``backend``
+    (``"c"`` or ``"triton"``, as :func:`select_backend` chose): the arguments of
+    ``run_fused_steps_`` (``_native.py``) and ``run_triton_steps_`` (``_quant8_triton.py``),
+    which are the same. The eager path is ``_math/_quant8.py``'s own."""
+    if backend == "c":
+        from . import _native
+
+        _native.run_fused_steps_(p, g, mc, ma, vc, va, hp, flags, block_size, tables)
+    elif backend == "triton":
+        from . import _quant8_triton
+
+        _quant8_triton.run_triton_steps_(p, g, mc, ma, vc, va, hp, flags, block_size, tables)
+    else:
+        raise AssertionError(f"run_adam8bit_kernel_ takes backend 'c' or 'triton', got {backend!r}")

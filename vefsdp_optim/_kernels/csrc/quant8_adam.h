@@ -1,5 +1,5 @@
 // The fused 8-bit Adam / AdamW step on the CPU ([Note: fused 8-bit step] in
-// vefsdp_optim/_math/_quant8_fused.py): plain pointers, no torch headers, so that this
+// vefsdp_optim/_kernels/_native.py): plain pointers, no torch headers, so that this
 // translation unit builds in about a second; quant8_adam_op.cpp binds it as a torch op.
 #pragma once
 

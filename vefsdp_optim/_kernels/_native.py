@@ -1,7 +1,9 @@
-"""The fused 8-bit Adam step on the CPU: one C++ kernel, built once by torch's extension machinery.
+"""The native library: the C++ kernels, built once by torch's extension machinery, and
+the fused 8-bit Adam step on the CPU that calls one of them.
 
-The sources are in ``vefsdp_optim/_csrc/`` (``quant8_adam.cpp``: the kernel on plain
-pointers; ``quant8_adam_op.cpp``: the torch operator around it), built on first use by
+The sources are in ``csrc/`` here (``quant8_adam.cpp``: the 8-bit step on plain
+pointers; ``quant8_adam_op.cpp``: the torch operator around it; ``bf16_matmul.cpp``:
+the bfloat16 products of ``_bf16_matmul.py``), one library built on first use by
 ``torch.utils.cpp_extension`` (ninja, ``$CXX`` or ``c++``) with ``-march=native`` and
 ``-fopenmp`` (torch's at::parallel_for threads only with it; each dropped where the
 compiler refuses it) and cached on disk (``$XDG_CACHE_HOME`` or ``~/.cache``,
@@ -10,12 +12,12 @@ cache path, so ranks and test processes load it in milliseconds.
 
 Where it cannot be built (no compiler, no ninja, a failed build) the eager path runs,
 with the same bits, and the reason is logged once. CUDA tensors take the Triton kernel
-(``_quant8_triton.py``) or the eager path; ``_quant8_backend.py`` picks the backend
-(``VEFSDP_ADAM8BIT_BACKEND``). ``VEFSDP_ADAM8BIT_FUSED=0`` (or ``fused=False`` on the
-optimizer) turns the kernels off.
+(``_quant8_triton.py``) or the eager path; ``_backend.py`` picks the backend
+(``VEFSDP_ADAM8BIT_BACKEND``; ``eager``, or ``fused=False`` on the optimizer, turns the
+kernels off).
 
 [Note: fused 8-bit step]
-``adam8bit_block_step_`` (``_quant8.py``) is memory-bound: per element it reads the
+``adam8bit_block_step_`` (``_math/_quant8.py``) is memory-bound: per element it reads the
 parameter, the gradient and two one-byte codes and writes the parameter and the codes
 (16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
 kernel does the whole step block by block and reads and writes the data once:
@@ -28,7 +30,7 @@ scratch of ~4 * block_size floats. Runs of whole blocks go to torch's intra-op t
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any count.
 
 The kernel computes exactly the float32 operations that the eager path runs as torch
-ops ([Note: 8-bit Adam op order] in ``_quant8.py``), each one correctly rounded IEEE
+ops ([Note: 8-bit Adam op order] in ``_math/_quant8.py``), each one correctly rounded IEEE
 add, sub, mul, div or sqrt, compiled with ``-ffp-contract=off`` and without fast-math:
 a vectorized and a scalar loop give the same bits, and so do the kernel and the eager
 fallback. Blocks never interact, so a run of whole blocks gives the bits of that part
@@ -53,13 +55,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ENV_VAR", "fused_kernel", "fused_unavailable_reason", "run_fused_steps_"]
+__all__ = ["fused_kernel", "fused_unavailable_reason", "native_ops", "run_fused_steps_"]
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "VEFSDP_ADAM8BIT_FUSED"
-
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_csrc")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("quant8_adam.cpp", "quant8_adam_op.cpp", "bf16_matmul.cpp")  # one library
 _HEADERS = ("quant8_adam.h",)
 

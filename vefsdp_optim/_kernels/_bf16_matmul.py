@@ -7,7 +7,7 @@ its own loops: ``addmm`` of two row-major matrices with a scalar reference loop 
 GFLOP/s, some 40x slower than its float32 products there), ``a @ b.T`` of two row-major
 matrices with a vectorized dot product per output (~10 GFLOP/s). Newton-Schulz is three
 such products per iteration (``X X^T``, then ``(b A + c A^2)`` and its product with
-``X``). ``_csrc/bf16_matmul.cpp`` computes each loop's values in the same order with
+``X``). ``csrc/bf16_matmul.cpp`` computes each loop's values in the same order with
 the same roundings ([Note: torch's bfloat16 reference matmul] and [Note: torch's
 bfloat16 dot-product matmul] there), laid out for the vector units (eight outputs of a
 row per vector for the first; a 3 x 3 tile of outputs sharing each load for the second),
@@ -116,7 +116,7 @@ def _op(name: str):
             if os.environ.get(ENV_VAR, "1") == "0":
                 why = f"{ENV_VAR}=0"
             else:
-                from ._quant8_fused import fused_unavailable_reason, native_ops
+                from ._native import fused_unavailable_reason, native_ops
 
                 ops = native_ops()
                 if ops is None:
