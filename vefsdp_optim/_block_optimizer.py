@@ -326,9 +326,7 @@ class BlockOptimizer(Optimizer):
         items: list[StepItem] = []
         entries: list[StepEntry] = []
         structure: list[tuple] = []
-        keys: list[tuple] = []
-        plain: list[bool] = []
-        slots: list[StepItem | None] = []
+        rows: list[tuple[Any, tuple | None, tuple | None, StepItem | None]] = []
         whole: list[int] = []
         position = ({id(p): i for i, p in enumerate(group["params"])}
                     if claimed is not group["params"] else None)
@@ -344,9 +342,7 @@ class BlockOptimizer(Optimizer):
                                          view.local.device))
                 if view.process_group is not None:
                     structure.append((pos, id(p), id(view.process_group), view.layout, compute))
-                keys.append(key if key is not None else view_key(view))
-                plain.append(key is not None)
-                slots.append(None)
+                rows.append((p, key, None if key is not None else view_key(view), None))
                 continue
             if p.is_meta:
                 raise NotImplementedError(
@@ -373,15 +369,13 @@ class BlockOptimizer(Optimizer):
                 whole.append(len(items))
             item = StepItem(p, view, gview.local, req, compute, group)
             items.append(item)
-            keys.append(key if key is not None else view_key(view))
-            plain.append(key is not None)
-            slots.append(item)
+            rows.append((p, key, None if key is not None else view_key(view), item))
             if view.process_group is not None:  # check_consistent skips the others
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
                                          view.process_group, view.local.device))
         if whole:
             self._assign_owners([items[i] for i in whole])
-        return GroupPlan(group, values, list(claimed), keys, plain, slots, items, entries, structure)
+        return GroupPlan(group, values, rows, items, entries, structure)
 
     def _compute_layout(self, req: Requirement, view: ShardedView) -> RaggedShard | None:
         """The compute layout for ``req`` ([Note: one step loop]); None: whole on an owner."""
@@ -435,11 +429,21 @@ class BlockOptimizer(Optimizer):
                 it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
 
     def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:
-        for it, outs in zip(bucket, back.wait(), strict=True):
+        outputs = back.wait()
+        if type(self).apply_results is BlockOptimizer.apply_results:  # the default, inlined
+            for it, (p,) in zip(bucket, outputs, strict=True):
+                if p is not it.view.local and p.numel():
+                    it.view.local.copy_(p)
+            return
+        for it, outs in zip(bucket, outputs, strict=True):
             self.apply_results(it, outs)
 
     def _launch(self, bucket: list[StepItem], moving: list[int]) -> PendingExchange:
-        return exchange(bucket, [self.gather_inputs(it) for it in bucket], forward=True, moving=moving)
+        if type(self).gather_inputs is BlockOptimizer.gather_inputs:  # the default, inlined
+            inputs = [[it.view.local, it.grad] for it in bucket]
+        else:
+            inputs = [self.gather_inputs(it) for it in bucket]
+        return exchange(bucket, inputs, forward=True, moving=moving)
 
 
 # [Note: aligned gradients]

@@ -17,6 +17,8 @@ from ._step_loop import StepEntry, StepItem
 
 __all__ = ["GroupPlan", "StepPlan", "group_values", "param_key", "view_key"]
 
+_TENSOR = torch.Tensor
+
 # [Note: step plan]
 # A step derives from each parameter its view, requirement and compute layout, from the
 # parameters with gradients its step items, owners ([Note: owners stay]), consistency
@@ -68,10 +70,9 @@ class GroupPlan:
 
     group: dict[str, Any]
     values: tuple  # group_values() at build
-    params: list[Any]  # the claimed parameters, in order
-    keys: list[tuple]  # per parameter: param_key(), or view_key() where that is None
-    plain: list[bool]  # per parameter: keyed by param_key()
-    slots: list[StepItem | None]  # per parameter: its item, None without a gradient
+    # per claimed parameter, in order: (the parameter, its param_key() or None, its
+    # view_key() where that is None, its item or None without a gradient)
+    rows: list[tuple[Any, tuple | None, tuple | None, StepItem | None]]
     items: list[StepItem]  # the items, in parameter order
     entries: list[StepEntry]  # [Note: consistent steps]
     structure: list[tuple]  # [Note: consistent steps]
@@ -79,35 +80,33 @@ class GroupPlan:
     def refresh(self, group: dict[str, Any], claimed: list[Any], values: tuple) -> bool:
         """Give each item this step's gradient; False (items unusable) where any input of
         the plan changed."""
-        if group is not self.group or values != self.values or len(claimed) != len(self.params):
+        if group is not self.group or values != self.values or len(claimed) != len(self.rows):
             return False
-        for p, q, key, plain, item in zip(claimed, self.params, self.keys, self.plain, self.slots, strict=True):
+        for p, (q, key, vkey, item) in zip(claimed, self.rows, strict=True):
             if p is not q:
                 return False
-            if plain:
-                if p.data_ptr() != key[0] or p.shape != key[1] or not p.is_contiguous():
-                    return False
-            elif view_key(sharded_view(p)) != key:
-                return False
             g = p.grad
+            if key is not None:  # a plain tensor: the common case first
+                ptr, shape = key
+                if p.data_ptr() != ptr or p.shape != shape or not p.is_contiguous():
+                    return False
+                if item is not None and type(g) is _TENSOR and g.shape == shape and g.is_contiguous():
+                    item.grad = g if len(shape) == 1 else g.ravel()  # a view: contiguous (sparse is not)
+                    continue
+            elif view_key(sharded_view(p)) != vkey:
+                return False
             if item is None:
                 if g is not None:
                     return False
                 if replaced_by_fully_shard(p):
                     return False  # the rebuild raises
                 continue
-            if g is None:
-                return False
-            if plain and type(g) is torch.Tensor and g.shape == key[1] and g.is_contiguous():
-                local = g if len(key[1]) == 1 else g.ravel()  # a view: contiguous (sparse is not)
-            else:
-                if g.is_sparse:
-                    return False
-                gview = step_grad_view(g)
-                if gview.layout is not item.view.layout and gview.layout != item.view.layout:
-                    return False
-                local = gview.local
-            item.grad = local
+            if g is None or g.is_sparse:
+                return False  # the rebuild raises on a sparse gradient
+            gview = step_grad_view(g)
+            if gview.layout is not item.view.layout and gview.layout != item.view.layout:
+                return False  # the rebuild raises
+            item.grad = gview.local
         return True
 
 
