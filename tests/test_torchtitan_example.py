@@ -5,7 +5,9 @@ on FSDP2 + TP gives torch AdamW's.
 
 Skipped where torchtitan (the ``torchtitan`` extra) is not installed or its llama3 model
 does not import. The example runs as a script (it spawns its own gloo ranks), so
-torchtitan's import-time setup stays out of the test process.
+torchtitan's import-time setup stays out of the test process. Every case is slow (the
+cheapest two take 24 s and 67 s on 2 cores: a third of make test-fast's 5 minutes where
+the dev venv has torchtitan).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _run(*args: str, world_size: int = 2, must_pass: bool = True) -> tuple[str, 
     return r.stdout, [float(m.group(1)), float(m.group(2))]
 
 
+@pytest.mark.slow
 def test_torchtitan_llama3_trains_and_equals_fsdp2_bitwise() -> None:
     """No gradient clipped (clip_grad_norm_ still runs): the losses of every step equal
     FSDP2's bit for bit (checked inside the example), and the loss falls."""
@@ -86,6 +89,7 @@ def _fully_shard_tp_matched(out: str) -> None:
     assert "dp 2 x tp 2: losses of vefsdp_optim's fully_shard == FSDP2's, bit for bit" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_torchtitan_llama3_tp2_adamw_equals_torch_adamw_bitwise() -> None:
     """dp 2 x tp 2, torchtitan's TP plan (sequence-parallel norms, loss parallel) before
     FSDP2, no gradient clipped: our AdamW on (_StridedShard(0), Shard(0)), (Shard(0),
