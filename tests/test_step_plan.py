@@ -100,7 +100,7 @@ def _run(name: str, change: str, fresh: bool) -> tuple[list[torch.Tensor], list[
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
-@pytest.mark.parametrize("name", list(KWARGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "Shampoo" else n for n in KWARGS])
 def test_plan_reused_and_rebuilt_as_fresh(name: str, change: str) -> None:
     if change == "plan_key" and name != "Muon":
         pytest.skip("only Muon has a plan key to edit here")
