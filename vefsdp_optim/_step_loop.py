@@ -181,7 +181,8 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # shape, storage and compute layouts); only on a mismatch does an all_gather_object
 # name the parameters and ranks that differ. Which process groups check depends only
 # on the layouts, never on gradients, so on a step every rank checks, the check cannot
-# hang. BlockOptimizer._step keeps the structure it last checked.
+# hang. BlockOptimizer keeps the structure it last checked, and compares it only when
+# it rebuilds its step plan ([Note: step plan]), which every such change causes.
 
 #: check every step ([Note: consistent steps]); from VEFSDP_OPTIM_DEBUG=1 at import,
 #: read at each step, so a test may set it
