@@ -71,18 +71,22 @@ lint: $(STAMP) lint-csrc
 	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks tools
 
 # The C++ kernel sources (vefsdp_optim/_kernels/csrc): warnings are errors, for the native and
-# (on x86-64) the portable, AVX2 and AVX-512 (VBMI) instruction sets, and the operator
-# file against torch's headers.
+# (on x86-64) the portable, AVX2 and AVX-512 (VBMI) instruction sets, and the files that
+# include torch's headers (the operator, the bfloat16 products) against them.
 CXX_LINT ?= c++
 CSRC      = vefsdp_optim/_kernels/csrc
 CXX_WARN  = -fsyntax-only -std=c++20 -Wall -Wextra -Werror -ffp-contract=off
+TORCH_INC = $$($(PY) -c "from torch.utils.cpp_extension import include_paths; \
+  print(' '.join('-isystem ' + p for p in include_paths()))")
 lint-csrc: $(STAMP)
 	$(CXX_LINT) $(CXX_WARN) -march=native $(CSRC)/quant8_adam.cpp
 	if [ "$$(uname -m)" = x86_64 ]; then $(CXX_LINT) $(CXX_WARN) -mno-avx512f $(CSRC)/quant8_adam.cpp; \
 	  $(CXX_LINT) $(CXX_WARN) -march=haswell $(CSRC)/quant8_adam.cpp; \
 	  $(CXX_LINT) $(CXX_WARN) -march=icelake-server $(CSRC)/quant8_adam.cpp; fi
-	$(CXX_LINT) $(CXX_WARN) -DTORCH_EXTENSION_NAME=lint -I$(CSRC) $$($(PY) -c "from torch.utils.cpp_extension \
-	  import include_paths; print(' '.join('-isystem ' + p for p in include_paths()))") $(CSRC)/quant8_adam_op.cpp
+	$(CXX_LINT) $(CXX_WARN) -DTORCH_EXTENSION_NAME=lint -I$(CSRC) $(TORCH_INC) $(CSRC)/quant8_adam_op.cpp
+	$(CXX_LINT) $(CXX_WARN) -march=native -DTORCH_EXTENSION_NAME=lint $(TORCH_INC) $(CSRC)/bf16_matmul.cpp
+	if [ "$$(uname -m)" = x86_64 ]; then \
+	  $(CXX_LINT) $(CXX_WARN) -DTORCH_EXTENSION_NAME=lint $(TORCH_INC) $(CSRC)/bf16_matmul.cpp; fi
 
 toy: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[plot]"

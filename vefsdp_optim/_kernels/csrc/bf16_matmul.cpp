@@ -311,6 +311,7 @@ void bf16_mm_nt_out_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tens
         mm_nt_one(af.data(), same ? af.data() : bf.data(), m, n, k, o + e * m * n);
     }
 #else
+    (void)a, (void)b, (void)out;
     TORCH_CHECK(false, "bf16_mm_nt_out_: built without AVX2 and FMA (the dot-product loop's order is "
                 "AVX2's); use a @ b.mT");
 #endif
