@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vefsdp_optim._torch_compat import storage_id
 from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.comm._views import step_grad_view
 
@@ -55,7 +56,7 @@ def param_key(p: Any) -> tuple | None:
 def view_key(view: ShardedView) -> tuple:
     """The plan key of a view: its storage, offset, layout, process group and shape."""
     local = view.local
-    return (local.untyped_storage()._cdata, local.storage_offset(), local.dtype, view.layout,
+    return (storage_id(local), local.storage_offset(), local.dtype, view.layout,
             id(view.process_group), view.shape)
 
 

@@ -55,7 +55,7 @@ __all__ = [
     "tree_flatten", "tree_map", "tree_unflatten", "FakeTensor",
     "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
     "foreach_lerp_", "foreach_add_",
-    "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
+    "storage_id", "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single", "DataParallelMeshDims",
@@ -168,6 +168,12 @@ def mesh_concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
 def op_schema(func: Any) -> Any:
     """An OpOverload's schema (its arguments' alias annotations)."""
     return func._schema
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage (its StorageImpl), alive while the storage is; also
+    for fake and meta tensors, which have no data pointer."""
+    return t.untyped_storage()._cdata
 
 
 def storage_use_count(t: torch.Tensor) -> int:
