@@ -7,9 +7,10 @@ same gradients every step. Per optimizer, after one warm-up step (state allocati
 for Shampoo, the first inverse roots):
 
 - step time: median and mean over the timed steps (quick 10, full 40), the optimizers'
-  steps interleaved (full mode only: 10 for Shampoo at precondition_frequency 1, whose every step recomputes 2 roots per tile by a float64
-  eigendecomposition). At frequency 20 the mean includes exactly one root recomputation
-  in 20 steps; the median shows the ordinary step;
+  steps interleaved (full mode only: 10 for Shampoo at precondition_frequency 1, whose
+  every step recomputes 2 roots per tile by a float64 eigendecomposition). At frequency
+  20 the mean includes exactly one root recomputation in 20 steps; the median shows the
+  ordinary step;
 - state memory: bytes of every tensor in ``optimizer.state``, per parameter element.
 
 Shampoo runs with start_preconditioning_step=1 (preconditioned from the first step) and
@@ -47,7 +48,8 @@ def _state_bytes(state: Any) -> int:
     return 0
 
 
-def _setup(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+def _setup(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+           ) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
     g = torch.Generator().manual_seed(0)
     dev = current_device()
     ps = [nn.Parameter(torch.randn(s, generator=g).to(dev)) for s in SHAPES]

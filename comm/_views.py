@@ -115,7 +115,8 @@ def sharded_view(t: object) -> ShardedView:
             )
         return view
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"sharded_view expects a tensor or a parameter, got {type(t).__name__}; supported: {_SUPPORTED}")
+        raise TypeError(f"sharded_view expects a tensor or a parameter, got {type(t).__name__}; "
+                        f"supported: {_SUPPORTED}")
     if isinstance(t, _dtensor_type()):
         return _dtensor_view(t)
     raise NotImplementedError(f"tensor subclass {kind.__name__} is not supported; supported: {_SUPPORTED}")

@@ -73,7 +73,8 @@ def _ac() -> dict[str, float]:
     w = torch.distributed.get_world_size()
     want = [g for g in _grads(single)]
     return {"vs_fsdp2": max(float((a - b).abs().max()) for a, b in zip(grads["ours"], grads["fsdp2"], strict=True)),
-            "vs_single": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads["ours"], want, strict=True)),
+            "vs_single": max(float((a - b).abs().max() / b.abs().max())
+                             for a, b in zip(grads["ours"], want, strict=True)),
             "w": w, "in_place": float(in_place), "backward_gathers": backward_gathers}
 
 

@@ -183,7 +183,8 @@ def test_gpu_section_replaces_the_previous_one(tmp_path):
     info = dict(device="NVIDIA H100 80GB HBM3", count=1, torch="2.11.0+cu130", cuda="13.0", python="/usr/bin/python3",
                 python_version="3.12.3", deps=dict(einops="0.8", scipy="1.16", pytest="8", hypothesis=None,
                                                    triton="3.6.0"),
-                date="today", commit="abc1234", wall_s=300.0, torch_range=">=2.12,<2.16", budget_s=450.0, exit=1, **{"import": "ok"})
+                date="today", commit="abc1234", wall_s=300.0, torch_range=">=2.12,<2.16", budget_s=450.0, exit=1,
+                **{"import": "ok"})
     case = dict(optimizer="AdamW8bit", kind="fully_shard", world=1, ok=False, error=None, steps=5,
                 mismatch=dict(step=2, param=1, n_diff=3, numel=9360, max_abs=1.2e-7),
                 grads=dict(equal=True, exact_expected=True, max_abs=0.0),

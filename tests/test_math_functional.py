@@ -389,7 +389,8 @@ def test_muon_step_int8_momentum_equals_reference() -> None:
         m = dequantize_blockwise(m_codes, m_absmax, SIGNED, 256).view(shape)
         m.lerp_(g, 1 - MUON_HP["momentum"])
         x = torch_muon._zeropower_via_newtonschulz(g.lerp(m, MUON_HP["momentum"]), NS_COEFFICIENTS, 5, 1e-7)
-        p_ref.mul_(1 - MUON_HP["lr"] * MUON_HP["weight_decay"]).add_(x, alpha=-muon_adjust_lr(MUON_HP["lr"], None, shape))
+        p_ref.mul_(1 - MUON_HP["lr"] * MUON_HP["weight_decay"])
+        p_ref.add_(x, alpha=-muon_adjust_lr(MUON_HP["lr"], None, shape))
         requantize_momentum_(m.reshape(-1), m_codes, m_absmax, code=SIGNED, offset=0, step=step)  # [Note: no dead zone]
         assert torch.equal(p, p_ref) and torch.equal(state.codes, m_codes) and torch.equal(state.absmax, m_absmax)
         assert int(state.step) == step + 1

@@ -2,8 +2,9 @@
 
 A rank orthogonalises every whole block it computes in an exchange bucket (parameters
 of one param group), by shape, in one batch: the blocks of several fused QKV matrices
-(``split_sizes``), experts (``flatten=False``), plain matrices of one shape. The reference is torch.optim.Muon on every block as its own
-parameter, bit for bit, on one device and sharded (FSDP2 and fully_shard, W = 2 and 3).
+(``split_sizes``), experts (``flatten=False``), plain matrices of one shape. The
+reference is torch.optim.Muon on every block as its own parameter, bit for bit, on one
+device and sharded (FSDP2 and fully_shard, W = 2 and 3).
 The guard (``BATCH_MIN_DIM``) is checked on input families a random probe does not cover.
 """
 

@@ -44,7 +44,8 @@ def _blocks(shape, keys):
     sizes = keys.get("split_sizes")
     if keys.get("flatten") is False:
         lead = shape[:-2]
-        mats = [tuple(ix) for ix in torch.cartesian_prod(*[torch.arange(d) for d in lead]).reshape(-1, len(lead)).tolist()]
+        grid = torch.cartesian_prod(*[torch.arange(d) for d in lead]).reshape(-1, len(lead))
+        mats = [tuple(ix) for ix in grid.tolist()]
         m, n = shape[-2:]
     else:
         mats, (m, n) = [()], shape

@@ -19,13 +19,15 @@ class, host work: [Note: batched Newton-Schulz]):
    storage, so the views of a flat step buffer (AdamW's fused stores) count too; the CPU
    tensors among the hyperparameters (a Tensor ``lr``, which torch.optim also reads on
    the host); and the tensors computed from them alone (an op whose tensor operands are all host-side runs
-   on the host, e.g. ``torch.stack(steps)``); plain Python numbers need no rule. Plain parameters on one device, and at W = 2 and 3 on
+   on the host, e.g. ``torch.stack(steps)``); plain Python numbers need no rule. Plain
+   parameters on one device, and at W = 2 and 3 on
    FSDP2 DTensors and on our ``fully_shard`` (at W = 3 FSDP2 splits the 64-row matrices
    22/22/20 and gives one rank no row of the 2-row gate). ``.tolist()`` dispatches nothing on a CPU tensor,
    so it is wrapped for the step; ``.cpu()`` of a CPU tensor is no op at all (check 2
    sees it).
 2. On fake CUDA parameters, where torch has a CUDA build (.venv-torch-lo and -hi; the
-   CPU wheel makes fake CUDA tensors but cannot index them): each single-device step, the first one too, under FakeTensorMode, which
+   CPU wheel makes fake CUDA tensors but cannot index them): each single-device step,
+   the first one too, under FakeTensorMode, which
    raises on any data-dependent op, and under the recorder, which here flags the syncing
    ops on CUDA tensors and every blocking copy between host and CUDA (what
    ``torch.cuda.set_sync_debug_mode("error")`` refuses). 8-bit Adam runs its eager ops:

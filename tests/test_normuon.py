@@ -366,7 +366,8 @@ def test_normuon_state_signature_and_errors() -> None:
         vefsdp_optim.NorMuon(_groups(other), muon_beta2=1.5)
     with pytest.raises(ValueError, match="adjust_lr_fn 'spectral' is not supported"):
         vefsdp_optim.NorMuon([{"params": [other["wide"]], "adjust_lr_fn": "spectral"}])
-    with pytest.raises(ValueError, match="spectral_norm is not supported; use one of None, 'original', 'match_rms_adamw'"):
+    with pytest.raises(ValueError,
+                       match="spectral_norm is not supported; use one of None, 'original', 'match_rms_adamw'"):
         vefsdp_optim.Muon([other["wide"]], adjust_lr_fn="spectral_norm")  # torch's Muon has no such name
 
 

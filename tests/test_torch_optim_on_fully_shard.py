@@ -202,8 +202,10 @@ def _rules() -> dict[str, Any]:
         t = p.t()  # rule 5: gathered, a plain copy
         out["transpose"] = type(t) is torch.Tensor and torch.equal(t, w.t())
         out["mm"] = torch.equal(torch.mm(p, p.t()), w @ w.t())
-        out["dim_reductions"] = (torch.equal(p.sum(0), w.sum(0)) and torch.equal(p.mean(-1, keepdim=True), w.mean(-1, keepdim=True))
-                                 and torch.equal(torch.linalg.vector_norm(p, dim=1), torch.linalg.vector_norm(w, dim=1)))
+        out["dim_reductions"] = (torch.equal(p.sum(0), w.sum(0))
+                                 and torch.equal(p.mean(-1, keepdim=True), w.mean(-1, keepdim=True))
+                                 and torch.equal(torch.linalg.vector_norm(p, dim=1),
+                                                 torch.linalg.vector_norm(w, dim=1)))
         q = torch.zeros_like(p)
         a, b = torch.randn(13, 4), torch.randn(4, 7)
         r = torch.mm(a, b, out=q)  # a sharded out= gets its slice of the result

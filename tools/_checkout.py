@@ -51,7 +51,8 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
     def __init__(self, dirs: dict[str, Path]) -> None:
         self.dirs = dirs
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
         folder = self.dirs.get(fullname)
         if folder is None:
             return None

@@ -132,8 +132,8 @@ def _optimizer_rows(device: str, size: str, makers: dict[str, Callable[[], tuple
             continue
         times[name] = ts
         mem = _memory(device, base_params)
-        rows.append(dict(optimizer=name, **_stats(ts), **{k.replace("max_allocated", "max_allocated_over_params_grads"): v
-                                                           for k, v in mem.items()}))
+        mem = {k.replace("max_allocated", "max_allocated_over_params_grads"): v for k, v in mem.items()}
+        rows.append(dict(optimizer=name, **_stats(ts), **mem))
         progress(rows[-1])
         del opt, keep
     return rows, times

@@ -152,7 +152,8 @@ def check_case(kind: str, name: str, size: str, device: str, ckpt_dir: str | Non
                     rec["grads"]["max_abs"] = max(rec["grads"]["max_abs"], _diff(full, want)["max_abs"])
                     rec["grads"].setdefault("first", dict(step=k, param=i))
                 rp.grad = full
-            if k in warmups:  # the first step of each optimizer checks its layouts ([Note: consistent steps]), which may sync
+            # the first step of each optimizer checks its layouts ([Note: consistent steps]), which may sync
+            if k in warmups:
                 opt.step()
             else:
                 with SyncWatch(device, opt) as watch:

@@ -190,7 +190,8 @@ def _tail(path: Path, n: int = 3000) -> str:
 def _recover(d: Path, part: str, world: int, why: str) -> dict[str, Any]:
     """A part that ended without its result: what its ranks wrote as they went."""
     res: dict[str, Any] = dict(part=part, world=world, status=why, kind=_kind(part))
-    lines = [json.loads(x) for x in (d / "rank0.jsonl").read_text().splitlines()] if (d / "rank0.jsonl").exists() else []
+    log = d / "rank0.jsonl"
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     done = [x for x in lines if "start" not in x]
     started = [x["start"] for x in lines if "start" in x]
     if part in ("plain", "fully_shard", "fsdp2"):
@@ -354,7 +355,8 @@ def _cell(c: dict[str, Any]) -> str:
 
 
 def _part_name(r: dict[str, Any]) -> str:
-    return {"plain": "plain", "fully_shard": "fully_shard", "fsdp2": "FSDP2"}.get(r["part"], r["part"]) + f" W={r['world']}"
+    name = {"plain": "plain", "fully_shard": "fully_shard", "fsdp2": "FSDP2"}.get(r["part"], r["part"])
+    return name + f" W={r['world']}"
 
 
 def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full: bool) -> str:
@@ -366,7 +368,8 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
     lines.append(f"Device: {where}, torch {info.get('torch')}" + (f" (CUDA {info['cuda']})" if info.get("cuda") else "")
                  + f" (declared range {spec}{outside})"
                  + f", triton {info['deps'].get('triton') or 'not installed'}, "
-                 f"python {info.get('python_version')} ({info.get('python')}); {info['date']}; checkout {info['commit']}; "
+                 f"python {info.get('python_version')} ({info.get('python')}); {info['date']}; "
+                 f"checkout {info['commit']}; "
                  f"{info['wall_s']:.0f} s" + (f" of a {info['budget_s']:.0f} s budget" if info["budget_s"] else "")
                  + f"; exit status {info['exit']}.")
     missing = [k for k in DEPS if not info["deps"].get(k)]
@@ -396,9 +399,9 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
         bad = [c for c in dcp if not c["dcp"]["ok"]]
         rows.append({"part": "DCP", "checks": "save, load, resumed steps", "status": "FAIL" if bad else "pass",
                      "s": None, "detail": f"{len(dcp) - len(bad)} of {len(dcp)} cases equal"})
+    judged = " (the CPU dry run reports, not judges: tests/test_no_host_sync.py judges)" if dry else ""
     rows.append({"part": "sync", "checks": "no host sync in a step", "status": sync.upper() if sync != "pass" else
-                 "pass", "s": None, "detail": f"{len(found)} findings" + (" (the CPU dry run reports, not judges: "
-                                                                           "tests/test_no_host_sync.py judges)" if dry else "")})
+                 "pass", "s": None, "detail": f"{len(found)} findings" + judged})
     lines += [md_table(rows), ""]
     corr = [r for r in results if r.get("cases")]
     if corr:
@@ -426,7 +429,8 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
             for k in ("all_gather", "reduce_scatter"):
                 if k in a:
                     lines.append(f"  - {k.replace('_', '-')}s: {a[k]['n']} on streams {', '.join(a[k]['streams'])}"
-                                 f" (default stream {a.get('default_stream')}, from the {a.get('default_stream_from')}); "
+                                 f" (default stream {a.get('default_stream')}, "
+                                 f"from the {a.get('default_stream_from')}); "
                                  f"overlap with compute {a[k]['overlap_share']}")
         lines.append("")
     for r in results:
@@ -563,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             r = dict(part=part, world=world, kind=_kind(part), status="error", why=f"{type(e).__name__}: {e}")
         print(f"{r['status']} ({r.get('wall_s', 0):.0f} s)", flush=True)
         results.append(r)
-    info.update(count=n_gpus, torch_range=declared_range(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
+    info.update(count=n_gpus, torch_range=declared_range(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=_commit(),
                 budget_s=budget if budget != float("inf") else 0.0, wall_s=time.monotonic() - t0)
     info["exit"] = exit_status(results, dry)
     (out / "results.json").write_text(json.dumps(dict(info=info, probes=probes, results=results), indent=1,

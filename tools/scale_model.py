@@ -301,7 +301,8 @@ def run(quick: bool = True) -> dict:
         headline.append({"comparison": f"scale model {mesh}: Muon NS flops per rank, owner / every rank",
                          "ratio": ours["ns_TFLOP_per_rank"] / peer["ns_TFLOP_per_rank"]})
         own = next(r for r in rows if r["mesh"] == mesh and r["layout"].startswith("ours: elementwise plan + owner"))
-        headline.append({"comparison": f"scale model {mesh}: Muon optimizer bytes per rank, owner exchange / all-gather",
+        headline.append({"comparison": f"scale model {mesh}: Muon optimizer bytes per rank, "
+                                       "owner exchange / all-gather",
                          "ratio": own["optimizer_exchange_GB"] / peer["optimizer_exchange_GB"]})
         sh = by[mesh, "Shampoo", "ours"]
         shf = by[mesh, "Shampoo", "FSDP2 Shard(0) + redistribution to 1024-row bands"]

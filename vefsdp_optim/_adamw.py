@@ -130,7 +130,8 @@ class AdamW(BlockOptimizer):
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Update the whole fully_shard stores of ``group`` fused; the rest go to the loop."""
         params = group["params"]
-        if not self.fuse_stores or not any(callable(getattr(kind, "flat_store", None)) for kind in set(map(type, params))):
+        kinds = set(map(type, params))
+        if not self.fuse_stores or not any(callable(getattr(kind, "flat_store", None)) for kind in kinds):
             return params  # (no parameter kind has a store: flat_store() of each is None)
         by_store: dict[int, tuple[FlatStore, list[Any]]] = {}
         for p in params:

@@ -58,7 +58,8 @@ __all__ = [
     "storage_id", "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
-    "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single", "DataParallelMeshDims",
+    "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
+    "DataParallelMeshDims",
     "require_data_parallel_mesh_dims",
 ]
 

@@ -30,7 +30,8 @@ def _pieces(value: Any, rank: int) -> Any:
     sharded tensor, ("t", tensor) for a plain one (rank 0's copy wins), else the value."""
     if isinstance(value, torch.Tensor) and _is_sharded(value):
         view = sharded_view(value)
-        return ("s", tuple(view.shape), view.local.dtype, view.layout.local_index(view.rank), view.local.detach().cpu().clone())
+        return ("s", tuple(view.shape), view.local.dtype, view.layout.local_index(view.rank),
+                view.local.detach().cpu().clone())
     if isinstance(value, torch.Tensor):
         return ("t", value.detach().cpu().clone())
     return ("v", value)

@@ -150,9 +150,10 @@ def fast_mm_nt_available() -> tuple[bool, str | None]:
 def _plain(*ts: Tensor) -> bool:
     """CPU bfloat16, row-major, no autograd, not under torch.compile (the kernels have
     no fake implementation to trace; torch's ops compile)."""
-    return not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts) and all(
-        t.is_contiguous() for t in ts[:2]) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+    return (not torch.compiler.is_compiling()
+            and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts)
+            and all(t.is_contiguous() for t in ts[:2])
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
 def mm_nt(a: Tensor, b: Tensor) -> Tensor:

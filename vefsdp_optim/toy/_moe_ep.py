@@ -59,7 +59,8 @@ __all__ = ["EP_OPTIMIZERS", "EPCheckConfig", "EPCheckResult", "shard_moe", "buil
 EP_OPTIMIZERS = ("muon", "normuon")
 EP_LOSS_RTOL = 1e-5  # measured at seed 0, 40 steps, W = 4: 0 (the same bits)
 EP_GRAD_RTOL = 1e-4  # measured there: 6.4e-7
-QK_CLIP_THRESHOLD = 1.5  # low on purpose: the toy's largest head logit is 1.8 at step 0, so the clip fires from the start
+# low on purpose: the toy's largest head logit is 1.8 at step 0, so the clip fires from the start
+QK_CLIP_THRESHOLD = 1.5
 EP_DEFAULT_STEPS = 40
 
 
