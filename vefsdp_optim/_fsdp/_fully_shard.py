@@ -10,27 +10,28 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from vefsdp_optim._torch_compat import (
-    mesh_concatenate,
-    mesh_flatten,
-    module_buffers,
-    module_parameters,
-    require_data_parallel_mesh_dims,
-)
-from vefsdp_optim.comm import dtensor_boxes
+from vefsdp_optim._torch_compat import module_buffers, module_parameters
 
 from ._group import ShardGroup, check_shard_group_consistent
 from ._module import FSDPModule, state_of
-from ._param import ManagedParam, TensorParallel, mesh_key
+from ._param import ManagedParam, mesh_key
+from ._placement import (
+    _check_placement,
+    _default_device,
+    _dp_submesh,
+    _init_mesh,
+    _process_groups,
+    _tensor_parallel,
+)
 from ._sharded_tensor import ShardedParameter
 from ._state import FSDPState, ParamOutsideUse
 
@@ -51,48 +52,6 @@ def replaced_by_fully_shard(t: object) -> bool:
     """Whether ``t`` is a Parameter that fully_shard replaced (the module now holds a
     sharded one; ``t`` gets no gradient any more)."""
     return _REPLACED.get(id(t)) is t
-
-
-def _default_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    acc = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, acc.current_device())
-
-
-def _init_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise ValueError("fully_shard needs torch.distributed initialised or an explicit mesh")
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    dt = acc.type if acc is not None else "cpu"
-    return init_device_mesh(dt, (dist.get_world_size(),))
-
-
-def _dp_submesh(mesh: DeviceMesh, dims: object, modules: list[nn.Module]) -> DeviceMesh:
-    """The 1-D (shard) or 2-D (replicate, shard) data-parallel mesh that ``dims`` names in
-    the full SPMD ``mesh``, as FSDP2 takes it out (several names: flattened into one dim)."""
-    if not isinstance(dims, require_data_parallel_mesh_dims("fully_shard(dp_mesh_dims=...)")):
-        raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
-    names = mesh.mesh_dim_names
-    if names is None:
-        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is given")
-    for n in (*dims.shard_names, *dims.replicate_names):
-        if n not in names:
-            raise ValueError(f"dp_mesh_dims names mesh dim {n!r}, not in mesh.mesh_dim_names {names}")
-    if not dims.shard_names:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dims} replicates without sharding (DDP); vefsdp_optim's fully_shard "
-            "needs a shard dim (shard=...), with or without replicate=...")
-
-    def sub(group: tuple[str, ...]) -> DeviceMesh:
-        return mesh[group[0]] if len(group) == 1 else mesh_flatten(mesh[group], "_".join(group))
-
-    shard = sub(dims.shard_names)
-    if not dims.replicate_names:
-        return shard
-    return mesh_concatenate([sub(dims.replicate_names), shard])
 
 
 def fully_shard(
@@ -135,6 +94,49 @@ def fully_shard(
     Returns ``module``, each of whose classes now also derives from :class:`FSDPModule`
     (an instance of torch's ``FSDPModule``).
     """
+    modules = _check_modules(module)
+    reshard_after_forward = _check_reshard(reshard_after_forward)
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mesh = _check_mesh(mesh, dp_mesh_dims, modules)
+    shard_process_group, replicate_process_group = _process_groups(mesh)
+    device = _default_device(mesh)
+    offload, pin_memory = _check_offload(offload_policy)
+    collected = _collect(modules, set(map(id, ignored_params or ())))
+    shard_groups = []
+    for group_mesh, group in _by_mesh(collected, shard_placement_fn, mesh):  # [Note: shard groups of one call]
+        data = _shard_data(group, group_mesh, device)
+        shard, replicate = _process_groups(group_mesh)
+        shard_groups.append(ShardGroup([c.mp for c in group], shard_process_group=shard,
+                                       replicate_process_group=replicate, device=device, mp_policy=mp_policy,
+                                       data=data, offload=offload, pin_memory=pin_memory))
+        shard_groups[-1].register(sharded=True)
+    if not collected:  # ranks that do hold parameters here check their signature against this one
+        check_shard_group_consistent(
+            [], shard_process_group, replicate_process_group if replicate_process_group is not None
+            and replicate_process_group.size() > 1 else None)
+    for m in modules:
+        _move_buffers(m, device)
+    state = FSDPState(modules, shard_groups, reshard_after_forward, mp_policy)
+    _bind_outside_use(state, collected)
+    _record_replaced(state, collected)
+    for m in modules:
+        _install(m, state)
+    return module
+
+
+@dataclass(frozen=True, slots=True)
+class _Collected:
+    """One parameter a fully_shard call manages, as ``_collect`` found it, until its
+    shard group is built and the Parameter it replaces is recorded."""
+
+    mp: ManagedParam
+    original: nn.Parameter  # the Parameter the modules held, replaced by ``mp.sharded``
+
+
+def _check_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """``module`` as a non-empty list of modules not yet fully_shard'd, or raise."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard needs a module or a non-empty list of modules, got an empty list")
@@ -143,89 +145,78 @@ def fully_shard(
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    return modules
+
+
+def _check_mesh(mesh: object, dp_mesh_dims: object, modules: list[nn.Module]) -> DeviceMesh:
+    """The mesh this call shards over: ``mesh`` (default: every rank of the default process
+    group), or its data-parallel submesh when ``dp_mesh_dims`` names one."""
+    mesh = _init_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    return mesh if dp_mesh_dims is None else _dp_submesh(mesh, dp_mesh_dims, modules)
+
+
+def _check_reshard(reshard_after_forward: object) -> bool:
     if reshard_after_forward is None:  # FSDP2's default: True, except at the root
-        reshard_after_forward = True
+        return True
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward must be a bool, got {reshard_after_forward!r}; "
             "resharding to a smaller world (int) is not supported")
-    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    mesh = _init_mesh() if mesh is None else mesh
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if dp_mesh_dims is not None:
-        mesh = _dp_submesh(mesh, dp_mesh_dims, modules)
-    shard_process_group, replicate_process_group = _process_groups(mesh)
-    device = _default_device(mesh)
-    offload, pin_memory = _check_offload(offload_policy)
-    params = _collect(modules, device, set(map(id, ignored_params or ())))
-    shard_groups = []
-    for group_mesh, group_params in _by_mesh(params, shard_placement_fn, mesh):  # [Note: shard groups of one call]
-        data = {}
-        for mp in group_params:
-            src = mp.sharded_src  # type: ignore[attr-defined]
-            if isinstance(src, DTensor):  # [Note: fully_shard over tensor parallel]
-                mp.tp = _tensor_parallel(mp, src, group_mesh)
-                mp.shape = src.to_local().shape
-                src = src.to_local()
-            data[mp.fqn] = src
-            del mp.sharded_src  # type: ignore[attr-defined]
-        shard, replicate = _process_groups(group_mesh)
-        shard_group = ShardGroup(group_params, shard_process_group=shard, replicate_process_group=replicate,
-                                 device=device, mp_policy=mp_policy, data=data, offload=offload,
-                                 pin_memory=pin_memory)
-        shard_group.register(sharded=True)
-        shard_groups.append(shard_group)
-    if not params:  # ranks that do hold parameters here check their signature against this one
-        check_shard_group_consistent(
-            [], shard_process_group, replicate_process_group if replicate_process_group is not None
-            and replicate_process_group.size() > 1 else None)
-    for m in modules:
-        _move_buffers(m, device)
-    state = FSDPState(modules, shard_groups, reshard_after_forward, mp_policy)
-    for mp in params:  # [Note: use outside forward]
-        use = ParamOutsideUse(state, mp)
-        mp.sharded.bind_outside_use(use)
-        if mp.requires_grad:
-            mp.sharded.register_hook(use.guard)
-            mp.on_unsharded_grad = use.unsharded_grad
-    state.originals.update({id(mp.original): mp.original for mp in params})
-    _REPLACED.update({id(mp.original): mp.original for mp in params})
-    for mp in params:
-        _REPLACED_IN[id(mp.original)] = [(weakref.ref(m), attr) for m, attr in mp.slots]
-        weakref.finalize(mp.original, _REPLACED_IN.pop, id(mp.original), None)
-    for mp in params:
-        del mp.original
-    for m in modules:
-        m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-        m.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
-        cls = type(m)
-        new_cls = _CLS_CACHE.get(cls)
-        if new_cls is None:
-            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-            _CLS_CACHE[cls] = new_cls
-        m.__class__ = new_cls
-        m._vefsdp_state = state
-    return module
+    return reshard_after_forward
 
 
-# [Note: shard placements]
-# FSDP2's ``shard_placement_fn`` picks the dim its even chunks cut (``Shard(0)``, or
-# ``Shard(1)``, which torchtitan gives experts fewer than edp x ep ranks so that dim 0 is
-# not padded). This library stores every parameter as a RaggedShard of its flattened
-# (TP-local) tensor, cut where the optimizers' blocks allow, so no placement changes the
-# storage: ``Shard(d)`` for any dim d of the parameter is accepted and means "sharded
-# over this call's mesh", as ``Shard(0)`` and ``None`` do. What FSDP2's dim-1 chunks buy
-# (no padding of a short dim 0) the ragged cut already has. A rank's slice is then not
-# FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
-# is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
-# the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
-# (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` also
-# names a mesh: the parameter is sharded over that one (torchtitan's experts on
-# ``efsdp``, the rest of the block on ``dp``), [Note: shard groups of one call]. Any other
-# placement (Replicate, _StridedShard) raises NotImplementedError naming it.
+def _shard_data(group: list[_Collected], mesh: DeviceMesh, device: torch.device) -> dict[str, torch.Tensor]:
+    """fqn -> the local data a shard group over ``mesh`` starts from, on ``device``: a
+    DTensor's TP-local tensor, whose ManagedParam takes its TensorParallel spec and local
+    shape ([Note: fully_shard over tensor parallel])."""
+    data = {}
+    for c in group:
+        # meta parameters (large models built under torch.device("meta")) give their
+        # shape and dtype only: the local shard is allocated, uninitialised
+        p = c.original
+        src = p.detach() if p.is_meta else p.detach().to(device)
+        if isinstance(src, DTensor):
+            c.mp.tp = _tensor_parallel(c.mp, src, mesh)
+            c.mp.shape = src.to_local().shape
+            src = src.to_local()
+        data[c.mp.fqn] = src
+    return data
+
+
+def _bind_outside_use(state: FSDPState, collected: list[_Collected]) -> None:
+    """Each sharded parameter's guard against use outside forward ([Note: use outside forward])."""
+    for c in collected:
+        use = ParamOutsideUse(state, c.mp)
+        c.mp.sharded.bind_outside_use(use)
+        if c.mp.requires_grad:
+            c.mp.sharded.register_hook(use.guard)
+            c.mp.on_unsharded_grad = use.unsharded_grad
+
+
+def _record_replaced(state: FSDPState, collected: list[_Collected]) -> None:
+    """The replaced Parameters, by id, for ``replaced_by_fully_shard``, the nested-tie check
+    of an enclosing call and [Note: tied parameters across shard groups]."""
+    state.originals.update({id(c.original): c.original for c in collected})
+    _REPLACED.update({id(c.original): c.original for c in collected})
+    for c in collected:
+        _REPLACED_IN[id(c.original)] = [(weakref.ref(m), attr) for m, attr in c.mp.slots]
+        weakref.finalize(c.original, _REPLACED_IN.pop, id(c.original), None)
+
+
+def _install(m: nn.Module, state: FSDPState) -> None:
+    """``state``'s forward hooks on ``m``, whose class then also derives from FSDPModule."""
+    m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    m.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
+    cls = type(m)
+    new_cls = _CLS_CACHE.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _CLS_CACHE[cls] = new_cls
+    m.__class__ = new_cls
+    m._vefsdp_state = state
+
 
 # [Note: shard groups of one call]
 # A shard group communicates over one (shard, replicate) pair of process groups, so one
@@ -243,107 +234,16 @@ def fully_shard(
 # the block over ``dp``, shard the same way with one group each.
 
 
-def _process_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(shard, replicate) process groups of a 1-D (shard) or 2-D (replicate, shard) mesh."""
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None
-    if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0)
-    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
 
-
-def _by_mesh(params: list[ManagedParam], fn: Callable[[nn.Parameter], object] | None,
-             mesh: DeviceMesh) -> list[tuple[DeviceMesh, list[ManagedParam]]]:
+def _by_mesh(params: list[_Collected], fn: Callable[[nn.Parameter], object] | None,
+             mesh: DeviceMesh) -> list[tuple[DeviceMesh, list[_Collected]]]:
     """The parameters grouped by the mesh ``fn`` gives each (this call's mesh by default),
     in order of first parameter ([Note: shard groups of one call])."""
-    groups: dict[tuple, tuple[DeviceMesh, list[ManagedParam]]] = {}
-    for mp in params:
-        own = mesh if fn is None else _check_placement(fn(mp.original), mp, mesh)  # type: ignore[attr-defined]
-        groups.setdefault(mesh_key(own), (own, []))[1].append(mp)
+    groups: dict[tuple, tuple[DeviceMesh, list[_Collected]]] = {}
+    for c in params:
+        own = mesh if fn is None else _check_placement(fn(c.original), c.mp, mesh)
+        groups.setdefault(mesh_key(own), (own, []))[1].append(c)
     return list(groups.values())
-
-
-def _result_mesh(result: object, name: str, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh of FSDP2's ``ShardPlacementResult`` (its ``mesh_info``): 1-D with shard dim
-    0, or 2-D with (replicate, shard) dims (0, 1), on the call's device type."""
-    info = result.mesh_info  # type: ignore[attr-defined]
-    other = getattr(info, "mesh", None)
-    if not isinstance(other, DeviceMesh):
-        raise TypeError(f"{name}: its mesh_info must carry a DeviceMesh (FSDP2's FSDPMeshInfo), got {info!r}")
-    if getattr(info, "dp_mesh_dims", None) is not None:
-        raise NotImplementedError(
-            f"{name}: mesh_info with dp_mesh_dims (a full SPMD mesh) is not supported per parameter; "
-            "give the data-parallel submesh itself (FSDPMeshInfo(mesh=edp_mesh, shard_mesh_dim=0))")
-    dims = (getattr(info, "replicate_mesh_dim", None), getattr(info, "shard_mesh_dim", None))
-    if dims not in ((None, 0), (0, 1)) or other.ndim != (1 if dims[0] is None else 2):
-        raise NotImplementedError(
-            f"{name}: (replicate, shard) mesh dims {dims} of a {other.ndim}-D mesh {other}; accepted: a 1-D "
-            "mesh with shard_mesh_dim=0, or a 2-D HSDP mesh with replicate_mesh_dim=0, shard_mesh_dim=1")
-    if other.device_type != mesh.device_type:
-        raise ValueError(f"{name}: its mesh is on {other.device_type!r}, this call's mesh {mesh} on "
-                         f"{mesh.device_type!r}; every mesh of one call must be on one device type")
-    return other
-
-
-def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mp`` is sharded over, for ``placement`` from shard_placement_fn, or raise
-    ([Note: shard placements])."""
-    name = f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}"
-    if placement is not None and hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
-        mesh = _result_mesh(placement, name, mesh)  # FSDP2's ShardPlacementResult
-        placement = placement.placement
-    if placement is None:
-        return mesh
-    if type(placement) is not Shard:
-        raise NotImplementedError(
-            f"{name}; vefsdp_optim's fully_shard accepts None, Shard(0) or Shard(d) for a dim d of "
-            "the parameter (all stored as its RaggedShard layout of the flattened parameter); use "
-            "torch's fully_shard for other placements")
-    ndim = max(len(mp.shape), 1)
-    if not -ndim <= placement.dim < ndim:
-        raise ValueError(f"{name}: dim {placement.dim} is out of range for its shape {tuple(mp.shape)} "
-                         f"(expected -{ndim} <= dim < {ndim})")
-    return mesh
-
-
-def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorParallel:
-    """The TensorParallel spec of a DTensor parameter that fully_shard shards over the
-    data-parallel ``mesh`` ([Note: fully_shard over tensor parallel])."""
-    tp_mesh = p.device_mesh
-    if tp_mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {mp.fqn} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; vefsdp_optim's "
-            "fully_shard composes with tensor parallelism on a 1-D tp mesh (parallelize_module(..., "
-            "mesh['tp'])); shard DTensors of other meshes with torch's fully_shard")
-    shard_mesh = mesh if mesh.ndim == 1 else _shard_dim(mesh, mp.fqn)
-    if tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names and \
-            tp_mesh.mesh_dim_names[0] == shard_mesh.mesh_dim_names[0]:
-        raise ValueError(f"parameter {mp.fqn} is a DTensor on the mesh dim {tp_mesh.mesh_dim_names[0]!r} "
-                         "that fully_shard shards over; pass the data-parallel mesh (mesh['dp'])")
-    boxes, axes = dtensor_boxes(tp_mesh, tuple(p.placements), tuple(p.shape))
-    if not axes:  # replicated over tp: sharded over dp alone, like a plain parameter
-        return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), None, None, 0)
-    tp_rank = tp_mesh.get_local_rank(0)
-    if shard_mesh.size() == 1:
-        flat = tp_mesh.get_group(0)
-    else:
-        if not (tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names):
-            raise ValueError(f"parameter {mp.fqn}: fully_shard over tensor parallel needs named meshes "
-                             "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to form the dp x tp process group")
-        flat = mesh_flatten(mesh_concatenate([shard_mesh, tp_mesh])).get_group(0)
-    want = shard_mesh.get_local_rank(0) * tp_mesh.size() + tp_rank
-    if dist.get_rank(flat) != want:
-        raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp process group, expected {want}")
-    return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), boxes, flat, tp_rank)
-
-
-def _shard_dim(mesh: DeviceMesh, fqn: str) -> DeviceMesh:
-    """The shard dim of an HSDP (replicate, shard) mesh, as a 1-D mesh."""
-    names = mesh.mesh_dim_names
-    if not names:
-        raise ValueError(f"parameter {fqn}: HSDP over tensor parallel needs a named mesh "
-                         "(init_device_mesh(..., mesh_dim_names=...))")
-    return mesh[names[1]]
 
 
 def _check_offload(policy: object) -> tuple[bool, bool]:
@@ -396,12 +296,11 @@ def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
         "fully_shard to their lowest common ancestor only")
 
 
-def _collect(modules: list[nn.Module], device: torch.device,
-             ignored: set[int] = frozenset()) -> list[ManagedParam]:  # type: ignore[assignment]
+def _collect(modules: list[nn.Module], ignored: set[int] | frozenset[int] = frozenset()) -> list[_Collected]:
     """The modules' parameters not managed by a fully_shard'd descendant (names prefixed
     by the module's index when there are several)."""
     managed: dict[int, ManagedParam] = {}
-    order: list[ManagedParam] = []
+    order: list[_Collected] = []
     inner_ids: set[int] = set()
     for module in modules:
         for sub in module.modules():
@@ -427,22 +326,18 @@ def _collect(modules: list[nn.Module], device: torch.device,
             mp = managed.get(id(p))
             if mp is None:
                 mp = ManagedParam(fqn, [], p.shape, p.requires_grad)
-                # meta parameters (large models built under torch.device("meta")) give
-                # their shape and dtype only: the local shard is allocated, uninitialised
-                mp.sharded_src = p.detach() if p.is_meta else p.detach().to(device)  # type: ignore[attr-defined]
-                mp.original = p  # type: ignore[attr-defined]
                 managed[id(p)] = mp
-                order.append(mp)
+                order.append(_Collected(mp, p))
             if (sub, attr) not in mp.slots:
                 mp.slots.append((sub, attr))
     # a parameter of this module also held by a managed child (whose slot now holds a copy)
     inner_originals = [state_of(sub).originals for module in modules for sub in module.modules()
                        if sub is not module and isinstance(sub, FSDPModule)]
-    for mp in order:
+    for c in order:
         for orig in inner_originals:
-            if orig.get(id(mp.original)) is mp.original:
+            if orig.get(id(c.original)) is c.original:
                 raise ValueError(
-                    f"parameter {mp.fqn} is shared with a nested fully_shard'd module; tied "
+                    f"parameter {c.mp.fqn} is shared with a nested fully_shard'd module; tied "
                     "parameters must be managed by one shard group: apply fully_shard to their lowest "
                     "common ancestor only")
     return order
