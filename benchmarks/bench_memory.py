@@ -249,7 +249,7 @@ def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: l
 # gloo's own reduce-scatter, which runs as an all-reduce of a clone of its W*m input, the
 # clone held by the Work until it is dropped: FSDP2 waits for its reduce-scatter at
 # once on the CPU, fully_shard overlaps it with the next group's backward ([Note: async
-# reduce-scatter] in vefsdp_optim/_fsdp/_store.py), so one block's clone more is
+# reduce-scatter] in vefsdp_optim/_fsdp/_grads.py), so one block's clone more is
 # resident during that backward. At W = 2 fully_shard's reduce-scatter is point to
 # point and clones nothing ([Note: gloo flat collectives] in comm/_collectives.py).
 # Under those settings (one quick run): RSS 0.98-1.00x FSDP2's on gpt and on gpt768 at

@@ -299,7 +299,7 @@ def track_shard_groups(rec: RecordingStreams, model: torch.nn.Module) -> dict[in
 def install(rec: RecordingStreams) -> Iterator[None]:
     """Route roots' streams to ``rec`` and record the stores' collectives, allocations
     and frees on its current stream (the library's functions wrapped for the block)."""
-    from vefsdp_optim._fsdp import _store
+    from vefsdp_optim._fsdp import _grads, _store
     from vefsdp_optim._fsdp._streams import streams_factory
     from vefsdp_optim.comm import _buffer
     from vefsdp_optim.comm._buffer import DistributedBuffer
@@ -307,8 +307,9 @@ def install(rec: RecordingStreams) -> Iterator[None]:
     saved = {
         (_buffer, "all_gather_flat"): _buffer.all_gather_flat,
         (_buffer, "reduce_scatter_flat"): _buffer.reduce_scatter_flat,
-        (_store, "all_reduce_avg"): _store.all_reduce_avg,
-        (_store, "_ensure_storage"): _store._ensure_storage,
+        (_grads, "all_reduce_avg"): _grads.all_reduce_avg,
+        (_grads, "_ensure_storage"): _grads._ensure_storage,
+        (_grads, "_release_storage"): _grads._release_storage,
         (_store, "_release_storage"): _store._release_storage,
         (DistributedBuffer, "_alloc"): DistributedBuffer.__dict__["_alloc"],
         (DistributedBuffer, "_free"): DistributedBuffer.__dict__["_free"],
@@ -324,17 +325,17 @@ def install(rec: RecordingStreams) -> Iterator[None]:
     def all_reduce_avg(t, group):  # noqa: ANN001, ANN202
         rec.access("all_reduce", [t], [t])
         with rec.paused_mode():
-            return saved[(_store, "all_reduce_avg")](t, group)
+            return saved[(_grads, "all_reduce_avg")](t, group)
 
     def ensure(t):  # noqa: ANN001, ANN202
         if t.untyped_storage().nbytes() < t.numel() * t.element_size():
             rec.alloc(t)
-        return saved[(_store, "_ensure_storage")](t)
+        return saved[(_grads, "_ensure_storage")](t)
 
     def release(t):  # noqa: ANN001, ANN202
         if t.untyped_storage().nbytes():
             rec.free(t)
-        return saved[(_store, "_release_storage")](t)
+        return saved[(_grads, "_release_storage")](t)
 
     orig_alloc = saved[(DistributedBuffer, "_alloc")]
     orig_free = saved[(DistributedBuffer, "_free")].__func__
@@ -352,8 +353,9 @@ def install(rec: RecordingStreams) -> Iterator[None]:
 
     _buffer.all_gather_flat = collective("all_gather", saved[(_buffer, "all_gather_flat")], True)
     _buffer.reduce_scatter_flat = collective("reduce_scatter", saved[(_buffer, "reduce_scatter_flat")], True)
-    _store.all_reduce_avg = all_reduce_avg
-    _store._ensure_storage = ensure
+    _grads.all_reduce_avg = all_reduce_avg
+    _grads._ensure_storage = ensure
+    _grads._release_storage = release
     _store._release_storage = release
     DistributedBuffer._alloc = alloc
     DistributedBuffer._free = staticmethod(free)

@@ -25,10 +25,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from vefsdp_optim._flat_store import StoreReplan
 from vefsdp_optim._torch_compat import tensor_version
 
+from ._grads import GradSettings, PendingReduce
 from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
 from ._replan import move_store, plan_replan
-from ._store import DtypeStore, GradSettings, PendingGather, PendingReduce, StoreSettings
+from ._store import DtypeStore, PendingGather, StoreSettings
 from ._streams import NO_STREAMS, CommContext
 
 __all__ = ["ShardGroup", "StoreBinding", "DtypeStore", "check_shard_group_consistent"]

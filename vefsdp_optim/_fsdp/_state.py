@@ -319,7 +319,7 @@ class FSDPState:
         if ctx is not None:
             wait_reductions(ctx)
         for g in self.shard_groups:  # this module's groups reduce together
-            g.reduce_grads()  # async ([Note: async reduce-scatter] in _group.py)
+            g.reduce_grads()  # async ([Note: async reduce-scatter] in _grads.py)
             if g.reducing:
                 if ctx is not None:
                     ctx.reducing.append(g)
