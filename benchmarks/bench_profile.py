@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import vefsdp_optim._adam8bit as a8
+import vefsdp_optim._math._adam8bit_step as step8
 import vefsdp_optim._math._quant8 as q8
 from vefsdp_optim._math import num_blocks
 
@@ -89,14 +90,14 @@ def profile_rows(steps: int, device: str, before: tuple[Any, Any] | None = None,
     if before is not None:
         signed, unsigned = opt._code_maps(torch.device(device))
         opt._quantizers[torch.device(device)] = (_OldCall(before[0](signed)), _OldCall(before[0](unsigned)))
-        q8.dequantize_table = before[1]
+        step8.dequantize_table = before[1]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     try:
         with profile(activities=acts) as prof:
             for _ in range(steps):
                 opt.step()
     finally:
-        q8.dequantize_table = new_deq
+        step8.dequantize_table = new_deq
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     rows = []
@@ -153,11 +154,11 @@ def before_after(steps: int, device: str) -> tuple[list[dict[str, Any]], list[st
     opt_b._quantizers[torch.device(device)] = (_OldCall(olds[0]), _OldCall(olds[1]))
 
     def step_before():
-        q8.dequantize_table = old_deq
+        step8.dequantize_table = old_deq
         try:
             opt_b.step()
         finally:
-            q8.dequantize_table = new_deq
+            step8.dequantize_table = new_deq
 
     t = interleave({"before": step_before, "after": opt_a.step}, steps, warmup=1, device=device)
     same = all(torch.equal(x, y) for x, y in zip(ps_b, ps_a, strict=True))

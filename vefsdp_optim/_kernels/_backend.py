@@ -107,7 +107,7 @@ def run_adam8bit_kernel_(
     """The 8-bit Adam step in place on lists of contiguous tensors, by ``backend``
     (``"c"`` or ``"triton"``, as :func:`select_backend` chose): the arguments of
     ``run_fused_steps_`` (``_native.py``) and ``run_triton_steps_`` (``_quant8_triton.py``),
-    which are the same. The eager path is ``_math/_quant8.py``'s own."""
+    which are the same. The eager path is ``_math/_adam8bit_step.py``'s own."""
     if backend == "c":
         from . import _native
 

@@ -17,7 +17,7 @@ with the same bits, and the reason is logged once. CUDA tensors take the Triton 
 kernels off).
 
 [Note: fused 8-bit step]
-``adam8bit_block_step_`` (``_math/_quant8.py``) is memory-bound: per element it reads the
+``adam8bit_block_step_`` (``_math/_adam8bit_step.py``) is memory-bound: per element it reads the
 parameter, the gradient and two one-byte codes and writes the parameter and the codes
 (16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
 kernel does the whole step block by block and reads and writes the data once:
@@ -30,7 +30,7 @@ scratch of ~4 * block_size floats. Runs of whole blocks go to torch's intra-op t
 ([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any count.
 
 The kernel computes exactly the float32 operations that the eager path runs as torch
-ops ([Note: 8-bit Adam op order] in ``_math/_quant8.py``), each one correctly rounded IEEE
+ops ([Note: 8-bit Adam op order] in ``_math/_adam8bit_step.py``), each one correctly rounded IEEE
 add, sub, mul, div or sqrt, compiled with ``-ffp-contract=off`` and without fast-math:
 a vectorized and a scalar loop give the same bits, and so do the kernel and the eager
 fallback. Blocks never interact, so a run of whole blocks gives the bits of that part

@@ -31,6 +31,7 @@ torch.optim, scipy or a float64 reference.
 """
 
 from ._adam import adam_foreach_, adamw_step_, check_adam_hparams
+from ._adam8bit_step import adam8bit_block_step_, adam8bit_multi_tensor_step_
 from ._matrix_root import matrix_inverse_root, shampoo_tiles
 from ._muon import (
     Int8Momentum,
@@ -62,8 +63,6 @@ from ._polar_express import (
 )
 from ._quant8 import (
     TableQuantizer,
-    adam8bit_block_step_,
-    adam8bit_multi_tensor_step_,
     dequantize_blockwise,
     dequantize_table,
     dynamic_code_map,

@@ -130,32 +130,49 @@ def shampoo_step_(
     tensors on the parameter's device (zeros without tiles).
     """
     beta1, beta2 = betas
-    t = step
-    bc1 = 1 - beta1**t
-    bc2_sqrt = (1 - beta2**t) ** 0.5
-    exp_avg.lerp_(grad, 1 - beta1)
-    denom = None
-    if grafting == "adam":
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # type: ignore[union-attr]
-        denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(grafting_epsilon)  # type: ignore[union-attr]
+    bc1 = 1 - beta1**step
+    denom = _grafting_moments_(grad, exp_avg, exp_avg_sq, step=step, beta1=beta1, beta2=beta2,
+                               grafting=grafting, grafting_epsilon=grafting_epsilon)
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     if tiles:
         report = shampoo_update_statistics_(
-            grad, tiles, step=t, beta2=beta2, epsilon=epsilon,
+            grad, tiles, step=step, beta2=beta2, epsilon=epsilon,
             start_preconditioning_step=start_preconditioning_step,
             precondition_frequency=precondition_frequency)
     else:
         zero = torch.zeros((), dtype=torch.int64, device=param.device)
         report = (zero, zero)
-    if not tiles or t < start_preconditioning_step:
-        # the grafted method alone (torch AdamW's op order for grafting="adam")
-        if denom is not None:
-            param.addcdiv_(exp_avg, denom, value=-lr / bc1)
-        else:
-            param.add_(exp_avg, alpha=-lr / bc1)
-        return report
+    if not tiles or step < start_preconditioning_step:
+        _grafted_update_(param, exp_avg, denom, lr=lr, bc1=bc1)
+    else:
+        _preconditioned_update_(param, exp_avg, denom, tiles, lr=lr, bc1=bc1, grafting=grafting)
+    return report
 
+
+def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int, beta1: float,
+                       beta2: float, grafting: str, grafting_epsilon: float) -> Tensor | None:
+    """The momentum and, for grafting "adam", the second moment, in place; returns Adam's
+    denominator ``sqrt(v / (1 - beta2^t)) + grafting_epsilon`` (None for other grafting)."""
+    exp_avg.lerp_(grad, 1 - beta1)
+    if grafting != "adam":
+        return None
+    bc2_sqrt = (1 - beta2**step) ** 0.5
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # type: ignore[union-attr]
+    return (exp_avg_sq.sqrt() / bc2_sqrt).add_(grafting_epsilon)  # type: ignore[union-attr]
+
+
+def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr: float, bc1: float) -> None:
+    """The grafted method alone (torch AdamW's op order for grafting="adam")."""
+    if denom is not None:
+        param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    else:
+        param.add_(exp_avg, alpha=-lr / bc1)
+
+
+def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, tiles: Sequence[ShampooTile],
+                            *, lr: float, bc1: float, grafting: str) -> None:
+    """``p <- p - lr P`` per tile, ``P`` the preconditioned momentum at the grafted norm."""
     m_hat = exp_avg / bc1  # (rows, cols)
     graft = m_hat if denom is None else m_hat / denom  # (rows, cols)
     # [Note: non-finite elements] elements whose moments are not finite (a NaN or inf
@@ -183,4 +200,3 @@ def shampoo_step_(
         update[rs, cs] = direction
     torch.where(good, update, m_hat.new_full((), math.nan), out=update)
     param.add_(update, alpha=-lr)
-    return report

@@ -1,6 +1,6 @@
 // The fused 8-bit Adam / AdamW step on the CPU: see [Note: fused 8-bit step] in
 // vefsdp_optim/_kernels/_native.py (why; the measurements: docs/decisions.md) and
-// [Note: 8-bit Adam op order] in _math/_quant8.py (the float32 operations, in order).
+// [Note: 8-bit Adam op order] in _math/_adam8bit_step.py (the float32 operations, in order).
 //
 // Bits: every float operation below is one correctly rounded IEEE add, sub, mul, div or
 // sqrt; the build uses -ffp-contract=off and no fast-math, so the AVX-512 paths, the AVX2
