@@ -437,11 +437,11 @@ def test_normuon_step_equals_reference() -> None:
 
 
 def test_muon_orthogonalise_batched_equals_per_block() -> None:
-    """The step loop's batched Newton-Schulz over a bucket (vefsdp_optim._muon.
+    """The step loop's batched Newton-Schulz over a bucket (vefsdp_optim._math.
     muon_orthogonalise_batched) is muon_orthogonalise on each input, bit for bit: inputs
     of one block, of equal blocks, of mixed shapes, tall and wide, and blocks below the
     batch guard."""
-    from vefsdp_optim._muon import muon_orthogonalise_batched
+    from vefsdp_optim._math import muon_orthogonalise_batched
 
     gen = torch.Generator().manual_seed(11)
 
@@ -463,13 +463,13 @@ def test_muon_orthogonalise_batched_equals_per_block() -> None:
 
 
 def test_normuon_orthogonalise_batched_equals_per_block() -> None:
-    """NorMuon's batched orthogonalization of a bucket (vefsdp_optim._muon.
+    """NorMuon's batched orthogonalization of a bucket (vefsdp_optim._math.
     normuon_orthogonalise_batched: Newton-Schulz and the normalization, each batched per
     block shape) is muon_orthogonalise then normuon_normalize_blocks on each input, bit
     for bit, the row second moments included, over three steps: the layouts of the
     Newton-Schulz test plus equal-shape whole inputs, tall and wide, an odd shape and
     a float64 moment."""
-    from vefsdp_optim._muon import normuon_orthogonalise_batched
+    from vefsdp_optim._math import normuon_orthogonalise_batched
 
     gen = torch.Generator().manual_seed(12)
     layouts = [[(32, 40)], [(32, 40)], [(32, 40)] * 3, [(64, 33), (32, 40)], [(64, 33)], [(8, 8)] * 2,

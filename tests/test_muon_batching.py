@@ -95,7 +95,7 @@ def _torch_reference():
 
 
 def test_blocks_of_several_parameters_in_one_batch(monkeypatch):
-    import vefsdp_optim._muon as muon_mod
+    import vefsdp_optim._math._muon as muon_mod
 
     batches = []
     real = muon_mod.newtonschulz_batch_exact
@@ -176,7 +176,7 @@ def test_batch_guard_holds_on_every_input_family(shape, ns_coefficients):
 def test_mixed_dtype_add_in_pieces_equals_torch(n):
     """Muon adds its bfloat16 update to a float32 parameter in pieces on the CPU: the
     bits of one ``add_``, tails included."""
-    from vefsdp_optim._muon import _add_
+    from vefsdp_optim._math._muon import _add_
 
     g = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g) * 1e-3
@@ -261,15 +261,16 @@ def test_fake_cuda_batched_step_makes_no_host_sync(monkeypatch, name):
     from test_no_host_sync import SyncRecorder
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import vefsdp_optim._muon as muon_mod
+    import vefsdp_optim._math._muon as muon_mod
+    import vefsdp_optim._math._normuon as normuon_mod
 
     batched = []
-    real_ns, real_nm = muon_mod.zeropower_via_newtonschulz_batched, muon_mod.normuon_normalize_batched_
+    real_ns, real_nm = muon_mod.zeropower_via_newtonschulz_batched, normuon_mod.normuon_normalize_batched_
     monkeypatch.setattr(muon_mod, "newtonschulz_batch_exact", lambda *a: True)
-    monkeypatch.setattr(muon_mod, "normuon_batch_exact", lambda *a: True)
+    monkeypatch.setattr(normuon_mod, "normuon_batch_exact", lambda *a: True)
     monkeypatch.setattr(muon_mod, "zeropower_via_newtonschulz_batched",
                         lambda x, *a: batched.append(("ns", *x.shape)) or real_ns(x, *a))
-    monkeypatch.setattr(muon_mod, "normuon_normalize_batched_",
+    monkeypatch.setattr(normuon_mod, "normuon_normalize_batched_",
                         lambda x, *a, **k: batched.append(("norm", *x.shape)) or real_nm(x, *a, **k))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -291,18 +292,22 @@ def test_fake_cuda_batched_step_makes_no_host_sync(monkeypatch, name):
 def test_normuon_normalization_batched_where_newton_schulz_is_not(monkeypatch):
     """NorMuon normalizes same-shape blocks in one batch also where Newton-Schulz ran per
     block (its results cast into the batch one by one): the bits of the per-block path."""
-    import vefsdp_optim._muon as muon_mod
+    import vefsdp_optim._math._muon as muon_mod
+    import vefsdp_optim._math._normuon as normuon_mod
 
     shapes = [(40, 33), (40, 33), (40, 33), (64, 48)]
     init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
     monkeypatch.setattr(muon_mod, "newtonschulz_batch_exact", lambda *a: False)
-    real, lists = muon_mod.normuon_normalize_batched_, []
-    monkeypatch.setattr(muon_mod, "normuon_normalize_batched_",
+    # the probe of the batched normalization (its own call of it) before the count
+    beta2 = vefsdp_optim.NorMuon([nn.Parameter(torch.zeros(2, 2))]).defaults["muon_beta2"]
+    normuon_mod.normuon_batch_exact(3, 40, 33, torch.float32, torch.device("cpu"), beta2, torch.get_num_threads())
+    real, lists = normuon_mod.normuon_normalize_batched_, []
+    monkeypatch.setattr(normuon_mod, "normuon_normalize_batched_",
                         lambda o, *a, **k: lists.append(isinstance(o, list)) or real(o, *a, **k))
     out = {}
     for batch in (True, False):
         if not batch:
-            monkeypatch.setattr(muon_mod, "normuon_batch_exact", lambda *a: False)
+            monkeypatch.setattr(normuon_mod, "normuon_batch_exact", lambda *a: False)
         ps = [nn.Parameter(t.clone()) for t in init]
         opt = vefsdp_optim.NorMuon(ps, lr=0.02, weight_decay=0.1)
         for step in range(STEPS):

@@ -288,7 +288,7 @@ def test_toy_moe_task_declares_both_keys():
 def test_flat_copy_gives_row_major_order(tall, into):
     """A batch's flat row-major copy, also from a transposed (tall) Newton-Schulz result
     copied one matrix at a time, equals torch's own reshape."""
-    from vefsdp_optim._muon import _flat_copy
+    from vefsdp_optim._math._muon import _flat_copy
 
     wide = torch.randn(4, 5, 7, generator=torch.Generator().manual_seed(3)).bfloat16()
     batch = wide.mT if tall else wide

@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from torch import nn
 
 import vefsdp_optim
-from vefsdp_optim._math._newton_schulz import muon_blocks_cost, muon_cost
+from vefsdp_optim._math import muon_blocks_cost, muon_cost
 
 SHAPES = [(12, 8), (8, 8), (16, 8), (8, 16), (6, 10), (12, 8), (10, 6), (9, 9)]
 HP = dict(lr=0.02, weight_decay=0.1)
@@ -126,7 +126,7 @@ def test_cost_counts_each_block():
 def test_experts_batched_or_not_equal_torch(monkeypatch, exact):
     """Runs of equal experts are orthogonalised in one batch where that keeps every bit
     ([Note: batched Newton-Schulz]), one by one elsewhere: torch.optim.Muon's bits either way."""
-    import vefsdp_optim._muon as muon_mod
+    import vefsdp_optim._math._muon as muon_mod
 
     calls = []
     real = muon_mod.newtonschulz_batch_exact

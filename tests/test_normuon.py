@@ -494,7 +494,7 @@ def _batch_grads(step: int) -> list[torch.Tensor]:
 def _batch_run(kind: str, cls: str, steps: int = 3) -> tuple[list[torch.Tensor], int]:
     """Muon / NorMuon over BATCH_SHAPES (plain, FSDP2 or fully_shard): the full
     parameters and how many batched Newton-Schulz calls ran on this rank."""
-    import vefsdp_optim._muon as muon_module
+    import vefsdp_optim._math._muon as muon_module
 
     g = torch.Generator().manual_seed(9)
     model = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in BATCH_SHAPES])
@@ -589,7 +589,7 @@ def test_batched_normalization_equals_per_matrix(shape: tuple[int, int], dtype: 
 def test_normuon_batches_the_normalization_and_equals_the_pure_step() -> None:
     """On one device NorMuon normalizes each shape's matrices in one batch and equals
     normuon_step_ (per matrix) on every parameter, bit for bit."""
-    import vefsdp_optim._muon as muon_module
+    import vefsdp_optim._math._normuon as muon_module
     from vefsdp_optim._math import normuon_step_
 
     g = torch.Generator().manual_seed(9)

@@ -198,7 +198,7 @@ def _count_muon_collectives():
     opt = vefsdp_optim.Muon(ps, flatten=True)
     calls = {"ns": 0, "a2a": 0}
     orig_ns, orig_a2a = vmath.zeropower_via_newtonschulz, dist.all_to_all_single
-    import vefsdp_optim._muon as muon_mod
+    import vefsdp_optim._math._muon as muon_mod
 
     def ns(*a, **k):
         calls["ns"] += 1

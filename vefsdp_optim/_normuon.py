@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math._newton_schulz import NsCoefficients
+from vefsdp_optim._math import NsCoefficients, normuon_orthogonalise_batched
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import RaggedShard
 
 from ._adam_state import adam_state_spec
 from ._block_optimizer import BlockOptimizer
 from ._checkpoint import LOCAL
-from ._muon import Muon, _MuonPlan, _ns_args, muon_defaults, normuon_orthogonalise_batched
+from ._muon import Muon
+from ._muon_plan import MuonPlan, muon_defaults, ns_args
 from ._qk_clip import qk_clip_defaults
 from ._registry import register_optimizer
 from ._step_loop import StepItem
@@ -164,7 +165,7 @@ class NorMuon(Muon):
     def _update_dtype(self, item: StepItem) -> torch.dtype:
         return torch.promote_types(item.view.local.dtype, torch.float32)
 
-    def _orthogonalise(self, where: list[tuple[StepItem, _MuonPlan, int]], updates: list[torch.Tensor],
+    def _orthogonalise(self, where: list[tuple[StepItem, MuonPlan, int]], updates: list[torch.Tensor],
                        blocks: list[list[tuple[int, int, int]]]) -> list[torch.Tensor]:
         variances = []  # per slice, the row second moment of each of its blocks
         for (item, plan, start), x in zip(where, updates, strict=True):
@@ -179,4 +180,4 @@ class NorMuon(Muon):
             variances.append(vs)
         group = where[0][0].group
         return normuon_orthogonalise_batched(updates, blocks, variances, group["muon_beta2"],
-                                             self._update_dtype(where[0][0]), *_ns_args(group))
+                                             self._update_dtype(where[0][0]), *ns_args(group))

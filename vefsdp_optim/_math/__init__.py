@@ -19,10 +19,12 @@ is the same function on each block, bit for bit (tests/test_math_functional.py):
 ``adam_foreach_`` (torch's multi-tensor Adam over a bucket) and ``adamw_step_`` over a
 whole flat store; ``adam8bit_multi_tensor_step_`` (the fused 8-bit kernels over a
 bucket, one call on the CPU); Muon's
-batched Newton-Schulz (``muon_orthogonalise_batched`` in _muon.py) and NorMuon's batched
-normalization (``normuon_normalize_batched_``, run by ``normuon_orthogonalise_batched``).
-Muon runs its step in three phases on different ranks ([Note: Muon's phases] in _muon.py
-here), each a function that ``muon_step_`` composes.
+batched Newton-Schulz (``muon_orthogonalise_batched``, beside ``muon_orthogonalise`` in
+_muon.py) and NorMuon's (``normuon_orthogonalise_batched``, beside ``normuon_step_`` in
+_normuon.py, with the batched normalization ``normuon_normalize_batched_``). Muon's
+blocks, their costs and lr adjustment are in _muon_blocks.py. Muon runs its step in
+three phases on different ranks ([Note: Muon's phases] in _muon.py), each a function
+that ``muon_step_`` composes.
 
 Also here: Newton-Schulz (with Polar Express's coefficients), NorMuon's normalization,
 block-wise 8-bit quantization with a dynamic code map, Shampoo's inverse roots and
@@ -40,21 +42,33 @@ from ._muon import (
     muon_lr_runs,
     muon_momentum_,
     muon_orthogonalise,
+    muon_orthogonalise_batched,
     muon_step_,
-    normuon_normalize_blocks,
-    normuon_step_,
+)
+from ._muon_blocks import (
+    muon_adjust_lr,
+    muon_batch_view,
+    muon_block_unit,
+    muon_blocks,
+    muon_blocks_cost,
+    muon_cost,
+    muon_matrix_view,
 )
 from ._newton_schulz import (
     NS_COEFFICIENTS,
     NS_EPS,
     NS_STEPS,
+    NsCoefficients,
     check_ns_coefficients,
-    muon_adjust_lr,
-    muon_cost,
-    muon_matrix_view,
     zeropower_via_newtonschulz,
 )
-from ._normuon import NORMUON_EPS, normuon_normalize_
+from ._normuon import (
+    NORMUON_EPS,
+    normuon_normalize_,
+    normuon_normalize_blocks,
+    normuon_orthogonalise_batched,
+    normuon_step_,
+)
 from ._polar_express import (
     POLAR_EXPRESS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -91,6 +105,7 @@ __all__ = [
     "NS_COEFFICIENTS",
     "NS_EPS",
     "NS_STEPS",
+    "NsCoefficients",
     "POLAR_EXPRESS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_SAFETY",
@@ -113,14 +128,20 @@ __all__ = [
     "matrix_inverse_root",
     "muon_adjust_lr",
     "muon_apply_",
+    "muon_batch_view",
+    "muon_block_unit",
+    "muon_blocks",
+    "muon_blocks_cost",
     "muon_cost",
     "muon_lr_runs",
     "muon_matrix_view",
     "muon_momentum_",
     "muon_orthogonalise",
+    "muon_orthogonalise_batched",
     "muon_step_",
     "normuon_normalize_",
     "normuon_normalize_blocks",
+    "normuon_orthogonalise_batched",
     "normuon_step_",
     "num_blocks",
     "polar_express_coefficients",

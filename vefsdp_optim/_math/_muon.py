@@ -2,9 +2,10 @@
 
 ``muon_step_`` is the whole algorithm of :class:`vefsdp_optim.Muon` on one parameter,
 the way ``torch.optim._muon._single_tensor_muon`` writes it, plus the library's block
-structure ([Note: Muon blocks] in _newton_schulz.py: ``flatten``, ``split_sizes``,
+structure ([Note: Muon blocks] in _muon_blocks.py: ``flatten``, ``split_sizes``,
 per-head blocks), its 8-bit momentum ([Note: 8-bit Muon momentum]) and Polar Express's
-coefficients ([Note: Polar Express]). ``normuon_step_`` is :class:`vefsdp_optim.NorMuon`'s.
+coefficients ([Note: Polar Express]). ``normuon_step_`` (:class:`vefsdp_optim.NorMuon`'s)
+is in _normuon.py.
 
 [Note: Muon's phases]
 A step is three phases, and ``muon_step_`` is literally their composition:
@@ -21,10 +22,10 @@ whole block (the owner of a whole matrix), the update back on the shards. An
 elementwise function gives each element the same bits on a slice as on the whole
 tensor, and each block is orthogonalised whole, so the sharded step is this function
 at any world size. The step loop orthogonalises a bucket's blocks with the batched form
-of ``muon_orthogonalise``, ``muon_orthogonalise_batched`` in _muon.py (one batched
+of ``muon_orthogonalise``, ``muon_orthogonalise_batched`` below (one batched
 Newton-Schulz per block shape across parameters, only where ``newtonschulz_batch_exact``
 has checked it gives the per-block bits), and NorMuon's blocks with
-``normuon_orthogonalise_batched`` there (that, then one batched normalization per block
+``normuon_orthogonalise_batched`` in _normuon.py (that, then one batched normalization per block
 shape where ``normuon_batch_exact`` has checked it: [Note: batched NorMuon
 normalization] in _normuon.py): the same results, bit for bit, tested in
 tests/test_math_functional.py.
@@ -38,17 +39,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._muon_blocks import muon_adjust_lr, muon_blocks
 from ._muon_int8 import muon_momentum_int8_
 from ._newton_schulz import (
     NS_COEFFICIENTS,
     NS_EPS,
     NS_STEPS,
     NsCoefficients,
-    muon_adjust_lr,
-    muon_blocks,
+    newtonschulz_batch_exact,
     zeropower_via_newtonschulz,
+    zeropower_via_newtonschulz_batched,
 )
-from ._normuon import normuon_normalize_
 
 __all__ = [
     "Int8Momentum",
@@ -57,9 +58,8 @@ __all__ = [
     "muon_lr_runs",
     "muon_momentum_",
     "muon_orthogonalise",
+    "muon_orthogonalise_batched",
     "muon_step_",
-    "normuon_normalize_blocks",
-    "normuon_step_",
 ]
 
 #: ``(flat offset, rows, cols)`` of one separately orthogonalised block of a flat tensor
@@ -129,19 +129,6 @@ def muon_orthogonalise(
     return out
 
 
-def normuon_normalize_blocks(ortho: Tensor, blocks: Sequence[MuonBlock], variances: Sequence[Tensor],
-                             beta2: float, dtype: torch.dtype) -> Tensor:
-    """NorMuon's normalization (:func:`normuon_normalize_`) of each block of the 1-D
-    Newton-Schulz result ``ortho``, with ``variances[k]`` (rows of block k, updated in
-    place) the row second moment of ``blocks[k]``; returns a new 1-D ``dtype`` tensor."""
-    out = torch.empty(ortho.numel(), dtype=dtype, device=ortho.device)
-    for (a, rows, cols), v in zip(blocks, variances, strict=True):
-        n = rows * cols
-        normuon_normalize_(ortho[a:a + n].view(rows, cols), v, beta2, out=out[a:a + n].view(rows, cols))
-    return out
-
-
-#: elements per piece of a mixed-dtype add on the CPU (a multiple of every vector length)
 _ADD_PIECE = 1 << 16
 
 
@@ -246,40 +233,6 @@ def muon_step_(
     _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
 
 
-def normuon_step_(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor | Int8Momentum,
-    variances: Sequence[Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    muon_beta2: float,
-    ns_coefficients: NsCoefficients = "polar_express",
-    ns_steps: int = NS_STEPS,
-    eps: float = NS_EPS,
-    adjust_lr_fn: str | None = "spectral_norm",
-    flatten: bool = True,
-    split_sizes: Sequence[int] | None = None,
-) -> None:
-    """One NorMuon step on a whole parameter, in place: :func:`muon_step_` with each
-    block's Newton-Schulz result normalized row by row before the step ([Note: NorMuon
-    normalization]). ``variances[k]``: block k's row second moment (its rows, float32
-    for a float32 or bfloat16 parameter: ``promote_types(param.dtype, float32)``),
-    updated in place; the step's update is in that dtype."""
-    _check_step(param, grad, momentum_buffer)
-    blocks = muon_blocks(param.shape, flatten, split_sizes)
-    if len(variances) != len(blocks):
-        raise ValueError(f"{len(variances)} row second moments for a parameter of {len(blocks)} blocks")
-    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
-    ortho = muon_orthogonalise(update, blocks, ns_coefficients, ns_steps, eps)
-    ortho = normuon_normalize_blocks(ortho, blocks, variances, muon_beta2,
-                                     torch.promote_types(param.dtype, torch.float32))
-    _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
-
-
 def _flat(momentum_buffer: Tensor | Int8Momentum) -> Tensor | Int8Momentum:
     return momentum_buffer if isinstance(momentum_buffer, Int8Momentum) else momentum_buffer.view(-1)
 
@@ -292,3 +245,112 @@ def _apply_whole_(param: Tensor, ortho: Tensor, blocks: Sequence[MuonBlock], *, 
         else muon_lr_runs(blocks, lr, adjust_lr_fn))
     muon_apply_(param.view(-1), ortho, lr=lr, weight_decay=weight_decay, adjusted_lr=adjusted)
 
+
+class _ShapeBatch(NamedTuple):
+    """Newton-Schulz of every block of one shape in a bucket's inputs ([Note: batched
+    Newton-Schulz])."""
+
+    rows: int
+    cols: int
+    members: list[tuple[int, int, int]]  # (input, its block index, flat offset) of each block
+    ortho: torch.Tensor | list[torch.Tensor]  # (k, rows, cols) bf16 batch, or each block's result
+    covers: str  # "input": the blocks are one input, in order; "each": each block a whole input; ""
+
+
+def _newton_schulz_by_shape(
+    updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
+    ns_coefficients: NsCoefficients, ns_steps: int, eps: float,
+) -> list[_ShapeBatch]:
+    """Newton-Schulz of every block of ``updates`` (1-D; ``blocks[i]`` covers
+    ``updates[i]``), one batch per block shape where :func:`newtonschulz_batch_exact`
+    says it gives the per-block bits, per block elsewhere."""
+    by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for i, bs in enumerate(blocks):
+        for j, (a, rows, cols) in enumerate(bs):
+            by_shape.setdefault((rows, cols), []).append((i, j, a))
+    out = []
+    for (rows, cols), members in by_shape.items():
+        n, k = rows * cols, len(members)
+        first = updates[members[0][0]]
+        prefix = all(i == members[0][0] and a == j * n for j, (i, _, a) in enumerate(members))
+        if prefix and first.numel() == k * n:
+            covers = "input"
+        elif all(a == 0 and n == updates[i].numel() for i, _, a in members) and \
+                len({i for i, _, _ in members}) == k:
+            covers = "each"
+        else:
+            covers = ""
+        if k == 1 or not newtonschulz_batch_exact(k, rows, cols, first.device, ns_coefficients, ns_steps, eps,
+                                                  torch.get_num_threads()):
+            orthos = [zeropower_via_newtonschulz(updates[i][a:a + n].view(rows, cols), ns_coefficients,
+                                                 ns_steps, eps) for i, _, a in members]
+            out.append(_ShapeBatch(rows, cols, members, orthos, covers))
+            continue
+        if prefix:  # the first blocks of one input: a view
+            batch = first[:k * n].view(k, rows, cols)
+        else:
+            batch = torch.stack([updates[i][a:a + n].view(rows, cols) for i, _, a in members])
+        out.append(_ShapeBatch(rows, cols, members,
+                               zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps, eps), covers))
+    return out
+
+
+def muon_orthogonalise_batched(
+    updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+) -> list[torch.Tensor]:
+    """The batched form of ``_math.muon_orthogonalise`` ([Note: Muon's phases]):
+    ``[muon_orthogonalise(x, b, ...) for x, b in zip(updates, blocks)]``, bit for bit, with
+    one batched Newton-Schulz per block shape across all the inputs where
+    :func:`newtonschulz_batch_exact` says it gives the per-block bits ([Note: batched
+    Newton-Schulz]); per block elsewhere. Each ``blocks[i]`` covers ``updates[i]`` (1-D).
+    The step loop runs it on the whole blocks a rank computes in a bucket."""
+    results: list[torch.Tensor | None] = [None] * len(updates)
+    for sb in _newton_schulz_by_shape(updates, blocks, ns_coefficients, ns_steps, eps):
+        n = sb.rows * sb.cols
+        if isinstance(sb.ortho, list):
+            for (i, _, a), ortho in zip(sb.members, sb.ortho, strict=True):
+                if a == 0 and n == updates[i].numel():  # a whole input: a view when wide
+                    results[i] = ortho.reshape(-1)
+                else:
+                    _result(results, i, updates[i])[a:a + n].view(sb.rows, sb.cols).copy_(ortho)
+        elif sb.covers == "input":
+            results[sb.members[0][0]] = _flat_copy(sb.ortho)  # the whole input: a view when wide
+        elif sb.covers == "each":  # whole inputs: views of one copy
+            flat = _flat_copy(sb.ortho).view(len(sb.members), n)
+            for (i, _, _), o in zip(sb.members, flat.unbind(0), strict=True):
+                results[i] = o
+        else:
+            for j, (i, _, a) in enumerate(sb.members):
+                _result(results, i, updates[i])[a:a + n].view(sb.rows, sb.cols).copy_(sb.ortho[j])
+    for i, r in enumerate(results):
+        if r is None:  # no blocks
+            results[i] = torch.empty(0, dtype=torch.bfloat16, device=updates[i].device)
+    return results  # type: ignore[return-value]
+
+
+def _result(results: list[torch.Tensor | None], i: int, x: torch.Tensor,
+            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Input ``i``'s result (1-D, the length of ``x``; bfloat16: Newton-Schulz's)."""
+    res = results[i]
+    if res is None:
+        res = results[i] = torch.empty(x.numel(), dtype=dtype, device=x.device)
+    return res
+
+
+def _flat_copy(batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``batch`` (k, rows, cols) in flat row-major order, into ``out`` (1-D) when given.
+    A tall batch's Newton-Schulz result is a transposed view: on the CPU, torch copies
+    it faster one matrix at a time than as one strided batch (docs/performance.md), so
+    it is copied per matrix there; the bits are the same."""
+    if out is None:
+        if batch.is_contiguous():
+            return batch.reshape(-1)
+        out = torch.empty(batch.numel(), dtype=batch.dtype, device=batch.device)
+    dst = out.view(batch.shape)
+    if batch.device.type == "cpu" and not batch.is_contiguous():
+        for i in range(batch.shape[0]):
+            dst[i].copy_(batch[i])
+    else:
+        dst.copy_(batch)
+    return out

@@ -53,9 +53,29 @@ from torch import Tensor
 
 from .._torch_compat import foreach_lerp_
 from ._batch_probe import batch_probe
-from ._newton_schulz import BATCH_MIN_DIM
+from ._muon import (
+    Int8Momentum,
+    MuonBlock,
+    _apply_whole_,
+    _check_step,
+    _flat,
+    _newton_schulz_by_shape,
+    _result,
+    muon_momentum_,
+    muon_orthogonalise,
+)
+from ._muon_blocks import muon_blocks
+from ._newton_schulz import BATCH_MIN_DIM, NS_COEFFICIENTS, NS_EPS, NS_STEPS, NsCoefficients
 
-__all__ = ["NORMUON_EPS", "normuon_batch_exact", "normuon_normalize_", "normuon_normalize_batched_"]
+__all__ = [
+    "NORMUON_EPS",
+    "normuon_batch_exact",
+    "normuon_normalize_",
+    "normuon_normalize_batched_",
+    "normuon_normalize_blocks",
+    "normuon_orthogonalise_batched",
+    "normuon_step_",
+]
 
 NORMUON_EPS = 1e-8  # Dion's constant, in the denominator and the norm's clamp
 
@@ -194,3 +214,93 @@ def normuon_batch_exact(batch: int, rows: int, cols: int, dtype: torch.dtype, de
         return torch.stack([torch.eq(got, want).all(), torch.eq(torch.stack(got_v), torch.stack(want_v)).all()]).all()
 
     return batch_probe(("normuon", batch, rows, cols, dtype, device, beta2, threads), device, run)
+
+
+def normuon_normalize_blocks(ortho: Tensor, blocks: Sequence[MuonBlock], variances: Sequence[Tensor],
+                             beta2: float, dtype: torch.dtype) -> Tensor:
+    """NorMuon's normalization (:func:`normuon_normalize_`) of each block of the 1-D
+    Newton-Schulz result ``ortho``, with ``variances[k]`` (rows of block k, updated in
+    place) the row second moment of ``blocks[k]``; returns a new 1-D ``dtype`` tensor."""
+    out = torch.empty(ortho.numel(), dtype=dtype, device=ortho.device)
+    for (a, rows, cols), v in zip(blocks, variances, strict=True):
+        n = rows * cols
+        normuon_normalize_(ortho[a:a + n].view(rows, cols), v, beta2, out=out[a:a + n].view(rows, cols))
+    return out
+
+
+def normuon_step_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor | Int8Momentum,
+    variances: Sequence[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    muon_beta2: float,
+    ns_coefficients: NsCoefficients = "polar_express",
+    ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
+    adjust_lr_fn: str | None = "spectral_norm",
+    flatten: bool = True,
+    split_sizes: Sequence[int] | None = None,
+) -> None:
+    """One NorMuon step on a whole parameter, in place: :func:`muon_step_` with each
+    block's Newton-Schulz result normalized row by row before the step ([Note: NorMuon
+    normalization]). ``variances[k]``: block k's row second moment (its rows, float32
+    for a float32 or bfloat16 parameter: ``promote_types(param.dtype, float32)``),
+    updated in place; the step's update is in that dtype."""
+    _check_step(param, grad, momentum_buffer)
+    blocks = muon_blocks(param.shape, flatten, split_sizes)
+    if len(variances) != len(blocks):
+        raise ValueError(f"{len(variances)} row second moments for a parameter of {len(blocks)} blocks")
+    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
+    ortho = muon_orthogonalise(update, blocks, ns_coefficients, ns_steps, eps)
+    ortho = normuon_normalize_blocks(ortho, blocks, variances, muon_beta2,
+                                     torch.promote_types(param.dtype, torch.float32))
+    _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
+
+
+def normuon_orthogonalise_batched(
+    updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
+    variances: Sequence[Sequence[torch.Tensor]], beta2: float, dtype: torch.dtype,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+) -> list[torch.Tensor]:
+    """NorMuon's orthogonalization of a bucket: :func:`muon_orthogonalise_batched`, then
+    ``_math.normuon_normalize_blocks`` of each input with ``variances[i]`` (one per block
+    of ``blocks[i]``, updated in place), bit for bit; returns 1-D ``dtype`` tensors. The
+    blocks of one shape are normalized in one batch where :func:`normuon_batch_exact`
+    says it gives the per-block bits ([Note: batched NorMuon normalization]), straight
+    from Newton-Schulz's batch (or its per-block results) into the results (no bfloat16
+    copy in between)."""
+    results: list[torch.Tensor | None] = [None] * len(updates)
+    threads = torch.get_num_threads()
+    for sb in _newton_schulz_by_shape(updates, blocks, ns_coefficients, ns_steps, eps):
+        rows, cols, k = sb.rows, sb.cols, len(sb.members)
+        n = rows * cols
+        vs = [variances[i][j] for i, j, _ in sb.members]
+        device = updates[sb.members[0][0]].device
+        # batched even where Newton-Schulz was not (its results one by one into the batch)
+        if not normuon_batch_exact(k, rows, cols, dtype, device, beta2, threads):
+            for m, ((i, _, a), v) in enumerate(zip(sb.members, vs, strict=True)):
+                dst = _result(results, i, updates[i], dtype)[a:a + n].view(rows, cols)
+                normuon_normalize_(sb.ortho[m], v, beta2, out=dst)
+            continue
+        if sb.covers == "input":
+            i = sb.members[0][0]
+            dst = results[i] = torch.empty(k * n, dtype=dtype, device=device)
+            normuon_normalize_batched_(sb.ortho, vs, beta2, out=dst.view(k, rows, cols))
+        elif sb.covers == "each":  # whole inputs: views of one buffer
+            dst = torch.empty(k, n, dtype=dtype, device=device)
+            normuon_normalize_batched_(sb.ortho, vs, beta2, out=dst.view(k, rows, cols))
+            for (i, _, _), o in zip(sb.members, dst.unbind(0), strict=True):
+                results[i] = o
+        else:
+            dst = normuon_normalize_batched_(sb.ortho, vs, beta2)
+            for m, (i, _, a) in enumerate(sb.members):
+                _result(results, i, updates[i], dtype)[a:a + n].view(rows, cols).copy_(dst[m])
+    for i, r in enumerate(results):
+        if r is None:  # no blocks
+            results[i] = torch.empty(0, dtype=dtype, device=updates[i].device)
+    return results  # type: ignore[return-value]
