@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from vefsdp_optim.comm import ShardedView, assign_owners, sharded_view
+from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.comm._views import step_grad_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
@@ -21,11 +21,14 @@ from ._step_loop import (
     PendingExchange,
     StepEntry,
     StepItem,
+    aligned,
     check_consistent,
     check_every_step,
     exchange,
     gc_paused,
     make_buckets,
+    pin_owners,
+    snapped_compute,
 )
 from ._step_plan import GroupPlan, StepPlan, group_values, param_key, view_key
 
@@ -41,35 +44,55 @@ __all__ = ["BlockOptimizer", "BlockContext"]
 #     (only pieces at boundaries move) for block and band requirements;
 #   - "whole on an owner" for WholeTensor, owners balanced by cost (LPT).
 # A step walks exchange buckets of parameters (same param group, process group, dtype,
-# device; so every hook sees one param group per bucket; whole tensors in balanced
+# device; so every override sees one param group per bucket; whole tensors in balanced
 # owner rounds, [Note: owner rounds] in _step_loop.py): it gathers the inputs of every
 # moving parameter of the bucket in ONE all_to_all (launched before the previous
 # bucket's compute, so they overlap), computes on whole blocks, and sends the results
-# back in one more (waited for after the next bucket's compute). Subclasses supply only the requirement and
-# the per-block math through three hooks:
-#   gather_inputs(item)  -> local tensors (storage layout) the compute needs
-#   compute(item, ins)   -> tensors (compute layout) to send back
-#   apply_results(item, outs)  storage-layout results -> parameter (and state)
-# The defaults move (param, grad), call update_block() and copy the param back,
-# which is right for optimizers whose state lives with the blocks (8-bit Adam,
-# Shampoo). Muon overrides them to keep momentum sharded and move one tensor.
+# back in one more (waited for after the next bucket's compute). The loop is written
+# once, here; a subclass supplies only what differs, through the override points in
+# BlockOptimizer's table: always requirement, init_state and update_block (the state
+# lives with the blocks: the default data flow moves (param, grad), runs update_block
+# on each whole block and copies the param back); optionally the three data-flow
+# overrides gather_inputs / compute_bucket / apply_results, where the data that move
+# are not (param, grad): Muon keeps its momentum sharded and moves one tensor.
 
 
 class BlockOptimizer(Optimizer):
     """Base class of the library's optimizers: a ``torch.optim.Optimizer`` whose step
     works on whole blocks of sharded parameters (plain, FSDP2 or fully_shard).
 
-    To define a block-structured optimizer, subclass and implement:
-
-    * ``requirement(shape, group) -> Requirement``: the blocks the update needs;
-    * ``init_state(p, ctx, group) -> dict``: state tensors for a compute slice;
-    * ``update_block(p, g, state, ctx, group)``: update the 1-D slice ``p`` in place
-      from ``g``. ``p`` covers whole units (blocks, row bands, or the whole tensor)
-      starting at flat offset ``ctx.start`` of the parameter.
-
     The result is the same at every world size as on a single device, because each
-    update only ever sees whole blocks. Register the class with
-    :func:`vefsdp_optim.register_optimizer` to name it by string.
+    update only ever sees whole blocks ([Note: one step loop]). Register the class with
+    :func:`vefsdp_optim.register_optimizer` to name it by string. Override points (a
+    subclass writes the first three; the others have defaults that fit most):
+
+    ============================================  ==========================================
+    every optimizer
+    ``requirement(shape, group) -> Requirement``  the blocks the update needs whole
+    ``init_state(p, ctx, group) -> dict``         state tensors of a compute slice
+    ``update_block(p, g, state, ctx, group)``     update the 1-D slice ``p`` in place from
+                                                  ``g``: whole units from flat offset
+                                                  ``ctx.start``
+    planning
+    ``cost(shape, group) -> float``               weight of a whole tensor, to balance
+                                                  owners (default: numel)
+    ``plan_keys``                                 group keys requirement() / cost() read
+    ``claim_params(group) -> list``               update some params outside the loop
+                                                  (AdamW's fused stores); return the rest
+    ``bucket_numel``, ``min_round_numel``         exchange bucket and owner round sizes
+    data flow (default: (param, grad) in, param back)
+    ``gather_inputs(item) -> list``               the local tensors the compute needs
+    ``compute_bucket(items, inputs) -> list``     results of a bucket (fused across params)
+    ``apply_results(item, outputs)``              results -> parameter (and state)
+    ``state_layout(view, group)``                 where the state lives (default: with the
+                                                  compute slices)
+    checkpoints ([Note: world-size-free optimizer state])
+    ``checkpoint_spec(shape, group) -> dict``     each state key's kind
+    ``structural_keys``                           group keys a checkpoint must agree on
+    ``extra_state_prefixes``,                     state outside checkpoint_spec (Shampoo's
+    ``export_extra_state``,                       preconditioners, NorMuon's variances),
+    ``import_extra_state``                        saved world-size free
+    ============================================  ==========================================
     """
 
     #: elements per bucket of parameters exchanged together
@@ -203,12 +226,12 @@ class BlockOptimizer(Optimizer):
             load_state(self, state_dict)
         self._drop_plan()  # [Note: step plan], [Note: consistent steps]
 
-    # -- hooks (defaults: state lives with the blocks) ----------------------------
+    # -- data flow (defaults: state lives with the blocks) ----------------------------
 
     def gather_inputs(self, item: StepItem) -> list[torch.Tensor]:
         return [item.view.local, item.grad]
 
-    def compute(self, item: StepItem, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _compute_block(self, item: StepItem, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         p, g = inputs
         if p.numel():
             g = aligned(g)  # [Note: aligned gradients]
@@ -223,8 +246,10 @@ class BlockOptimizer(Optimizer):
             item.view.local.copy_(p)
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Compute a whole bucket; override to fuse across parameters (AdamW)."""
-        return [self.compute(it, ins) for it, ins in zip(items, inputs, strict=True)]
+        """The results of a bucket (one param group): by default update_block on each
+        parameter's whole blocks; override to fuse across parameters (AdamW) or to move
+        other data than (param, grad) (Muon)."""
+        return [self._compute_block(it, ins) for it, ins in zip(items, inputs, strict=True)]
 
     def _block_state(self, item: StepItem, p: torch.Tensor, ctx: BlockContext) -> dict[str, Any]:
         state = self.state[item.param]
@@ -374,7 +399,7 @@ class BlockOptimizer(Optimizer):
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
                                          view.process_group, view.local.device))
         if whole:
-            self._assign_owners([items[i] for i in whole])
+            pin_owners([items[i] for i in whole], self.cost, self._owner_cache, self._pinned_owners)
         return GroupPlan(group, values, rows, items, entries, structure)
 
     def _compute_layout(self, req: Requirement, view: ShardedView) -> RaggedShard | None:
@@ -393,41 +418,6 @@ class BlockOptimizer(Optimizer):
         self._compute_cache[key] = compute
         return compute
 
-    # [Note: owners stay]
-    # The rank that computes a whole tensor (its owner) is chosen by balancing the whole
-    # tensors that step together ([Note: owner assignment]), so it would move when that
-    # set changes: a parameter of the param group without a gradient, one added later.
-    # State kept by the owner (SOAP's factors and eigenbases, [Note: SOAP state]) would
-    # then be missing where the tensor is computed. So a parameter keeps the owner of
-    # its first step for as long as its storage layout stays the same (a re-plan or a
-    # load at another world size chooses again); only parameters new to the step are
-    # balanced. Every rank pins the same owners: they follow from the same layouts and
-    # costs in the same order.
-    def _assign_owners(self, items: list[StepItem]) -> None:
-        by_process_group: dict[int, list[StepItem]] = {}
-        for it in items:
-            by_process_group.setdefault(id(it.view.process_group), []).append(it)
-        for its in by_process_group.values():
-            layouts = [it.view.layout for it in its]
-            for it in its:
-                it.cost = self.cost(it.view.shape, it.group)
-            key = tuple((id(it.param), it.view.layout, it.cost) for it in its)
-            owners = self._owner_cache.get(key)
-            if owners is None:
-                owners = assign_owners(layouts, [it.cost for it in its]).owners
-                if len(self._owner_cache) > 64:
-                    self._owner_cache.clear()
-                self._owner_cache[key] = owners
-            pinned = self._pinned_owners
-            for it, owner in zip(its, owners, strict=True):
-                key = id(it.param)
-                kept = pinned.get(key)
-                if kept is not None and kept[0] == it.view.layout:  # [Note: owners stay]
-                    owner = kept[1]
-                else:
-                    pinned[key] = (it.view.layout, owner)
-                it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
-
     def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:
         outputs = back.wait()
         if type(self).apply_results is BlockOptimizer.apply_results:  # the default, inlined
@@ -444,37 +434,6 @@ class BlockOptimizer(Optimizer):
         else:
             inputs = [self.gather_inputs(it) for it in bucket]
         return exchange(bucket, inputs, forward=True, moving=moving)
-
-
-# [Note: aligned gradients]
-# CPU BLAS and vectorized reductions pick their kernels by the address of their operands:
-# the same matrix product or norm of a gradient that starts 4 bytes past a 64-byte
-# boundary rounds differently from one in a fresh allocation (measured: Shampoo's result
-# moves by ~3e-6 and SOAP's, through its eigenbases, by ~3e-2 on a 7 x 5 matrix after
-# four steps). fully_shard's gradients are views into one flat buffer at any offset, and
-# an exchange delivers slices of a receive buffer, while one device's gradient is a
-# tensor of its own, 64-byte aligned by torch's allocators. So the update of a block sees
-# its gradient at an aligned address, copied there when it is not (a copy of the
-# gradient per step and parameter where the store put it off the boundary; never on a
-# fresh tensor), and every layout gives the bits of one device.
-# The check reads the view's offset into its storage, not its address: storages start
-# aligned, and metadata is all a fake tensor (FakeTensorMode, torch.compile) has.
-_ALIGN = 64  # bytes: torch's CPU allocator alignment (CUDA's caching allocator: 512)
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy of it when it starts off a 64-byte boundary of its storage."""
-    if (t.storage_offset() * t.element_size()) % _ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:
-    """The compute layout of a block requirement that ``layout`` cuts: its boundaries
-    snapped to legal cuts; for a BoxShard (tensor parallel, [Note: boxes in flat
-    order]), equal element counts per rank, snapped."""
-    base = layout.even_split() if isinstance(layout, BoxShard) else layout
-    return base.snapped(req, shape)
 
 
 def _check_not_replaced(p: torch.Tensor, name: str) -> None:

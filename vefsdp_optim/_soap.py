@@ -12,10 +12,10 @@ import torch
 from vefsdp_optim._math._soap import SoapGeometry, SoapHparams, SoapState, soap_geometry, soap_step_
 from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
 
-from ._block_optimizer import BlockContext, BlockOptimizer, aligned
+from ._block_optimizer import BlockContext, BlockOptimizer
 from ._checkpoint import ELEMENTWISE, REPLICATED, WHOLE, validate_state
 from ._registry import register_optimizer
-from ._step_loop import StepItem
+from ._step_loop import StepItem, aligned
 from ._torch_compat import FakeTensor
 
 __all__ = ["SOAP"]

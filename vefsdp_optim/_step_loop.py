@@ -13,19 +13,19 @@ import contextlib
 import gc
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.comm import ShardedView, all_gather_flat, redistribute
+from vefsdp_optim.comm import ShardedView, all_gather_flat, assign_owners, redistribute
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
     "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "check_every_step",
-    "exchange", "gc_paused",
+    "exchange", "gc_paused", "aligned", "pin_owners", "snapped_compute",
 ]
 
 
@@ -302,3 +302,74 @@ class PendingExchange:
                 self.out[i][j] = r
         self.handles = []
         return self.out
+
+
+# [Note: owners stay]
+# The rank that computes a whole tensor (its owner) is chosen by balancing the whole
+# tensors that step together ([Note: owner assignment]), so it would move when that
+# set changes: a parameter of the param group without a gradient, one added later.
+# State kept by the owner (SOAP's factors and eigenbases, [Note: SOAP state]) would
+# then be missing where the tensor is computed. So a parameter keeps the owner of
+# its first step for as long as its storage layout stays the same (a re-plan or a
+# load at another world size chooses again); only parameters new to the step are
+# balanced. Every rank pins the same owners: they follow from the same layouts and
+# costs in the same order.
+def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]], float],
+               owner_cache: dict[tuple, tuple[int, ...]],
+               pinned: dict[int, tuple[RaggedShard | BoxShard, int]]) -> None:
+    """Set the compute layout of whole-tensor ``items`` to their owners' ([Note: owners
+    stay]): balanced by ``cost`` (cached in ``owner_cache``), the owners in ``pinned``
+    (id(param) -> (storage layout, owner)) kept while the layout stays."""
+    by_process_group: dict[int, list[StepItem]] = {}
+    for it in items:
+        by_process_group.setdefault(id(it.view.process_group), []).append(it)
+    for its in by_process_group.values():
+        layouts = [it.view.layout for it in its]
+        for it in its:
+            it.cost = cost(it.view.shape, it.group)
+        key = tuple((id(it.param), it.view.layout, it.cost) for it in its)
+        owners = owner_cache.get(key)
+        if owners is None:
+            owners = assign_owners(layouts, [it.cost for it in its]).owners
+            if len(owner_cache) > 64:
+                owner_cache.clear()
+            owner_cache[key] = owners
+        for it, owner in zip(its, owners, strict=True):
+            key = id(it.param)
+            kept = pinned.get(key)
+            if kept is not None and kept[0] == it.view.layout:  # [Note: owners stay]
+                owner = kept[1]
+            else:
+                pinned[key] = (it.view.layout, owner)
+            it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
+
+
+# [Note: aligned gradients]
+# CPU BLAS and vectorized reductions pick their kernels by the address of their operands:
+# the same matrix product or norm of a gradient that starts 4 bytes past a 64-byte
+# boundary rounds differently from one in a fresh allocation (measured: Shampoo's result
+# moves by ~3e-6 and SOAP's, through its eigenbases, by ~3e-2 on a 7 x 5 matrix after
+# four steps). fully_shard's gradients are views into one flat buffer at any offset, and
+# an exchange delivers slices of a receive buffer, while one device's gradient is a
+# tensor of its own, 64-byte aligned by torch's allocators. So the update of a block sees
+# its gradient at an aligned address, copied there when it is not (a copy of the
+# gradient per step and parameter where the store put it off the boundary; never on a
+# fresh tensor), and every layout gives the bits of one device.
+# The check reads the view's offset into its storage, not its address: storages start
+# aligned, and metadata is all a fake tensor (FakeTensorMode, torch.compile) has.
+_ALIGN = 64  # bytes: torch's CPU allocator alignment (CUDA's caching allocator: 512)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it when it starts off a 64-byte boundary of its storage."""
+    if (t.storage_offset() * t.element_size()) % _ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:
+    """The compute layout of a block requirement that ``layout`` cuts: its boundaries
+    snapped to legal cuts; for a BoxShard (tensor parallel, [Note: boxes in flat
+    order]), equal element counts per rank, snapped."""
+    base = layout.even_split() if isinstance(layout, BoxShard) else layout
+    return base.snapped(req, shape)
