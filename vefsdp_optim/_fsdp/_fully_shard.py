@@ -105,12 +105,13 @@ def fully_shard(
     offload, pin_memory = _check_offload(offload_policy)
     collected = _collect(modules, set(map(id, ignored_params or ())))
     shard_groups = []
-    for group_mesh, group in _by_mesh(collected, shard_placement_fn, mesh):  # [Note: shard groups of one call]
+    # [Note: shard groups of one call]
+    for group_mesh, group in _by_mesh(collected, shard_placement_fn, mesh):
         data = _shard_data(group, group_mesh, device)
         shard, replicate = _process_groups(group_mesh)
-        shard_groups.append(ShardGroup([c.mp for c in group], shard_process_group=shard,
-                                       replicate_process_group=replicate, device=device, mp_policy=mp_policy,
-                                       data=data, offload=offload, pin_memory=pin_memory))
+        shard_groups.append(ShardGroup(
+            [c.mp for c in group], shard_process_group=shard, replicate_process_group=replicate,
+            device=device, mp_policy=mp_policy, data=data, offload=offload, pin_memory=pin_memory))
         shard_groups[-1].register(sharded=True)
     if not collected:  # ranks that do hold parameters here check their signature against this one
         check_shard_group_consistent(
@@ -167,7 +168,8 @@ def _check_reshard(reshard_after_forward: object) -> bool:
     return reshard_after_forward
 
 
-def _shard_data(group: list[_Collected], mesh: DeviceMesh, device: torch.device) -> dict[str, torch.Tensor]:
+def _shard_data(group: list[_Collected], mesh: DeviceMesh,
+                device: torch.device) -> dict[str, torch.Tensor]:
     """fqn -> the local data a shard group over ``mesh`` starts from, on ``device``: a
     DTensor's TP-local tensor, whose ManagedParam takes its TensorParallel spec and local
     shape ([Note: fully_shard over tensor parallel])."""
@@ -296,7 +298,8 @@ def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
         "fully_shard to their lowest common ancestor only")
 
 
-def _collect(modules: list[nn.Module], ignored: set[int] | frozenset[int] = frozenset()) -> list[_Collected]:
+def _collect(modules: list[nn.Module],
+             ignored: set[int] | frozenset[int] = frozenset()) -> list[_Collected]:
     """The modules' parameters not managed by a fully_shard'd descendant (names prefixed
     by the module's index when there are several)."""
     managed: dict[int, ManagedParam] = {}

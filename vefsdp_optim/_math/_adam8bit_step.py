@@ -166,12 +166,14 @@ def adam8bit_multi_tensor_step_(
     _check_multi_tensor_args(params, grads, states, steps, block_size, fused)
     if quantizers is None:
         quantizers = (TableQuantizer(signed_code), TableQuantizer(unsigned_code))
-    hps = _hparams_per_tensor(steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    hps = _hparams_per_tensor(steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay)
     if not params:
         return
     from .._kernels import select_backend
 
-    backend = select_backend(_device_type(params, grads, states), block_size, max(q.k for q in quantizers), fused)
+    device_type = _device_type(params, grads, states)
+    backend = select_backend(device_type, block_size, max(q.k for q in quantizers), fused)
     p32s = [_flat_float32(param) for param in params]
     if backend != "eager":
         flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
@@ -185,8 +187,9 @@ def adam8bit_multi_tensor_step_(
             param.copy_(p32.view(param.shape))
 
 
-def _check_multi_tensor_args(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]],
-                             steps: Sequence[int], block_size: int, fused: bool | None) -> None:
+def _check_multi_tensor_args(params: Sequence[Tensor], grads: Sequence[Tensor],
+                             states: Sequence[Sequence[Tensor]], steps: Sequence[int],
+                             block_size: int, fused: bool | None) -> None:
     """Raise ValueError unless every tensor has one grad, 4 state tensors and one step, of
     matching sizes (the steps themselves: ``adam8bit_hparams``)."""
     n = len(params)
@@ -223,7 +226,8 @@ def _hparams_per_tensor(steps: Sequence[int], **hparams: float) -> list[tuple[fl
     return [by_step[step] for step in steps]
 
 
-def _device_type(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]]) -> str:
+def _device_type(params: Sequence[Tensor], grads: Sequence[Tensor],
+                 states: Sequence[Sequence[Tensor]]) -> str:
     """"cpu", "cuda", ...; tensors on several devices give "cpu+cuda" (the eager ops)."""
     if all(t.is_cpu for param, grad, state in zip(params, grads, states, strict=True)
            for t in (param, grad, *state)):
@@ -232,9 +236,10 @@ def _device_type(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequ
                             for t in (param, grad, *state)}))
 
 
-def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]],
-                  hps: list[tuple[float, ...]], flags: int, block_size: int, signed_code: Tensor,
-                  unsigned_code: Tensor, quantizers: tuple[TableQuantizer, TableQuantizer]) -> None:
+def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor],
+                  states: Sequence[Sequence[Tensor]], hps: list[tuple[float, ...]], flags: int,
+                  block_size: int, signed_code: Tensor, unsigned_code: Tensor,
+                  quantizers: tuple[TableQuantizer, TableQuantizer]) -> None:
     """The step on the C++ or Triton kernel ([Note: 8-bit Adam backends]): every tensor in
     one call, on contiguous copies of the states where they are not contiguous."""
     from .._kernels import run_adam8bit_kernel_
@@ -252,9 +257,9 @@ def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor], sta
 
 
 def _eager_step_(p32s: list[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]],
-                 hps: list[tuple[float, ...]], block_size: int, signed_code: Tensor, unsigned_code: Tensor,
-                 quantizers: tuple[TableQuantizer, TableQuantizer], *, maximize: bool, wd_on: bool,
-                 decoupled: bool) -> None:
+                 hps: list[tuple[float, ...]], block_size: int, signed_code: Tensor,
+                 unsigned_code: Tensor, quantizers: tuple[TableQuantizer, TableQuantizer], *,
+                 maximize: bool, wd_on: bool, decoupled: bool) -> None:
     """The step with torch ops, one tensor at a time: dequantize, update, requantize."""
     for p32, grad, state, hp in zip(p32s, grads, states, hps, strict=True):
         codes_m, absmax_m, codes_v, absmax_v = state

@@ -150,8 +150,9 @@ def shampoo_step_(
     return report
 
 
-def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int, beta1: float,
-                       beta2: float, grafting: str, grafting_epsilon: float) -> Tensor | None:
+def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int,
+                       beta1: float, beta2: float, grafting: str,
+                       grafting_epsilon: float) -> Tensor | None:
     """The momentum and, for grafting "adam", the second moment, in place; returns Adam's
     denominator ``sqrt(v / (1 - beta2^t)) + grafting_epsilon`` (None for other grafting)."""
     exp_avg.lerp_(grad, 1 - beta1)
@@ -162,7 +163,8 @@ def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None,
     return (exp_avg_sq.sqrt() / bc2_sqrt).add_(grafting_epsilon)  # type: ignore[union-attr]
 
 
-def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr: float, bc1: float) -> None:
+def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr: float,
+                     bc1: float) -> None:
     """The grafted method alone (torch AdamW's op order for grafting="adam")."""
     if denom is not None:
         param.addcdiv_(exp_avg, denom, value=-lr / bc1)
@@ -170,8 +172,9 @@ def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr
         param.add_(exp_avg, alpha=-lr / bc1)
 
 
-def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, tiles: Sequence[ShampooTile],
-                            *, lr: float, bc1: float, grafting: str) -> None:
+def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None,
+                            tiles: Sequence[ShampooTile], *, lr: float, bc1: float,
+                            grafting: str) -> None:
     """``p <- p - lr P`` per tile, ``P`` the preconditioned momentum at the grafted norm."""
     m_hat = exp_avg / bc1  # (rows, cols)
     graft = m_hat if denom is None else m_hat / denom  # (rows, cols)
