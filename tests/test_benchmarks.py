@@ -143,7 +143,13 @@ def test_muon_sweep_grid_and_summary():
 def test_one_dion_loader(tmp_path, monkeypatch):
     """The benches find Dion through ``_common``'s loader alone: a checkout lacking a
     module they need reads as not installed, and the package imports from the checkout."""
-    from benchmarks import _common, bench_muon_dion, bench_muon_moe, bench_muon_sweep, bench_normuon_dion
+    from benchmarks import (
+        _common,
+        bench_muon_dion,
+        bench_muon_moe,
+        bench_muon_sweep,
+        bench_normuon_dion,
+    )
 
     pkg = tmp_path / "dion"
     pkg.mkdir()

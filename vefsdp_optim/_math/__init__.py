@@ -34,7 +34,7 @@ torch.optim, scipy or a float64 reference.
 
 from ._adam import adam_foreach_, adamw_step_, check_adam_hparams
 from ._adam8bit_step import adam8bit_block_step_, adam8bit_multi_tensor_step_
-from ._matrix_root import matrix_inverse_root, shampoo_tiles
+from ._matrix_root import matrix_inverse_root
 from ._muon import (
     Int8Momentum,
     MuonBlock,
@@ -84,7 +84,13 @@ from ._quant8 import (
     num_blocks,
     quantize_blockwise,
 )
-from ._shampoo import SHAMPOO_ROOT, ShampooTile, shampoo_step_, shampoo_update_statistics_
+from ._shampoo import (
+    SHAMPOO_ROOT,
+    ShampooTile,
+    shampoo_step_,
+    shampoo_tiles,
+    shampoo_update_statistics_,
+)
 from ._soap import (
     SoapGeometry,
     SoapHparams,

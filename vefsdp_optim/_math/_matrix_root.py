@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "matrix_inverse_root", "shampoo_tiles"]
+__all__ = ["all_finite", "matrix_inverse_root"]
 
 
 def all_finite(x: Tensor) -> Tensor:
@@ -68,21 +68,3 @@ def matrix_inverse_root(
     ok = finite & all_finite(result)
     return torch.where(ok, result, eye).to(a.dtype), ok
 
-
-def shampoo_tiles(rows: int, cols: int, max_dim: int) -> list[tuple[slice, slice]]:
-    """Cut a (rows, cols) matrix into tiles of at most ``max_dim`` x ``max_dim``.
-
-    Tiles are ``max_dim`` on a side except at the bottom and right edges (ragged), and
-    listed in row-major tile order: ``(row_slice, col_slice)`` pairs, so
-    ``matrix[row_slice, col_slice]`` is a tile. An empty matrix has no tiles.
-    """
-    for name, value in (("rows", rows), ("cols", cols)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
-        raise ValueError(f"max_dim must be a positive int, got {max_dim!r}")
-    return [
-        (slice(r, min(r + max_dim, rows)), slice(c, min(c + max_dim, cols)))
-        for r in range(0, rows, max_dim)
-        for c in range(0, cols, max_dim)
-    ]
