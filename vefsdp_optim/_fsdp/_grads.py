@@ -68,23 +68,20 @@ class GradSettings:
 # pre-backward: the first backward after a reduction leaves each unsharded
 # ``.grad`` None. Then, by the shard group's policy (``FSDPModule.set_gradient_copy_in``):
 #   - copy-in (the default): autograd makes each parameter's gradient as usual, and
-#     the shard group's end of backward allocates the buffer and copies them in (one copy of the
-#     shard group's gradients, FSDP2's copy-in; FSDP2 also copies parameters in and out).
-#     A module's gradients then take memory one parameter at a time, as FSDP2's do, and
-#     the peak is FSDP2's (benchmarks/bench_memory.py: 1.00x at W = 2 and 4, AC off and
-#     on, where in place gave 1.04-1.08x: a whole store's buffer from its first gradient);
-#   - in place (``set_gradient_copy_in(False)``): a hook on the gradients of the unsharded parameters (run before
-#     AccumulateGrad) allocates the buffer at the store's first gradient and points
-#     every ``.grad`` at its view, so autograd adds into it as [Note: grads into the
-#     buffer] says: no copy at all, one store's buffer of memory more.
-# Later backwards of an accumulation without sync add into the buffer in place either way. Under activation checkpointing the recomputation runs first, so the buffer and
-# the recomputed activations no longer overlap with an earlier shard group's reduce-scatter
-# input: just before allocating, completed reduce-scatters of earlier shard groups are
-# finished, which frees their inputs ([Note: async reduce-scatter]). A backward in
-# which no gradient reached the store still reduces zeros. (A copy of the first gradient into
-# the buffer would spare the zero-fill, but it is a copy per parameter, which
-# [Note: grads into the buffer] rules out.)
-
+#     the shard group's end of backward allocates the buffer and copies them in (one
+#     copy of the shard group's gradients, FSDP2's copy-in). A module's gradients then
+#     take memory one parameter at a time, as FSDP2's do, and the peak is FSDP2's
+#     (measured in docs/decisions.md);
+#   - in place (``set_gradient_copy_in(False)``): a hook on the gradients of the
+#     unsharded parameters (run before AccumulateGrad) allocates the buffer at the
+#     store's first gradient and points every ``.grad`` at its view, so autograd adds
+#     into it as [Note: grads into the buffer] says: no copy, one store's buffer more.
+# Later backwards of an accumulation without sync add into the buffer in place either
+# way. Under activation checkpointing the recomputation runs first, so the buffer and
+# the recomputed activations no longer overlap with an earlier shard group's
+# reduce-scatter input: just before allocating, completed reduce-scatters of earlier
+# shard groups are finished, which frees their inputs ([Note: async reduce-scatter]).
+# A backward in which no gradient reached the store still reduces zeros.
 #
 # [Note: unused parameters]
 # A shard group reduces its whole gradient buffer, so each member's reduced slice exists
@@ -334,7 +331,8 @@ class StoreGrads:
         with torch.no_grad():
             with streams.use(last):
                 if not grad_settings.native_average:
-                    factor = grad_settings.gradient_divide_factor or float(settings.world_size * settings.replicate_world_size)
+                    factor = (grad_settings.gradient_divide_factor
+                              or float(settings.world_size * settings.replicate_world_size))
                     if factor != 1.0:
                         reduce.local_grad.div_(factor)
                 if prev is not None and self._partial:  # the kept grads were never all-reduced
@@ -416,7 +414,8 @@ class StoreGrads:
         if settings.replicate_process_group is not None:
             dist.all_reduce(counts, group=settings.replicate_process_group)
         ranks = settings.world_size * settings.replicate_world_size
-        partial = [f"{fqn} ({c} of {ranks} ranks)" for fqn, c in zip(members, counts.tolist(), strict=True) if 0 < c < ranks]
+        partial = [f"{fqn} ({c} of {ranks} ranks)"
+                   for fqn, c in zip(members, counts.tolist(), strict=True) if 0 < c < ranks]
         if partial:
             raise ValueError(
                 f"fully_shard: parameters got a gradient on some ranks of their shard group only since the "

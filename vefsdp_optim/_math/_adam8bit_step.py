@@ -29,8 +29,9 @@ __all__ = ["adam8bit_block_step_", "adam8bit_hparams", "adam8bit_multi_tensor_st
 #     v = v * beta2 + (g * g) * (1 - beta2)
 #     p = p + (m * -step_size) / (sqrt(v) / sqrt(bias_correction2) + eps)
 # with torch.optim's bias corrections computed in float64 and every coefficient rounded
-# once to float32, and sqrt correctly rounded (torch's own float32 sqrt is not, on AVX512). torch's own lerp_ / addcmul_ round once per fused multiply-add on the
-# CPU (a compiler without fma cannot reproduce them), so this step differs from
+# once to float32, and sqrt correctly rounded (torch's own float32 sqrt is not, on
+# AVX512). torch's own lerp_ / addcmul_ round once per fused multiply-add on the CPU (a
+# compiler without fma cannot reproduce them), so this step differs from
 # ``adamw_step_`` in the last bit of some elements; it is as close to torch.optim.AdamW
 # (tests/test_adam8bit.py) and the same on every rank at every world size.
 
