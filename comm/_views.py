@@ -134,7 +134,7 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
     mesh = dt.device_mesh
     key = (tuple(dt.placements), tuple(dt.shape))
     # cached on the mesh object itself: meshes built again after a process group is
-    # re-initialised compare equal to the old ones but hold new process groups
+    # re-initialized compare equal to the old ones but hold new process groups
     cache = mesh.__dict__.setdefault("_vefsdp_view_meta", {})
     meta = cache.get(key)
     checked = meta is not None

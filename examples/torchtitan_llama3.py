@@ -5,7 +5,7 @@ torchtitan's own pieces, unchanged: the llama3 "debugmodel" config, meta-device 
 shards every block, [norm, lm_head] as one group and the root, and calls
 ``set_gradient_divide_factor(1.0)`` on every FSDPModule), ``init_weights``,
 OptimizersContainer, LRSchedulersContainer (warmup + decay), ``clip_grad_norm_``, its
-cross-entropy loss normalised by the global token count, and its CheckpointManager's
+cross-entropy loss normalized by the global token count, and its CheckpointManager's
 model wrapper. Two swaps, marked ``# vefsdp_optim``: torchtitan's ``fully_shard`` is
 replaced by ours (one attribute of ``torchtitan.distributed.fsdp``), and our optimizers
 are registered in the OptimizersContainer's factory under names of their own.

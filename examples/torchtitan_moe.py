@@ -11,7 +11,7 @@ then ``apply_fsdp_to_decoder``: one ``fully_shard`` per block whose
 ``shard_placement_fn`` gives FSDP2's ``ShardPlacementResult`` on "efsdp" for the experts
 and on "fsdp" for the rest, then the root; before it, activation checkpointing,
 selective as in torchtitan's debug config, ``--ac``), ``init_weights`` and its cross-entropy loss
-normalised by the global token count. The one swap, marked ``# vefsdp_optim``:
+normalized by the global token count. The one swap, marked ``# vefsdp_optim``:
 torchtitan's ``fully_shard`` is ours (one attribute of ``torchtitan.distributed.fsdp``);
 our fully_shard gives each such block two shard groups ([Note: shard groups of one call]).
 

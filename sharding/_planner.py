@@ -3,7 +3,7 @@
 Every rank holds ``m`` consecutive elements of the buffer (``m`` a multiple of
 ``align``, equal on every rank). Each rank boundary ``k * m`` that falls strictly inside
 a tensor must be a legal cut of that tensor ([Note: legal cuts]). Padding is
-``W * m - N``. Minimising it contains multiprocessor scheduling (NP-hard), so the
+``W * m - N``. Minimizing it contains multiprocessor scheduling (NP-hard), so the
 planner is a polynomial heuristic; see [Note: planner heuristic].
 """
 
@@ -187,7 +187,7 @@ def fsdp2_row_padding(shapes: Iterable[Sequence[int]], world_size: int) -> int:
 
 # [Note: planner heuristic]
 # For a fixed tensor order and a fixed m, placing each tensor at its earliest legal
-# offset minimises every later position (a legal offset stays legal whatever came
+# offset minimizes every later position (a legal offset stays legal whatever came
 # before), so an order and an m define one placement. The heuristic
 #   1. scans m upward from the lower bound (in steps of align, then geometrically),
 #      adding the multiples of each unit, since m % u == 0 lets a tensor of unit u span

@@ -8,7 +8,7 @@ does not finish within ``timeout`` seconds fails the test instead of hanging it.
 Workers are kept alive between calls (one pool per world size), since spawning a
 process and importing torch costs seconds; a pool that failed or timed out is torn
 down and the next call starts a fresh one. ``fn`` and its arguments must pickle
-(module-level functions). Inside ``fn``, ``torch.distributed`` is initialised with the
+(module-level functions). Inside ``fn``, ``torch.distributed`` is initialized with the
 default group covering all W ranks.
 """
 

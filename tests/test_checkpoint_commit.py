@@ -3,7 +3,7 @@ newest complete copy (and says when it recovered one), corruption is detected.
 
 Faults are injected at each phase of save() through ``_save_load._fault_hook`` (the
 job stops there on every rank: what a killed job leaves on disk), and during the DCP
-write by one rank failing to serialise its entry (DCP makes every rank raise).
+write by one rank failing to serialize its entry (DCP makes every rank raise).
 """
 
 from __future__ import annotations

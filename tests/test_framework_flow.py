@@ -2,7 +2,7 @@
 
 Meta-device construction, to_empty and a full state-dict load; blocks under activation
 checkpointing, each a shard group, and [final norm, head] as one shard group; summed gradients
-(set_gradient_divide_factor(1.0)) with a loss normalised by the global token count;
+(set_gradient_divide_factor(1.0)) with a loss normalized by the global token count;
 clip_grad_norm_; an LR scheduler; a state-dict hook that reshapes a parameter; a DCP
 save and load through get_state_dict / set_state_dict in the middle. Every rank feeds
 the same tokens, so the summed gradient equals one device's gradient of the mean loss:
@@ -111,7 +111,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sched, steps: range, wo
     for s in steps:
         t = _tokens(s)
         logits = model(t[:, :-1])
-        # summed over tokens, normalised by the global token count (every rank the same)
+        # summed over tokens, normalized by the global token count (every rank the same)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), t[:, 1:].reshape(-1), reduction="sum")
         (loss / (t[:, 1:].numel() * world)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)))

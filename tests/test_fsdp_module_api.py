@@ -66,7 +66,7 @@ def _api() -> dict[str, object]:
     ref, ours, theirs = _pair()
     out["isinstance"] = all(isinstance(m, TorchFSDPModule) for m in (ours, ours.emb, ours.blocks))
     out["container_index"] = type(ours.blocks[0:2]) is nn.Sequential  # torch's __new__ rule
-    # summed gradients, as frameworks that normalise the loss themselves ask for. FSDP2
+    # summed gradients, as frameworks that normalize the loss themselves ask for. FSDP2
     # reduces with PREMUL_SUM then, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with
     # Gloo"): the reference is the single device (every rank has the same data, so the
     # sum is W times its gradient)

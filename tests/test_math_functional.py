@@ -27,7 +27,7 @@ from vefsdp_optim._math import (
     dequantize_blockwise,
     dynamic_code_map,
     muon_adjust_lr,
-    muon_orthogonalise,
+    muon_orthogonalize,
     muon_step_,
     normuon_normalize_blocks,
     normuon_step_,
@@ -436,12 +436,12 @@ def test_normuon_step_equals_reference() -> None:
             torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-9)
 
 
-def test_muon_orthogonalise_batched_equals_per_block() -> None:
+def test_muon_orthogonalize_batched_equals_per_block() -> None:
     """The step loop's batched Newton-Schulz over a bucket (vefsdp_optim._math.
-    muon_orthogonalise_batched) is muon_orthogonalise on each input, bit for bit: inputs
+    muon_orthogonalize_batched) is muon_orthogonalize on each input, bit for bit: inputs
     of one block, of equal blocks, of mixed shapes, tall and wide, and blocks below the
     batch guard."""
-    from vefsdp_optim._math import muon_orthogonalise_batched
+    from vefsdp_optim._math import muon_orthogonalize_batched
 
     gen = torch.Generator().manual_seed(11)
 
@@ -457,19 +457,19 @@ def test_muon_orthogonalise_batched_equals_per_block() -> None:
     blocks = [blocks_of(s) for s in layouts]
     updates = [torch.randn(sum(r * c for r, c in s), generator=gen).bfloat16() for s in layouts]
     for ns in [(NS_COEFFICIENTS, 5, 1e-7), ("polar_express", 5, 1e-7)]:
-        got = muon_orthogonalise_batched(updates, blocks, *ns)
+        got = muon_orthogonalize_batched(updates, blocks, *ns)
         for x, b, o in zip(updates, blocks, got, strict=True):
-            assert torch.equal(o, muon_orthogonalise(x, b, *ns)), b
+            assert torch.equal(o, muon_orthogonalize(x, b, *ns)), b
 
 
-def test_normuon_orthogonalise_batched_equals_per_block() -> None:
+def test_normuon_orthogonalize_batched_equals_per_block() -> None:
     """NorMuon's batched orthogonalization of a bucket (vefsdp_optim._math.
-    normuon_orthogonalise_batched: Newton-Schulz and the normalization, each batched per
-    block shape) is muon_orthogonalise then normuon_normalize_blocks on each input, bit
+    normuon_orthogonalize_batched: Newton-Schulz and the normalization, each batched per
+    block shape) is muon_orthogonalize then normuon_normalize_blocks on each input, bit
     for bit, the row second moments included, over three steps: the layouts of the
     Newton-Schulz test plus equal-shape whole inputs, tall and wide, an odd shape and
     a float64 moment."""
-    from vefsdp_optim._math import normuon_orthogonalise_batched
+    from vefsdp_optim._math import normuon_orthogonalize_batched
 
     gen = torch.Generator().manual_seed(12)
     layouts = [[(32, 40)], [(32, 40)], [(32, 40)] * 3, [(64, 33), (32, 40)], [(64, 33)], [(8, 8)] * 2,
@@ -486,8 +486,8 @@ def test_normuon_orthogonalise_batched_equals_per_block() -> None:
         ref = [[v.clone() for v in vs] for vs in ours]
         for _ in range(3):
             updates = [torch.randn(sum(r * c for r, c in s), generator=gen).bfloat16() for s in layouts]
-            got = normuon_orthogonalise_batched(updates, blocks, ours, 0.9, dtype, "polar_express", 5, 1e-7)
+            got = normuon_orthogonalize_batched(updates, blocks, ours, 0.9, dtype, "polar_express", 5, 1e-7)
             for x, b, vs, o in zip(updates, blocks, ref, got, strict=True):
-                ortho = muon_orthogonalise(x, b, "polar_express", 5, 1e-7)
+                ortho = muon_orthogonalize(x, b, "polar_express", 5, 1e-7)
                 assert torch.equal(o, normuon_normalize_blocks(ortho, b, vs, 0.9, dtype)), (dtype, b)
             assert all(torch.equal(a, b) for va, vb in zip(ours, ref, strict=True) for a, b in zip(va, vb, strict=True))

@@ -1,6 +1,6 @@
-"""Meta-device initialisation, as large runs start: build under torch.device("meta"),
-fully_shard, to_empty, then initialise (reset_parameters) or load a full state dict.
-No full parameter is materialised by sharding; the results equal one device and FSDP2.
+"""Meta-device initialization, as large runs start: build under torch.device("meta"),
+fully_shard, to_empty, then initialize (reset_parameters) or load a full state dict.
+No full parameter is materialized by sharding; the results equal one device and FSDP2.
 """
 
 from __future__ import annotations

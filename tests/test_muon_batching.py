@@ -1,6 +1,6 @@
 """Muon's batched Newton-Schulz across parameters ([Note: batched Newton-Schulz]).
 
-A rank orthogonalises every whole block it computes in an exchange bucket (parameters
+A rank orthogonalizes every whole block it computes in an exchange bucket (parameters
 of one param group), by shape, in one batch: the blocks of several fused QKV matrices
 (``split_sizes``), experts (``flatten=False``), plain matrices of one shape. The
 reference is torch.optim.Muon on every block as its own parameter, bit for bit, on one

@@ -1,5 +1,5 @@
 """Per-head Muon (group key ``num_heads``, Dion's name): a 2-D weight viewed as
-``num_heads`` equal row blocks, each orthogonalised with its own lr adjustment, equal to
+``num_heads`` equal row blocks, each orthogonalized with its own lr adjustment, equal to
 torch.optim.Muon on the separate head parameters; heads kept whole by the planner,
 sharded at W = 2 and 3 (FSDP2 and fully_shard) equal to one device."""
 

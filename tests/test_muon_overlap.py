@@ -107,7 +107,7 @@ def test_rounds_equal_torch_and_overlap(world_size):
 
 
 def test_cost_counts_each_block():
-    """Owners are balanced by the Newton-Schulz cost of the blocks really orthogonalised:
+    """Owners are balanced by the Newton-Schulz cost of the blocks really orthogonalized:
     each QKV block and each expert alone, not the fused matrix."""
     p = nn.Parameter(torch.zeros(16, 8))
     opt = vefsdp_optim.Muon([{"params": [p], "split_sizes": [8, 4, 4]}])
@@ -124,7 +124,7 @@ def test_cost_counts_each_block():
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_experts_batched_or_not_equal_torch(monkeypatch, exact):
-    """Runs of equal experts are orthogonalised in one batch where that keeps every bit
+    """Runs of equal experts are orthogonalized in one batch where that keeps every bit
     ([Note: batched Newton-Schulz]), one by one elsewhere: torch.optim.Muon's bits either way."""
     import vefsdp_optim._math._muon as muon_mod
 

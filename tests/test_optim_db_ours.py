@@ -6,7 +6,7 @@ gradients. Sharded (FSDP2 and vefsdp_optim.fully_shard, W = 2 and 3): our class 
 torch's class on one device fed the same averaged gradients, bit for bit (AdamW is
 elementwise; Muon's Newton-Schulz runs once per matrix on the full matrix). With
 ``fused=True`` our AdamW runs torch's fused kernel on each rank's shard, as torch's
-AdamW(fused=True) does on FSDP2's DTensors; the CPU kernel's vectorised body and scalar
+AdamW(fused=True) does on FSDP2's DTensors; the CPU kernel's vectorized body and scalar
 tail can round an element differently when the shard starts elsewhere, so on FSDP2 the
 reference is torch's AdamW(fused=True) on the same FSDP2 model (bit for bit). On
 fully_shard the flat store is stepped in pieces that put every element where one

@@ -373,7 +373,7 @@ class BlockOptimizer(Optimizer):
                 raise NotImplementedError(
                     f"{type(self).__name__} cannot step parameters on the meta device (shape "
                     f"{tuple(p.shape)}); materialize them first (module.to_empty(device=...) and "
-                    "initialisation), then step")
+                    "initialization), then step")
             if p.grad.is_sparse:
                 raise NotImplementedError(f"{type(self).__name__} does not support sparse gradients")
             if p.is_complex():

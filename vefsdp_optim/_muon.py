@@ -17,7 +17,7 @@ from vefsdp_optim._math import (
     muon_adjust_lr,
     muon_apply_,
     muon_momentum_,
-    muon_orthogonalise_batched,
+    muon_orthogonalize_batched,
 )
 from vefsdp_optim._math._muon_int8 import MOMENTUM_BLOCK, empty_momentum
 from vefsdp_optim._math._quant8 import dynamic_code_map
@@ -63,7 +63,7 @@ class Muon(QKClip, BlockOptimizer):
 
     Block structure, per param group (Dion's names):
 
-    * ``flatten``: for parameters of 3 or more dims, ``True`` orthogonalises one
+    * ``flatten``: for parameters of 3 or more dims, ``True`` orthogonalizes one
       ``(dim 0, rest)`` matrix; ``False`` treats the tensor as a batch of matrices over
       its leading dims (MoE experts ``[E, out, in]``): each ``[m, n]`` slice gets its own
       Newton-Schulz and lr adjustment, exactly as a separate 2-D parameter. A group with
@@ -221,7 +221,7 @@ class Muon(QKClip, BlockOptimizer):
                          [inputs[i][1] for i in adam_idx], group=items[0].group, eps_key="adamw_eps")
             for i in adam_idx:
                 out[i] = [inputs[i][0]]
-        # every whole block this rank orthogonalises in this bucket: one batched
+        # every whole block this rank orthogonalizes in this bucket: one batched
         # Newton-Schulz per block shape across parameters ([Note: batched Newton-Schulz])
         updates: list[torch.Tensor] = []
         blocks: list[list[tuple[int, int, int]]] = []
@@ -241,7 +241,7 @@ class Muon(QKClip, BlockOptimizer):
             updates.append(x)
             blocks.append(whole_blocks(it, plan, start, x.numel()))
         if updates:  # one param group per bucket: one Newton-Schulz
-            results = self._orthogonalise([(items[i], plan, start) for i, plan, start in where], updates, blocks)
+            results = self._orthogonalize([(items[i], plan, start) for i, plan, start in where], updates, blocks)
             for (i, _, _), r in zip(where, results, strict=True):
                 out[i] = [r]
         return out
@@ -281,13 +281,13 @@ class Muon(QKClip, BlockOptimizer):
         bfloat16 (the same on every rank: the exchange groups tensors by dtype)."""
         return torch.bfloat16
 
-    def _orthogonalise(self, where: list[tuple[StepItem, MuonPlan, int]], updates: list[torch.Tensor],
+    def _orthogonalize(self, where: list[tuple[StepItem, MuonPlan, int]], updates: list[torch.Tensor],
                        blocks: list[list[tuple[int, int, int]]]) -> list[torch.Tensor]:
-        """The updates sent back for the compute slices this rank orthogonalises in a
+        """The updates sent back for the compute slices this rank orthogonalizes in a
         bucket (one param group): ``updates[k]`` is the Newton-Schulz input of item
         ``where[k] = (item, plan, start)``'s slice (1-D, flat order, whole blocks from flat
         offset ``start``; ``blocks[k]``, offsets in the slice)."""
-        return muon_orthogonalise_batched(updates, blocks, *ns_args(where[0][0].group))
+        return muon_orthogonalize_batched(updates, blocks, *ns_args(where[0][0].group))
 
     def apply_results(self, item: StepItem, outputs: list[torch.Tensor]) -> None:
         if not self._is_muon(item.view.shape, item.group):

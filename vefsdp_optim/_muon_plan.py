@@ -1,5 +1,5 @@
 """Muon's param-group keys and per-parameter plans: the defaults and checks of the
-constructor's arguments, and how a parameter splits into separately orthogonalised
+constructor's arguments, and how a parameter splits into separately orthogonalized
 blocks ([Note: Muon blocks] in _math/_muon_blocks.py) with what that asks of the planner.
 Shared by :class:`Muon` and :class:`NorMuon`."""
 
@@ -39,7 +39,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MuonPlan:
-    """How one Muon parameter splits into separately orthogonalised blocks
+    """How one Muon parameter splits into separately orthogonalized blocks
     ([Note: Muon blocks] in _math/_muon_blocks.py) and what it asks of the planner."""
 
     requirement: Requirement
@@ -128,8 +128,8 @@ def check_heads(num_heads: object) -> int | None:
 
 
 _FLATTEN_HELP = (
-    "set the group key flatten=True to orthogonalise it as one (dim 0, rest) matrix (the "
-    "convolution convention), or flatten=False to orthogonalise each [..., m, n] slice over the "
+    "set the group key flatten=True to orthogonalize it as one (dim 0, rest) matrix (the "
+    "convolution convention), or flatten=False to orthogonalize each [..., m, n] slice over the "
     "leading dims alone, as a separate 2-D parameter (MoE expert weights [experts, out, in])")
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vefsdp_optim._math import NsCoefficients, normuon_orthogonalise_batched
+from vefsdp_optim._math import NsCoefficients, normuon_orthogonalize_batched
 from vefsdp_optim.comm import ShardedView
 from vefsdp_optim.sharding import RaggedShard
 
@@ -165,7 +165,7 @@ class NorMuon(Muon):
     def _update_dtype(self, item: StepItem) -> torch.dtype:
         return torch.promote_types(item.view.local.dtype, torch.float32)
 
-    def _orthogonalise(self, where: list[tuple[StepItem, MuonPlan, int]], updates: list[torch.Tensor],
+    def _orthogonalize(self, where: list[tuple[StepItem, MuonPlan, int]], updates: list[torch.Tensor],
                        blocks: list[list[tuple[int, int, int]]]) -> list[torch.Tensor]:
         variances = []  # per slice, the row second moment of each of its blocks
         for (item, plan, start), x in zip(where, updates, strict=True):
@@ -179,5 +179,5 @@ class NorMuon(Muon):
                 vs.append(v)
             variances.append(vs)
         group = where[0][0].group
-        return normuon_orthogonalise_batched(updates, blocks, variances, group["muon_beta2"],
+        return normuon_orthogonalize_batched(updates, blocks, variances, group["muon_beta2"],
                                              self._update_dtype(where[0][0]), *ns_args(group))

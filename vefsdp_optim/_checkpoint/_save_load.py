@@ -250,7 +250,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
 # parameter's state is absent) and lacks every key of the entry; a partly missing entry
 # is still an error. The optimizer's load_state_dict then leaves that parameter without
 # state ([Note: no state saved, none loaded] in _format.py). Both of torch's
-# optimizer state dict forms are recognised: nested ({"state": {fqn: {key: value}},
+# optimizer state dict forms are recognized: nested ({"state": {fqn: {key: value}},
 # "param_groups": [...]}) and flattened ({"state.<fqn>.<key>": value,
 # "param_groups.<fqn>.<key>": value}).
 

@@ -176,7 +176,7 @@ def _shard_data(group: list[_Collected], mesh: DeviceMesh,
     data = {}
     for c in group:
         # meta parameters (large models built under torch.device("meta")) give their
-        # shape and dtype only: the local shard is allocated, uninitialised
+        # shape and dtype only: the local shard is allocated, uninitialized
         p = c.original
         src = p.detach() if p.is_meta else p.detach().to(device)
         if isinstance(src, DTensor):

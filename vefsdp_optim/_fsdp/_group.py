@@ -119,7 +119,7 @@ class ShardGroup:
         # has one, else SUM and one division). With a gradient_divide_factor f, or with
         # force_sum_reduction, every collective is a SUM and the result is divided once by
         # f (default: the number of data-parallel ranks), before HSDP's all-reduce: f = 1
-        # gives summed gradients, as frameworks that normalise the loss themselves expect.
+        # gives summed gradients, as frameworks that normalize the loss themselves expect.
         # requires_all_reduce=False (HSDP) skips the replicate all-reduce; the partial
         # result is kept and joins the next all-reduce. all_reduce_hook(t) runs on the
         # reduced shard before it becomes the sharded .grad.

@@ -50,7 +50,7 @@ def _default_device(mesh: DeviceMesh) -> torch.device:
 
 def _init_mesh() -> DeviceMesh:
     if not dist.is_initialized():
-        raise ValueError("fully_shard needs torch.distributed initialised or an explicit mesh")
+        raise ValueError("fully_shard needs torch.distributed initialized or an explicit mesh")
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     dt = acc.type if acc is not None else "cpu"
     return init_device_mesh(dt, (dist.get_world_size(),))

@@ -48,7 +48,7 @@ aten = torch.ops.aten
 #    results, bitwise one device's; a sharded operand the op writes gets its slice back.
 #    So a non-flat-order view (p.t(), p[1]) is a gathered copy: writes miss p.
 # 6. In-place random fills (uniform_, normal_, ...: nn.init): every rank draws the whole
-#    tensor from the same generator and keeps its slice, so meta-device initialisation
+#    tensor from the same generator and keeps its slice, so meta-device initialization
 #    equals one device's when the ranks share a seed.
 # Refused with NotImplementedError naming the op: in-place shape changes (t_, resize_,
 # set_), other random ops, fused / foreach kernels handed a plain non-scalar tensor.

@@ -173,7 +173,7 @@ class DtypeStore(StoreGrads):
             a, n = self.master.local_extent(p.fqn)
             local = self.master.local_view(p.fqn)
             src = data[p.fqn]
-            if not src.is_meta:  # meta: initialised later (to_empty, then init or a load)
+            if not src.is_meta:  # meta: initialized later (to_empty, then init or a load)
                 with torch.no_grad():
                     local.copy_(src.reshape(-1)[a:a + n])
             layout = self.plan.layout(p.fqn)

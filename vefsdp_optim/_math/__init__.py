@@ -19,8 +19,8 @@ is the same function on each block, bit for bit (tests/test_math_functional.py):
 ``adam_foreach_`` (torch's multi-tensor Adam over a bucket) and ``adamw_step_`` over a
 whole flat store; ``adam8bit_multi_tensor_step_`` (the fused 8-bit kernels over a
 bucket, one call on the CPU); Muon's
-batched Newton-Schulz (``muon_orthogonalise_batched``, beside ``muon_orthogonalise`` in
-_muon.py) and NorMuon's (``normuon_orthogonalise_batched``, beside ``normuon_step_`` in
+batched Newton-Schulz (``muon_orthogonalize_batched``, beside ``muon_orthogonalize`` in
+_muon.py) and NorMuon's (``normuon_orthogonalize_batched``, beside ``normuon_step_`` in
 _normuon.py, with the batched normalization ``normuon_normalize_batched_``). Muon's
 blocks, their costs and lr adjustment are in _muon_blocks.py. Muon runs its step in
 three phases on different ranks ([Note: Muon's phases] in _muon.py), each a function
@@ -41,8 +41,8 @@ from ._muon import (
     muon_apply_,
     muon_lr_runs,
     muon_momentum_,
-    muon_orthogonalise,
-    muon_orthogonalise_batched,
+    muon_orthogonalize,
+    muon_orthogonalize_batched,
     muon_step_,
 )
 from ._muon_blocks import (
@@ -66,7 +66,7 @@ from ._normuon import (
     NORMUON_EPS,
     normuon_normalize_,
     normuon_normalize_blocks,
-    normuon_orthogonalise_batched,
+    normuon_orthogonalize_batched,
     normuon_step_,
 )
 from ._polar_express import (
@@ -142,12 +142,12 @@ __all__ = [
     "muon_lr_runs",
     "muon_matrix_view",
     "muon_momentum_",
-    "muon_orthogonalise",
-    "muon_orthogonalise_batched",
+    "muon_orthogonalize",
+    "muon_orthogonalize_batched",
     "muon_step_",
     "normuon_normalize_",
     "normuon_normalize_blocks",
-    "normuon_orthogonalise_batched",
+    "normuon_orthogonalize_batched",
     "normuon_step_",
     "num_blocks",
     "polar_express_coefficients",

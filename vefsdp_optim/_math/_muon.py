@@ -11,7 +11,7 @@ is in _normuon.py.
 A step is three phases, and ``muon_step_`` is literally their composition:
 
     x = muon_momentum_(grad, momentum)           elementwise: any slice of the tensor
-    o = muon_orthogonalise(x, blocks, ...)        per whole block: Newton-Schulz
+    o = muon_orthogonalize(x, blocks, ...)        per whole block: Newton-Schulz
         (normuon_normalize_blocks(o, ...))        per whole block: NorMuon only
     muon_apply_(param, o, lr=..., ...)            elementwise: decay, then the step
 
@@ -20,12 +20,12 @@ storage shard (the float momentum stays sharded; the 8-bit one on the compute sl
 whose 256-element blocks it needs whole), Newton-Schulz on the rank that holds each
 whole block (the owner of a whole matrix), the update back on the shards. An
 elementwise function gives each element the same bits on a slice as on the whole
-tensor, and each block is orthogonalised whole, so the sharded step is this function
-at any world size. The step loop orthogonalises a bucket's blocks with the batched form
-of ``muon_orthogonalise``, ``muon_orthogonalise_batched`` below (one batched
+tensor, and each block is orthogonalized whole, so the sharded step is this function
+at any world size. The step loop orthogonalizes a bucket's blocks with the batched form
+of ``muon_orthogonalize``, ``muon_orthogonalize_batched`` below (one batched
 Newton-Schulz per block shape across parameters, only where ``newtonschulz_batch_exact``
 has checked it gives the per-block bits), and NorMuon's blocks with
-``normuon_orthogonalise_batched`` in _normuon.py (that, then one batched normalization per block
+``normuon_orthogonalize_batched`` in _normuon.py (that, then one batched normalization per block
 shape where ``normuon_batch_exact`` has checked it: [Note: batched NorMuon
 normalization] in _normuon.py): the same results, bit for bit, tested in
 tests/test_math_functional.py.
@@ -57,12 +57,12 @@ __all__ = [
     "muon_apply_",
     "muon_lr_runs",
     "muon_momentum_",
-    "muon_orthogonalise",
-    "muon_orthogonalise_batched",
+    "muon_orthogonalize",
+    "muon_orthogonalize_batched",
     "muon_step_",
 ]
 
-#: ``(flat offset, rows, cols)`` of one separately orthogonalised block of a flat tensor
+#: ``(flat offset, rows, cols)`` of one separately orthogonalized block of a flat tensor
 MuonBlock = tuple[int, int, int]
 
 
@@ -107,7 +107,7 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
                       out=torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device))
 
 
-def muon_orthogonalise(
+def muon_orthogonalize(
     update: Tensor, blocks: Sequence[MuonBlock], ns_coefficients: NsCoefficients = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS, eps: float = NS_EPS,
 ) -> Tensor:
@@ -229,7 +229,7 @@ def muon_step_(
     _check_step(param, grad, momentum_buffer)
     blocks = muon_blocks(param.shape, flatten, split_sizes)
     update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
-    ortho = muon_orthogonalise(update, blocks, ns_coefficients, ns_steps, eps)
+    ortho = muon_orthogonalize(update, blocks, ns_coefficients, ns_steps, eps)
     _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
 
 
@@ -295,12 +295,12 @@ def _newton_schulz_by_shape(
     return out
 
 
-def muon_orthogonalise_batched(
+def muon_orthogonalize_batched(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
     ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
 ) -> list[torch.Tensor]:
-    """The batched form of ``_math.muon_orthogonalise`` ([Note: Muon's phases]):
-    ``[muon_orthogonalise(x, b, ...) for x, b in zip(updates, blocks)]``, bit for bit, with
+    """The batched form of ``_math.muon_orthogonalize`` ([Note: Muon's phases]):
+    ``[muon_orthogonalize(x, b, ...) for x, b in zip(updates, blocks)]``, bit for bit, with
     one batched Newton-Schulz per block shape across all the inputs where
     :func:`newtonschulz_batch_exact` says it gives the per-block bits ([Note: batched
     Newton-Schulz]); per block elsewhere. Each ``blocks[i]`` covers ``updates[i]`` (1-D).

@@ -1,4 +1,4 @@
-"""Muon's blocks: the matrices a parameter is orthogonalised as, their costs and the
+"""Muon's blocks: the matrices a parameter is orthogonalized as, their costs and the
 learning-rate adjustment of each ([Note: Muon blocks])."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = [
 
 
 def muon_matrix_view(shape: Sequence[int]) -> tuple[int, int]:
-    """The (rows, cols) matrix Muon orthogonalises for a parameter of ``shape``.
+    """The (rows, cols) matrix Muon orthogonalizes for a parameter of ``shape``.
 
     A 2-D shape is itself; a tensor of more dims is viewed as (dim 0, product of the
     rest), e.g. a conv weight (out, in, kh, kw) -> (out, in * kh * kw). This is the
@@ -29,7 +29,7 @@ def muon_matrix_view(shape: Sequence[int]) -> tuple[int, int]:
     if len(dims) < 2:
         raise ValueError(
             f"Muon needs a tensor of at least 2 dims, got shape {dims}; "
-            "optimise 0-D and 1-D parameters with an elementwise optimizer"
+            "optimize 0-D and 1-D parameters with an elementwise optimizer"
         )
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
         raise ValueError(f"shape must hold non-negative ints, got {dims}")
@@ -50,7 +50,7 @@ def muon_adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) ->
     ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot's);
     ``"spectral_unclamped"``: ``lr * sqrt(rows / cols)`` (Bernstein's; torch >= 2.14). For a
     2-D shape this equals torch's ``_adjust_lr``; a shape of more dims uses its
-    ``muon_matrix_view`` (the matrix actually orthogonalised), not its first two dims.
+    ``muon_matrix_view`` (the matrix actually orthogonalized), not its first two dims.
     Dion's names: ``"spectral_norm"``: the same as ``"spectral_unclamped"``;
     ``"rms_norm"``: the same as ``"match_rms_adamw"``.
     """
@@ -82,7 +82,7 @@ def _adjust_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
 
 
 # [Note: Muon blocks]
-# A Muon parameter is orthogonalised as one or more separate matrices ("blocks"), each
+# A Muon parameter is orthogonalized as one or more separate matrices ("blocks"), each
 # updated exactly as a separate 2-D parameter of its shape would be (Newton-Schulz and
 # lr adjustment on the block alone). ``flatten=True`` (or a 2-D parameter): one
 # (dim 0, rest) matrix. ``flatten=False``: a batch of matrices over the leading dims,
@@ -105,7 +105,7 @@ def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int, shape: tupl
 
 
 def muon_batch_view(shape: Sequence[int], flatten: bool = True) -> tuple[int, int, int]:
-    """``(batch, rows, cols)``: the matrices Muon orthogonalises for a parameter of ``shape``.
+    """``(batch, rows, cols)``: the matrices Muon orthogonalizes for a parameter of ``shape``.
 
     ``flatten=True`` (or 2 dims): one ``muon_matrix_view`` matrix. ``flatten=False``:
     ``prod(shape[:-2])`` matrices of ``shape[-2:]`` (see [Note: Muon blocks]).
@@ -120,7 +120,7 @@ def muon_batch_view(shape: Sequence[int], flatten: bool = True) -> tuple[int, in
 def muon_blocks(
     shape: Sequence[int], flatten: bool = True, split_sizes: Sequence[int] | None = None,
 ) -> list[tuple[int, int, int]]:
-    """The blocks ``(flat offset, rows, cols)`` Muon orthogonalises separately, in flat
+    """The blocks ``(flat offset, rows, cols)`` Muon orthogonalizes separately, in flat
     order (see [Note: Muon blocks]). Raises ValueError when ``split_sizes`` do not sum
     to the rows of each matrix."""
     dims = tuple(shape)

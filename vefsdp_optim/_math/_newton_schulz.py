@@ -1,4 +1,4 @@
-"""Muon's math: Newton-Schulz orthogonalisation (the learning-rate adjustment and the
+"""Muon's math: Newton-Schulz orthogonalization (the learning-rate adjustment and the
 blocks are in _muon_blocks.py).
 
 The op sequence of ``zeropower_via_newtonschulz`` is the one of ``torch.optim.Muon``
@@ -91,7 +91,7 @@ def zeropower_via_newtonschulz(
 
     Returns:
         A new bfloat16 tensor of shape (rows, cols), bit-identical to
-        ``torch.optim.Muon``'s orthogonalisation of the same input on the same device.
+        ``torch.optim.Muon``'s orthogonalization of the same input on the same device.
         ``grad`` is not modified (torch's private function scales a bfloat16 input in
         place; the result is the same).
     """

@@ -62,7 +62,7 @@ from ._muon import (
     _newton_schulz_by_shape,
     _result,
     muon_momentum_,
-    muon_orthogonalise,
+    muon_orthogonalize,
 )
 from ._muon_blocks import muon_blocks
 from ._newton_schulz import BATCH_MIN_DIM, NS_COEFFICIENTS, NS_EPS, NS_STEPS, NsCoefficients
@@ -73,7 +73,7 @@ __all__ = [
     "normuon_normalize_",
     "normuon_normalize_batched_",
     "normuon_normalize_blocks",
-    "normuon_orthogonalise_batched",
+    "normuon_orthogonalize_batched",
     "normuon_step_",
 ]
 
@@ -256,18 +256,18 @@ def normuon_step_(
     if len(variances) != len(blocks):
         raise ValueError(f"{len(variances)} row second moments for a parameter of {len(blocks)} blocks")
     update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
-    ortho = muon_orthogonalise(update, blocks, ns_coefficients, ns_steps, eps)
+    ortho = muon_orthogonalize(update, blocks, ns_coefficients, ns_steps, eps)
     ortho = normuon_normalize_blocks(ortho, blocks, variances, muon_beta2,
                                      torch.promote_types(param.dtype, torch.float32))
     _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
 
 
-def normuon_orthogonalise_batched(
+def normuon_orthogonalize_batched(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
     variances: Sequence[Sequence[torch.Tensor]], beta2: float, dtype: torch.dtype,
     ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
 ) -> list[torch.Tensor]:
-    """NorMuon's orthogonalization of a bucket: :func:`muon_orthogonalise_batched`, then
+    """NorMuon's orthogonalization of a bucket: :func:`muon_orthogonalize_batched`, then
     ``_math.normuon_normalize_blocks`` of each input with ``variances[i]`` (one per block
     of ``blocks[i]``, updated in place), bit for bit; returns 1-D ``dtype`` tensors. The
     blocks of one shape are normalized in one batch where :func:`normuon_batch_exact`

@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: 2, 1 with --sharding none, 4 with --sharding ep)")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps (default: each task's own, see --list)")
-    p.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
+    p.add_argument("--seed", type=int, default=0, help="seed of data and initialization")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for every optimizer (default: a per-optimizer, per-task "
                         "value; runs with --lr are not held to the task thresholds)")

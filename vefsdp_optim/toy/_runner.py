@@ -157,7 +157,7 @@ def _shard(model: nn.Module, sharding: str) -> None:
     if sharding == "none":
         return
     if not dist.is_initialized():
-        raise RuntimeError(f"sharding={sharding!r} needs an initialised process group")
+        raise RuntimeError(f"sharding={sharding!r} needs an initialized process group")
     if sharding == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -181,7 +181,7 @@ def _is_embed_or_head(name: str) -> bool:
 def build_optimizer(name: str, model: nn.Module, lr: float | None) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``model``'s parameters, with the toy runs' settings.
 
-    Built-ins use ``weight_decay=0`` (the loss floors assume no regularisation); the
+    Built-ins use ``weight_decay=0`` (the loss floors assume no regularization); the
     8-bit optimizers quantize every tensor of at least MIN_8BIT_SIZE elements. Muon
     (and NorMuon, otherwise at its own defaults: Polar Express, Dion's lr adjustment)
     takes the matrices (2 or more dims) outside embeddings and the output head; the

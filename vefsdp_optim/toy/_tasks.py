@@ -1,6 +1,6 @@
 """Toy training tasks with known loss floors, deterministic from a seed, CPU-sized.
 
-Every task gives the same model initialisation and the same batch at a given step on
+Every task gives the same model initialization and the same batch at a given step on
 every rank and in every process (data is generated from ``(seed, step)`` alone), so a
 sharded run and its single-device reference see the same data; each rank trains on the
 whole global batch (replicated data), and the averaged gradient equals the
@@ -57,7 +57,7 @@ def stationary_distribution(P: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"P must be a square matrix, got shape {tuple(P.shape)}")
     P = P.to(torch.float64)
     n = P.shape[0]
-    # solve (P^T - I) pi = 0 with the normalisation sum(pi) = 1 appended
+    # solve (P^T - I) pi = 0 with the normalization sum(pi) = 1 appended
     A = torch.cat([P.T - torch.eye(n, dtype=torch.float64), torch.ones(1, n, dtype=torch.float64)])
     b = torch.zeros(n + 1, 1, dtype=torch.float64)
     b[-1] = 1.0
