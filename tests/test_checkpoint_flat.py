@@ -18,8 +18,7 @@ from __future__ import annotations
 import os
 
 import torch
-from dist_utils import run_distributed
-from test_checkpoint import (
+from ckpt_harness import (
     OPTIMIZERS,
     SPLIT,
     STEPS,
@@ -31,6 +30,7 @@ from test_checkpoint import (
     _shard,
     _train,
 )
+from dist_utils import run_distributed
 
 KINDS = ("fully_shard", "fsdp2")
 

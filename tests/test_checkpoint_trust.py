@@ -205,7 +205,7 @@ def test_interop_and_no_writer_path(tmp_path):
 
 
 def _interop_save(root: str, who: str) -> dict[str, torch.Tensor]:
-    from test_checkpoint import SPLIT, _build, _full_params, _optimizer, _shard, _train
+    from ckpt_harness import SPLIT, _build, _full_params, _optimizer, _shard, _train
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -224,7 +224,7 @@ def _interop_save(root: str, who: str) -> dict[str, torch.Tensor]:
 
 
 def _interop_load(root: str, who: str) -> dict[str, torch.Tensor]:
-    from test_checkpoint import SPLIT, _build, _full_params, _optimizer, _shard, _train
+    from ckpt_harness import SPLIT, _build, _full_params, _optimizer, _shard, _train
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_fully_shard import RTOL, _build, _close, _full, _train
+from fsdp_harness import RTOL, _build, _close, _full, _train
 
 from vefsdp_optim._torch_compat import SINCE, DataParallelMeshDims
 

@@ -119,7 +119,7 @@ def test_fsdp2_tp_3x2_bitwise(name: str) -> None:
     (("fully_shard", 3), ("fully_shard_tp", 4)),
 ])
 def test_checkpoint_across_meshes(tmp_path, src, dst):
-    from test_checkpoint import _resume_case
+    from ckpt_harness import _resume_case
 
     _resume_case(tmp_path, src[0], src[1], dst[0], dst[1])
 
@@ -134,7 +134,7 @@ def test_checkpoint_across_meshes(tmp_path, src, dst):
                                       (("fsdp2_tp", 4), ("fully_shard_tp", 4)),
                                       (("fully_shard_tp", 6), ("fully_shard", 2))])
 def test_checkpoint_across_meshes_more(tmp_path, src, dst):
-    from test_checkpoint import _resume_case
+    from ckpt_harness import _resume_case
 
     _resume_case(tmp_path, src[0], src[1], dst[0], dst[1])
 
