@@ -71,6 +71,7 @@ class AdamW(BlockOptimizer):
     """
 
     decoupled = True
+    checks_capturable = False  # torch's own error at the first step, as torch.optim.AdamW
     #: update whole fully_shard stores in fused ops where possible
     fuse_stores: bool = True
 

@@ -16,6 +16,7 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 from ._checkpoint import export_state, load_state, validate_state
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._fsdp import replaced_by_fully_shard
+from ._torch_compat import capturable_devices, tree_flatten
 from ._step_loop import (
     BlockContext,
     PendingExchange,
@@ -100,6 +101,10 @@ class BlockOptimizer(Optimizer):
     #: fewest elements per round of whole tensors sent to owners ([Note: owner rounds]);
     #: 0 keeps them in the buckets above
     min_round_numel: int = 1 << 20
+    #: ``capturable=True`` on a device CUDA graphs cannot capture: our ValueError when the
+    #: step is planned; False leaves the error to torch at the first step (AdamW, as
+    #: torch.optim.AdamW raises it)
+    checks_capturable: bool = True
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -384,6 +389,8 @@ class BlockOptimizer(Optimizer):
                 raise ValueError(
                     f"gradient layout {gview.layout} differs from parameter layout "
                     f"{view.layout} for a parameter of shape {tuple(view.shape)}")
+            if group.get("capturable") and self.checks_capturable:
+                check_capturable(type(self).__name__, group, view.local.device)
             req = self.requirement(view.shape, group)
             compute = self._compute_layout(req, view)
             may_move = compute is None or compute != view.layout
@@ -434,6 +441,43 @@ class BlockOptimizer(Optimizer):
         else:
             inputs = [self.gather_inputs(it) for it in bucket]
         return exchange(bucket, inputs, forward=True, moving=moving)
+
+
+# [Note: capturable steps]
+# capturable=True (torch.optim's flag, a param group key) makes a step a fixed sequence of
+# device work that a CUDA graph can capture and replay:
+#   - step counts are float32 0-d tensors on the parameters' device, incremented there,
+#     and every coefficient read from them or from a Tensor lr (bias corrections, step
+#     sizes) is computed there: a replay advances them and reads the lr tensor a
+#     scheduler changed in place;
+#   - nothing in the step reads a device value on the host (no .item(), no branch on a
+#     tensor), and no host tensor enters a device op (its value would be the one read at
+#     capture): Tensor hyperparameters must live on the parameters' device;
+#   - the host work a step does once (its plan, the batching probes, code tables) is done
+#     by the eager steps before a capture, which torch requires anyway (warm-up).
+# The results are the same at every world size as on one device with capturable=True,
+# and differ from capturable=False in the last bits, as torch's capturable Adam does
+# (coefficients rounded on the device). torch refuses capturable=True on the CPU, which
+# has no graphs; so do we, here (AdamW leaves it to torch's own error).
+def check_capturable(name: str, group: dict[str, Any], device: torch.device) -> None:
+    """The checks of ``capturable=True`` ([Note: capturable steps]): the parameter's
+    device is one torch.optim accepts for it, and every Tensor hyperparameter lives there
+    (a host value would be read once, when the step is captured)."""
+    devices = capturable_devices()
+    if device.type not in devices:
+        raise ValueError(
+            f"{name}(capturable=True) needs its parameters on a device whose steps CUDA graphs "
+            f"can capture ({', '.join(devices)}), got a parameter on {device}; use capturable=False "
+            f"on {device.type}")
+    for key, value in group.items():
+        if key == "params":
+            continue
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise ValueError(
+                    f"{name}(capturable=True) needs Tensor hyperparameters on the parameters' device "
+                    f"{device}, got {key!r} on {t.device}: a captured step would keep the value it "
+                    f"read when captured; pass {key} as a float or as a tensor on {device}")
 
 
 def _check_not_replaced(p: torch.Tensor, name: str) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
+import torch.optim.optimizer as torch_optimizer
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd import Variable
@@ -60,7 +61,7 @@ __all__ = [
     "module_parameters", "module_buffers", "module_apply",
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
     "DataParallelMeshDims",
-    "require_data_parallel_mesh_dims",
+    "require_data_parallel_mesh_dims", "capturable_devices",
 ]
 
 TORCH_RANGE = ">=2.11,<2.16"  # pyproject.toml's pin
@@ -93,6 +94,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # torch.optim's argument checks (_adamw: AdamW's signature and errors)
     "torch.optim.optimizer._device_dtype_check_for_fused": CHECKED,
     "torch.optim.optimizer._to_scalar": CHECKED,
+    # capturable=True: the device types torch.optim accepts for it (_block_optimizer)
+    "torch.optim.optimizer._get_capturable_supported_devices": CHECKED,
     # the sharded tensor subclass and its dispatch (_fsdp._sharded_tensor, _sharded_dispatch)
     "torch.utils._pytree.tree_flatten": CHECKED,
     "torch.utils._pytree.tree_map": CHECKED,
@@ -149,6 +152,12 @@ unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counte
 tensordot = torch._VF.tensordot
 foreach_lerp_ = torch._foreach_lerp_
 foreach_add_ = torch._foreach_add_
+
+
+def capturable_devices() -> list[str]:
+    """The device types torch.optim accepts with ``capturable=True`` (looked up at each
+    call, so our optimizers and torch's agree where a test widens torch's list)."""
+    return torch_optimizer._get_capturable_supported_devices()
 
 
 def dtensor_local(dt: Any) -> torch.Tensor:
