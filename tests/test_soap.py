@@ -315,7 +315,8 @@ def test_signature_defaults_registry_and_errors() -> None:
     want = dict(lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1, eps=1e-8, weight_decay=0.01,
                 precondition_frequency=10, max_precond_dim=10000, merge_dims=False, precondition_1d=False,
                 normalize_grads=False, data_format="channels_first", correct_bias=True)
-    assert {k: v.default for k, v in sig.parameters.items() if k not in ("self", "params")} == want
+    assert {k: v.default for k, v in sig.parameters.items() if k not in ("self", "params", "capturable")} == want
+    assert sig.parameters["capturable"].kind is inspect.Parameter.KEYWORD_ONLY  # ours, after the reference's
     assert vefsdp_optim.get_optimizer("soap") is SOAP and "soap" in vefsdp_optim.list_optimizers()
     p = [nn.Parameter(torch.zeros(3, 3))]
     for kw, exc, match in [

@@ -459,6 +459,10 @@ class BlockOptimizer(Optimizer):
 # and differ from capturable=False in the last bits, as torch's capturable Adam does
 # (coefficients rounded on the device). torch refuses capturable=True on the CPU, which
 # has no graphs; so do we, here (AdamW leaves it to torch's own error).
+# A graph replays the kind of step it captured. SOAP and Shampoo decide on the host when to
+# refresh their preconditioners, from their count of step() calls: the steps in between are
+# capturable; the refreshes (and SOAP's first step) call eigh (which reads its error code back
+# to the host on CUDA) or QR and run eagerly, as step() calls; count_replays(n) counts replays.
 def check_capturable(name: str, group: dict[str, Any], device: torch.device) -> None:
     """The checks of ``capturable=True`` ([Note: capturable steps]): the parameter's
     device is one torch.optim accepts for it, and every Tensor hyperparameter lives there

@@ -15,6 +15,7 @@ from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBloc
 
 from ._block_optimizer import BlockContext, BlockOptimizer
 from ._checkpoint import ELEMENTWISE, LOCAL, REPLICATED
+from ._host_steps import HostStepCounts
 from ._registry import register_optimizer
 
 __all__ = ["Shampoo"]
@@ -43,7 +44,7 @@ def _tile_key(stat: str, band: int, col: int) -> str:
 # parameter's state from the keys of the LIVE state: torch's
 # set_optimizer_state_dict(flatten_optimizer_state_dict=True) (torchtitan) looks up
 # "state.{fqn}.{key}" for each key of optim.state[param], so a saved key the live state
-# lacks would be dropped. The LOCAL bookkeeping ("start", "root_failures",
+# lacks would be dropped. The LOCAL bookkeeping ("span", "root_failures",
 # "skipped_tiles") is never saved; such a flow hands it back as an empty dict, which
 # load ignores.
 
@@ -93,6 +94,18 @@ class Shampoo(BlockOptimizer):
     step. Both are decided on the device, with no host sync in the step, so no warning
     is given: ``state["root_failures"]`` and ``state["skipped_tiles"]`` (0-dim int64
     tensors on the parameter's device, not saved) count them; reading one is a host sync.
+
+    ``capturable=True`` ([Note: capturable steps] in _block_optimizer.py): ``state["step"]``
+    is a float32 0-d tensor on the parameter's device (a host float32 tensor otherwise,
+    as torch.optim keeps it) and the bias corrections, step sizes and ``lr`` are device
+    tensors. When to recompute the roots, and from which step to precondition, stays a
+    host decision, from the optimizer's own count of its ``step()`` calls (re-derived from
+    the device counts by ``load_state_dict``). So the steps between recomputations are
+    the ones a CUDA graph replays; the recomputing steps call ``eigh``, which reads its
+    error code back to the host on CUDA, and run eagerly, as ``step()`` calls (so does
+    ``start_preconditioning_step``, the first preconditioned one). A replay advances the
+    device counts alone: :meth:`count_replays` adds replays to the host count, without
+    which the recomputations follow ``step()`` calls.
     """
 
     def __init__(
@@ -108,6 +121,7 @@ class Shampoo(BlockOptimizer):
         grafting: str = "adam",
         *,
         grafting_epsilon: float = 1e-8,
+        capturable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
@@ -115,9 +129,10 @@ class Shampoo(BlockOptimizer):
             max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step, grafting=grafting,
-            grafting_epsilon=grafting_epsilon,
+            grafting_epsilon=grafting_epsilon, capturable=capturable,
         )
         self._check_group(defaults)
+        self._host_steps = HostStepCounts()  # capturable states' step counts, on the host
         super().__init__(params, defaults)
 
     @staticmethod
@@ -131,6 +146,8 @@ class Shampoo(BlockOptimizer):
         _check_int("start_preconditioning_step", group["start_preconditioning_step"], 0)
         if group["grafting"] not in _GRAFTINGS:
             raise ValueError(f"grafting must be one of {_GRAFTINGS}, got {group['grafting']!r}")
+        if not isinstance(group["capturable"], bool):
+            raise TypeError(f"capturable must be a bool, got {group['capturable']!r}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -151,7 +168,7 @@ class Shampoo(BlockOptimizer):
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
         # tiles "{stat}.{band}.{col}": saved by the extra-state hooks, keyed by global index
-        spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "start": LOCAL,
+        spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "span": LOCAL,
                                       "root_failures": LOCAL, "skipped_tiles": LOCAL}
         if group["grafting"] == "adam":
             spec["exp_avg_sq"] = ELEMENTWISE
@@ -164,8 +181,8 @@ class Shampoo(BlockOptimizer):
 
     def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
                            layout: RaggedShard, group: dict[str, Any], name: object) -> None:
-        if isinstance(layout, RaggedShard) and state["start"] != layout.local(view.rank)[0]:
-            raise AssertionError(f"Shampoo state starts at {state['start']}, its layout at "
+        if isinstance(layout, RaggedShard) and state["span"].start != layout.local(view.rank)[0]:
+            raise AssertionError(f"Shampoo state starts at {state['span'].start}, its layout at "
                                  f"{layout.local(view.rank)[0]}")
         keys = [k for k in state if k.startswith(self.extra_state_prefixes)]
         missing = [k for k in keys if k not in saved]
@@ -183,12 +200,50 @@ class Shampoo(BlockOptimizer):
             if v.data_ptr() != live.data_ptr():
                 live.copy_(v)
 
+    def count_replays(self, n: int = 1) -> None:
+        """Count ``n`` replays of a captured step (``capturable=True``) in the host's step
+        counts, which decide when the preconditioners are refreshed: without this, the
+        refreshes follow ``step()`` calls alone ([Note: capturable steps]). The ``step()``
+        call a graph captured counts once, for its first replay: count the others::
+
+            with torch.cuda.graph(graph):
+                opt.step()  # counted: the step of the first replay
+            graph.replay()
+            ...
+            graph.replay()
+            opt.count_replays()
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self._host_steps.add(n)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`BlockOptimizer.load_state_dict`; then each step count goes where its
+        group's ``capturable`` (saved with the groups, as torch.optim's) keeps it: the
+        parameter's device, or the host, and the host counts are read from it."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "step" not in state:
+                    continue
+                device = state["exp_avg"].device if group["capturable"] else torch.device("cpu")
+                step = state["step"]
+                if not isinstance(step, torch.Tensor) or step.device != device or step.dtype != torch.float32:
+                    state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
+        self._host_steps.rederive(st.get("step") for st in self.state.values())
+
     # -- state ------------------------------------------------------------------------
 
     def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+        if group["capturable"]:  # on the device ([Note: capturable steps])
+            step = torch.zeros((), dtype=torch.float32, device=p.device)
+            self._host_steps.start(step)
+        else:
+            step = torch.tensor(0.0, dtype=torch.float32)
         state: dict[str, Any] = {
-            "step": torch.tensor(0.0, dtype=torch.float32),
-            "start": ctx.start,  # flat offset of the slice this state belongs to
+            "step": step,
+            "span": slice(ctx.start, ctx.start + ctx.length),  # the flat slice this state belongs to
             "exp_avg": torch.zeros_like(p),  # 1-D, ctx.length elems
         }
         if group["grafting"] == "adam":
@@ -219,12 +274,19 @@ class Shampoo(BlockOptimizer):
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], ctx: BlockContext,
         group: dict[str, Any],
     ) -> None:
-        if state["start"] != ctx.start or state["exp_avg"].numel() != ctx.length:
+        span = state["span"]
+        if span.start != ctx.start or span.stop - span.start != ctx.length:
             raise AssertionError(
-                f"Shampoo state holds the slice at {state['start']} of "
-                f"{state['exp_avg'].numel()} elems, the step gives {ctx.start} of {ctx.length}")
-        state["step"] += 1
-        t = int(state["step"].item())  # a host tensor, as torch.optim keeps it: no device sync
+                f"Shampoo state holds the slice at {span.start} of {span.stop - span.start} elems, "
+                f"the step gives {ctx.start} of {ctx.length}")
+        step: int | torch.Tensor
+        if group["capturable"]:
+            step = state["step"]
+            t = self._host_steps.advance(step)
+            step.add_(1)
+        else:
+            state["step"] += 1
+            step = t = int(state["step"].item())  # a host tensor, as torch.optim keeps it: no sync
         m, v = state["exp_avg"], state.get("exp_avg_sq")  # 1-D, ctx.length elems
         cols = _matrix_cols(ctx.shape)  # None: no tiles (0-D / 1-D)
         tiles: list[ShampooTile] = []
@@ -235,11 +297,11 @@ class Shampoo(BlockOptimizer):
             tiles = [ShampooTile(rs, cs, state[kl], state[kr], state[kli], state[kri])
                      for _, rs, cs, kl, kr, kli, kri in self._tiles(ctx, group)]
         skipped, failed = shampoo_step_(
-            p, g, m, v, tiles, step=t, lr=group["lr"], betas=group["betas"], epsilon=group["epsilon"],
+            p, g, m, v, tiles, step=step, lr=group["lr"], betas=group["betas"], epsilon=group["epsilon"],
             weight_decay=group["weight_decay"], grafting=group["grafting"],
             grafting_epsilon=group["grafting_epsilon"],
             start_preconditioning_step=group["start_preconditioning_step"],
-            precondition_frequency=group["precondition_frequency"])
+            precondition_frequency=group["precondition_frequency"], host_step=t)
         if tiles:  # on the device: no warning, which would need a host read
             state["skipped_tiles"] += skipped
             state["root_failures"] += failed

@@ -12,8 +12,9 @@ import torch
 from vefsdp_optim._math._soap import SoapGeometry, SoapHparams, SoapState, soap_geometry, soap_step_
 from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
 
-from ._block_optimizer import BlockContext, BlockOptimizer
+from ._block_optimizer import BlockContext, BlockOptimizer, check_capturable
 from ._checkpoint import ELEMENTWISE, REPLICATED, WHOLE, validate_state
+from ._host_steps import HostStepCounts
 from ._registry import register_optimizer
 from ._step_loop import StepItem, aligned
 from ._torch_compat import FakeTensor
@@ -32,7 +33,9 @@ __all__ = ["SOAP"]
 # elsewhere (which would find no factors there) raises, on every rank alike, before its
 # exchange. A step rebinds the moments
 # and bases to new tensors where the reference rebinds its own (their memory layouts set
-# the bits of the next step's matmuls); the keys stay.
+# the bits of the next step's matmuls); the keys stay. With capturable=True the step copies
+# the new values into the state's own tensors instead: a captured step reads and writes
+# those, and an eager step between replays must leave them where the graph finds them.
 
 
 _HPARAMS = ("lr", "betas", "shampoo_beta", "eps", "weight_decay", "precondition_frequency",
@@ -85,6 +88,18 @@ class SOAP(BlockOptimizer):
     reference's bits, and any sharding gives one device's. What differs is the work
     around it: a matrix is rotated by ``mm`` without ``tensordot``'s wrapper ([Note: SOAP
     rotations]) and plain parameters skip the exchange bookkeeping (``claim_params``).
+
+    ``capturable=True`` ([Note: capturable steps] in _block_optimizer.py): ``state["step"]``
+    is a float32 0-d tensor on the parameter's device (an int otherwise, as the
+    reference's) and the bias corrections, the step size and ``lr`` are device tensors.
+    When to take the eigenbases (the first step) and to renew them (every
+    ``precondition_frequency`` Adam steps) stays a host decision, from the optimizer's own
+    count of its ``step()`` calls (re-derived from the device counts by
+    ``load_state_dict``). So the steps between renewals are the ones a CUDA graph
+    replays; the first step (``eigh``, which reads its error code back to the host on
+    CUDA) and the renewals (QR) run eagerly, as ``step()`` calls. A replay advances the
+    device counts alone: :meth:`count_replays` adds replays to the host count, without
+    which the renewals follow ``step()`` calls.
     """
 
     def __init__(
@@ -102,18 +117,21 @@ class SOAP(BlockOptimizer):
         normalize_grads: bool = False,
         data_format: str = "channels_first",
         correct_bias: bool = True,
+        *,
+        capturable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
             shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
             precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim,
             merge_dims=merge_dims, precondition_1d=precondition_1d, normalize_grads=normalize_grads,
-            data_format=data_format, correct_bias=correct_bias,
+            data_format=data_format, correct_bias=correct_bias, capturable=capturable,
         )
         self._check_group(defaults)
         # id(param) -> compute layout of its last step, for whole parameters ([Note: SOAP state])
         self._last_compute: dict[int, Any] = {}
         self._hp_cache: dict[int, tuple[tuple[Any, ...], SoapHparams]] = {}  # id(group) -> (values, hparams)
+        self._host_steps = HostStepCounts()  # capturable states' step counts, on the host
         super().__init__(params, defaults)
 
     @staticmethod
@@ -131,6 +149,10 @@ class SOAP(BlockOptimizer):
     @classmethod
     def _check_group(cls, group: dict[str, Any]) -> None:
         cls._hparams(group)  # raises ValueError / TypeError naming the bad value
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and not (lr.numel() == 1 and float(lr) >= 0):  # a host read, once
+            raise ValueError(f"Invalid learning rate: {lr}")
+        _check_bool("capturable", group["capturable"])
         m = group["max_precond_dim"]
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"max_precond_dim must be an int >= 0, got {m!r}")
@@ -178,12 +200,56 @@ class SOAP(BlockOptimizer):
             spec[f"Q.{i}"] = WHOLE
         return spec
 
+    def count_replays(self, n: int = 1) -> None:
+        """Count ``n`` replays of a captured step (``capturable=True``) in the host's step
+        counts, which decide when the preconditioners are refreshed: without this, the
+        refreshes follow ``step()`` calls alone ([Note: capturable steps]). The ``step()``
+        call a graph captured counts once, for its first replay: count the others::
+
+            with torch.cuda.graph(graph):
+                opt.step()  # counted: the step of the first replay
+            graph.replay()
+            ...
+            graph.replay()
+            opt.count_replays()
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self._host_steps.add(n)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`BlockOptimizer.load_state_dict`; then each step count takes the form of its
+        group's ``capturable`` (saved with the groups, as torch.optim's): a float32 0-d tensor
+        on the parameter's device, or an int, and the host counts are read from it."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "step" not in state:
+                    continue
+                step = state["step"]
+                if group["capturable"]:
+                    if not isinstance(step, torch.Tensor) or step.device != state["exp_avg"].device:
+                        state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                                     device=state["exp_avg"].device)
+                    elif step.dtype != torch.float32:
+                        state["step"] = step.to(torch.float32)
+                elif isinstance(step, torch.Tensor):
+                    state["step"] = int(step.item())
+        self._host_steps.rederive(st.get("step") for st in self.state.values())
+
     # -- state and the update ---------------------------------------------------------------
 
     def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
         dtype = torch.promote_types(p.dtype, torch.float32)
         zeros = dict(dtype=dtype, device=p.device)
-        state: dict[str, Any] = {"step": 0}  # calls (an int, as the reference's); Adam's t = step - 1
+        step: int | torch.Tensor
+        if group["capturable"]:  # calls, on the device ([Note: capturable steps])
+            step = torch.zeros((), dtype=torch.float32, device=p.device)
+            self._host_steps.start(step)
+        else:
+            step = 0  # calls (an int, as the reference's); Adam's t = step - 1
+        state: dict[str, Any] = {"step": step}
         if not self._is_whole(ctx.shape, group):
             state["exp_avg"] = torch.zeros(p.numel(), **zeros)  # 1-D, ctx.length elems
             state["exp_avg_sq"] = torch.zeros(p.numel(), **zeros)  # 1-D, ctx.length elems
@@ -209,6 +275,8 @@ class SOAP(BlockOptimizer):
                     or g.shape != p.shape):
                 rest.append(p)  # the loop skips it, steps it, or raises its error
                 continue
+            if group["capturable"]:
+                check_capturable(type(self).__name__, group, p.device)
             state = self.state[p]
             flat = p.view(-1)  # under the step's no_grad
             ctx = BlockContext(p.shape, 0, flat.numel(), 0, 1)
@@ -250,16 +318,27 @@ class SOAP(BlockOptimizer):
             raise AssertionError(f"SOAP got the slice [{ctx.start}, {ctx.start + ctx.length}) of a parameter "
                                  f"of shape {tuple(ctx.shape)} that needs the whole tensor, with state "
                                  f"of shape {tuple(m.shape)}")
-        step = state["step"] = state["step"] + 1
+        step: int | torch.Tensor
+        if group["capturable"]:
+            step = state["step"]
+            host_step = self._host_steps.advance(step)
+            step.add_(1)
+        else:
+            step = host_step = state["step"] = state["step"] + 1
         if geo is None or not geo.has_factors:
-            soap_step_(p, g, SoapState(m, state["exp_avg_sq"], [], []), step, self._group_hparams(group), geo)
+            soap_step_(p, g, SoapState(m, state["exp_avg_sq"], [], []), step, self._group_hparams(group), geo,
+                       host_step)
             return
         dims = range(len(geo.work_shape))
         soap = SoapState(m, state["exp_avg_sq"], [state.get(f"GG.{i}") for i in dims],
                          [state.get(f"Q.{i}") for i in dims])
-        soap_step_(p, g, soap, step, self._group_hparams(group), geo)
-        # the step rebinds the moments and bases ([Note: SOAP state])
-        state["exp_avg"], state["exp_avg_sq"] = soap.exp_avg, soap.exp_avg_sq
-        for i, q in zip(dims, soap.bases, strict=True):
-            if q is not None:
-                state[f"Q.{i}"] = q
+        soap_step_(p, g, soap, step, self._group_hparams(group), geo, host_step)
+        # the step rebinds the moments and bases ([Note: SOAP state]); capturable, their
+        # values go into the state's own tensors, which a captured step reads and writes
+        new = {"exp_avg": soap.exp_avg, "exp_avg_sq": soap.exp_avg_sq}
+        new.update((f"Q.{i}", q) for i, q in zip(dims, soap.bases, strict=True) if q is not None)
+        for key, value in new.items():
+            if not group["capturable"]:
+                state[key] = value
+            elif value is not state[key]:
+                state[key].copy_(value)

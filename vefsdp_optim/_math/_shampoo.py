@@ -57,8 +57,8 @@ class ShampooTile(NamedTuple):
 
 
 def shampoo_update_statistics_(
-    grad: Tensor, tiles: Sequence[ShampooTile], *, step: int, beta2: float, epsilon: float,
-    start_preconditioning_step: int, precondition_frequency: int,
+    grad: Tensor, tiles: Sequence[ShampooTile], *, step: int | Tensor, beta2: float, epsilon: float,
+    start_preconditioning_step: int, precondition_frequency: int, host_step: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each tile's ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2)
     G^T G`` from the tile ``G`` of the (rows, cols) ``grad``, in place; at ``step =
@@ -69,9 +69,13 @@ def shampoo_update_statistics_(
     previous one. Both are selects on the device ([Note: device-side root checks] in
     _matrix_root.py): nothing is read back to the host.
 
+    ``step`` may be a 0-d tensor on the device (capturable), the bias correction then
+    computed there; ``host_step`` (default ``step``) decides when the roots are recomputed.
+
     Returns ``(skipped tiles, failed roots)``: 0-dim int64 tensors on ``grad``'s device.
     """
-    recompute = step >= start_preconditioning_step and (step - start_preconditioning_step) % precondition_frequency == 0
+    n = _host_count(step, host_step)
+    recompute = n >= start_preconditioning_step and (n - start_preconditioning_step) % precondition_frequency == 0
     tiles_ok, roots_ok = [], []  # 0-dim bools, counted once at the end
     for tile in tiles:
         stat_l, stat_r = tile.L, tile.R
@@ -91,6 +95,15 @@ def shampoo_update_statistics_(
     return _count_false(tiles_ok, grad.device), _count_false(roots_ok, grad.device)
 
 
+def _host_count(step: int | Tensor, host_step: int | None) -> int:
+    """The step count the host decides from: ``host_step``, or ``step`` when it is an int."""
+    if host_step is not None:
+        return host_step
+    if isinstance(step, Tensor):
+        raise TypeError("a Tensor step (capturable) needs its count on the host: host_step")
+    return step
+
+
 def _count_false(flags: list[Tensor], device: torch.device) -> Tensor:
     """How many of the 0-dim bool ``flags`` are False: a 0-dim int64 tensor on ``device``."""
     if not flags:
@@ -105,8 +118,8 @@ def shampoo_step_(
     exp_avg_sq: Tensor | None,
     tiles: Sequence[ShampooTile],
     *,
-    step: int,
-    lr: float,
+    step: int | Tensor,
+    lr: float | Tensor,
     betas: tuple[float, float],
     epsilon: float,
     weight_decay: float,
@@ -114,6 +127,7 @@ def shampoo_step_(
     grafting_epsilon: float,
     start_preconditioning_step: int,
     precondition_frequency: int,
+    host_step: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""One step of block-diagonal Shampoo with grafting, in place.
 
@@ -144,10 +158,25 @@ def shampoo_step_(
         tiles: the tiles of the matrix (``ShampooTile``: slices into it and the tile's
             statistics, updated in place), e.g. from :func:`shampoo_tiles`.
         grafting: ``"adam"``, ``"sgd"`` or ``"none"``.
+        step, lr: ints and floats; or, capturable ([Note: capturable steps] in
+            _block_optimizer.py), ``step`` a 0-d float32 tensor on the parameter's device
+            and every coefficient computed from it and ``lr`` there (a float ``lr`` is
+            made a float32 0-d tensor there first).
+        host_step: the step count on the host (default ``step``, then an int): it decides
+            when the roots are recomputed and whether the tiles precondition yet.
 
     Returns ``(tiles whose statistics skipped the step, roots that failed)``: 0-dim int64
     tensors on the parameter's device (zeros without tiles).
     """
+    n = _host_count(step, host_step)
+    if isinstance(step, Tensor):
+        if not isinstance(lr, Tensor):
+            lr = torch.full((), lr, dtype=torch.float32, device=param.device)
+        # [Note: float64 coefficients] the bias corrections in float64, as the Python
+        # floats of capturable=False, which the ops then round to the data's dtype alike:
+        # in float32, 1 - 0.999^t is off by 1e-5 (relative) at t = 1, and a root's
+        # near-null directions ((0 + epsilon)^(-1/4)) amplify that into O(lr) updates
+        step = step.double()
     beta1, beta2 = betas
     bc1 = 1 - beta1**step
     denom = _grafting_moments_(grad, exp_avg, exp_avg_sq, step=step, beta1=beta1, beta2=beta2,
@@ -158,18 +187,18 @@ def shampoo_step_(
         report = shampoo_update_statistics_(
             grad, tiles, step=step, beta2=beta2, epsilon=epsilon,
             start_preconditioning_step=start_preconditioning_step,
-            precondition_frequency=precondition_frequency)
+            precondition_frequency=precondition_frequency, host_step=n)
     else:
         zero = torch.zeros((), dtype=torch.int64, device=param.device)
         report = (zero, zero)
-    if not tiles or step < start_preconditioning_step:
+    if not tiles or n < start_preconditioning_step:
         _grafted_update_(param, exp_avg, denom, lr=lr, bc1=bc1)
     else:
         _preconditioned_update_(param, exp_avg, denom, tiles, lr=lr, bc1=bc1, grafting=grafting)
     return report
 
 
-def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int,
+def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int | Tensor,
                        beta1: float, beta2: float, grafting: str,
                        grafting_epsilon: float) -> Tensor | None:
     """The momentum and, for grafting "adam", the second moment, in place; returns Adam's
@@ -182,17 +211,23 @@ def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None,
     return (exp_avg_sq.sqrt() / bc2_sqrt).add_(grafting_epsilon)  # type: ignore[union-attr]
 
 
-def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr: float,
-                     bc1: float) -> None:
+def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr: float | Tensor,
+                     bc1: float | Tensor) -> None:
     """The grafted method alone (torch AdamW's op order for grafting="adam")."""
-    if denom is not None:
+    if isinstance(bc1, Tensor):  # capturable: the step size on the device
+        step_size = lr / bc1
+        if denom is not None:
+            param.addcdiv_(exp_avg * step_size.neg(), denom)
+        else:
+            param.sub_(exp_avg * step_size)
+    elif denom is not None:
         param.addcdiv_(exp_avg, denom, value=-lr / bc1)
     else:
         param.add_(exp_avg, alpha=-lr / bc1)
 
 
 def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None,
-                            tiles: Sequence[ShampooTile], *, lr: float, bc1: float,
+                            tiles: Sequence[ShampooTile], *, lr: float | Tensor, bc1: float | Tensor,
                             grafting: str) -> None:
     """``p <- p - lr P`` per tile, ``P`` the preconditioned momentum at the grafted norm."""
     m_hat = exp_avg / bc1  # (rows, cols)
@@ -221,4 +256,7 @@ def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None
             direction = direction * (target / norm.clamp_min(torch.finfo(dtype).tiny))
         update[rs, cs] = direction
     torch.where(good, update, m_hat.new_full((), math.nan), out=update)
-    param.add_(update, alpha=-lr)
+    if isinstance(bc1, Tensor):  # capturable
+        param.sub_(update * lr)
+    else:
+        param.add_(update, alpha=-lr)

@@ -132,7 +132,7 @@ def soap_geometry(shape: Sequence[int], max_precond_dim: int, merge_dims: bool =
 class SoapHparams:
     """One param group's SOAP hyperparameters (the reference's names)."""
 
-    lr: float
+    lr: float | Tensor
     betas: tuple[float, float]
     shampoo_beta: float  # < 0: betas[1]
     eps: float
@@ -142,7 +142,7 @@ class SoapHparams:
     correct_bias: bool
 
     def __post_init__(self) -> None:
-        if not self.lr >= 0:
+        if not isinstance(self.lr, Tensor) and not self.lr >= 0:  # a Tensor's: SOAP's constructor
             raise ValueError(f"Invalid learning rate: {self.lr}")
         if not (isinstance(self.betas, tuple) and len(self.betas) == 2
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
@@ -262,6 +262,14 @@ def soap_power_iteration(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim:
     return new.to(factor.dtype), exp_avg_sq
 
 
+def _device_lr(lr: float | Tensor, param: Tensor) -> Tensor:
+    """A capturable step's lr: a Tensor as it is, a float as a float32 0-d tensor on the
+    parameter's device (a fill, the same bits as a float32 tensor of that value)."""
+    if isinstance(lr, Tensor):
+        return lr
+    return torch.full((), lr, dtype=torch.float32, device=param.device)
+
+
 # -- one step --------------------------------------------------------------------------------
 
 
@@ -276,8 +284,8 @@ class SoapState:
     bases: list[Tensor | None]  # per work dim: (d, d) eigenvectors as columns, or None
 
 
-def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int, hp: SoapHparams,
-               geometry: SoapGeometry | None) -> None:
+def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor, hp: SoapHparams,
+               geometry: SoapGeometry | None, host_step: int | None = None) -> None:
     """One SOAP step on a whole tensor: ``param`` in place, ``state`` updated.
 
     ``param`` and ``grad`` hold the tensor's elements in flat order (1-D). ``geometry``
@@ -294,9 +302,18 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int, hp: Soa
       when ``t`` is a multiple of ``precondition_frequency`` the bases are renewed by
       :func:`soap_power_iteration` (``v`` permuted with them), and ``m`` is rotated back
       and into the bases ([Note: SOAP momentum round trip]).
+
+    Capturable ([Note: capturable steps] in _block_optimizer.py): ``step`` a 0-d float32
+    tensor on ``param``'s device, from which the bias corrections are computed there,
+    with ``lr`` (a float made a float32 0-d tensor there first), and ``host_step`` the
+    same count on the host, which decides the first step and the basis renewals.
     """
-    if step < 1:
-        raise ValueError(f"step counts the calls from 1, got {step}")
+    if host_step is None:
+        if isinstance(step, Tensor):
+            raise TypeError("a Tensor step (capturable) needs its count on the host: host_step")
+        host_step = step
+    if host_step < 1:
+        raise ValueError(f"step counts the calls from 1, got {host_step}")
     if geometry is not None and param.numel() != math.prod(geometry.shape):
         raise ValueError(f"param has {param.numel()} elements, geometry {geometry.shape} "
                          f"{math.prod(geometry.shape)}: SOAP with factors needs the whole tensor")
@@ -306,20 +323,23 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int, hp: Soa
     g = geometry.to_work(grad) if geometry is not None else grad
     if g.dtype != m.dtype:
         g = g.to(m.dtype)
-    if step == 1:
+    if host_step == 1:
         if rotated:
             soap_update_factors_(state.factors, g, hp.factor_beta)
             state.bases = [None if f is None else soap_eigenbasis(f) for f in state.factors]
         return
 
-    t = step - 1
+    t = host_step - 1
     beta1, beta2 = hp.betas
     g_rot = soap_project(g, bases) if rotated else g
     m.mul_(beta1).add_(g_rot, alpha=1.0 - beta1)
     v.mul_(beta2).add_(g_rot.square(), alpha=1.0 - beta2)
-    step_size = hp.lr
+    on_device = isinstance(step, Tensor)  # capturable: the coefficients on the device
+    lr = _device_lr(hp.lr, param) if on_device else hp.lr
+    step_size = lr
     if hp.correct_bias:
-        step_size = step_size * ((1.0 - beta2**t) ** 0.5) / (1.0 - beta1**t)
+        t_now = step.double() - 1 if on_device else t  # [Note: float64 coefficients] in _shampoo.py
+        step_size = step_size * ((1.0 - beta2**t_now) ** 0.5) / (1.0 - beta1**t_now)
     denom = v.sqrt().add_(hp.eps)
     u = torch.div(m, denom, out=denom) if denom.shape == m.shape and denom.stride() == m.stride() else m / denom
     if rotated:
@@ -328,9 +348,14 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int, hp: Soa
         u = u / (1e-30 + torch.mean(u**2) ** 0.5)
     if geometry is not None:
         u = geometry.from_work(u)
-    param.view(u.shape).add_(u, alpha=-step_size)
-    if hp.weight_decay > 0.0:
-        param.add_(param, alpha=-hp.lr * hp.weight_decay)
+    if on_device:
+        param.view(u.shape).sub_(u * step_size)
+        if hp.weight_decay > 0.0:
+            param.sub_(param * (lr * hp.weight_decay))
+    else:
+        param.view(u.shape).add_(u, alpha=-step_size)
+        if hp.weight_decay > 0.0:
+            param.add_(param, alpha=-hp.lr * hp.weight_decay)
     if not rotated:
         return
     # [Note: SOAP momentum round trip] m goes back to the gradient's basis and into the
