@@ -86,7 +86,10 @@ class SyncWatch:
             torch.cuda.set_sync_debug_mode(self._prev)
             self._catch.__exit__(et, e, tb)
             for w in self._log:
-                if "synchroniz" in str(w.message):
+                # torch's sync warning; not its one-time notice on entering the mode
+                # ("Synchronization debug mode is a prototype feature ..."), which a
+                # first watched step would otherwise report as a sync at the mode switch
+                if "called a synchronizing" in str(w.message):
                     self.events.append(_where(w.filename, w.lineno))
                 else:  # not ours to swallow
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
