@@ -16,7 +16,6 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 from ._checkpoint import export_state, load_state, validate_state
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._fsdp import replaced_by_fully_shard
-from ._torch_compat import capturable_devices, tree_flatten
 from ._step_loop import (
     BlockContext,
     PendingExchange,
@@ -32,6 +31,7 @@ from ._step_loop import (
     snapped_compute,
 )
 from ._step_plan import GroupPlan, StepPlan, group_values, param_key, view_key
+from ._torch_compat import capturable_devices, tree_flatten
 
 __all__ = ["BlockOptimizer", "BlockContext"]
 

@@ -209,7 +209,8 @@ def _zero_step(opt: BlockOptimizer, create: set[int]) -> None:
             p.grad = None
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
-        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        # (a Tensor lr keeps its device: a capturable group needs it on the parameters')
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
         opt.step()
     finally:
