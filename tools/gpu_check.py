@@ -16,6 +16,10 @@ run's budget (``--budget``, 450 s: the run stays under 8 minutes):
   are that many, bit for bit against torch.optim or one device, with a DCP save, load
   and resumed steps, and every step after each optimizer's first watched for host syncs
   (``set_sync_debug_mode``; one step under its "error" at W = 1): tools/_gpu_correct.py;
+- ``capture``: every optimizer with ``capturable=True`` on plain CUDA parameters and on our
+  and torch's fully_shard at W = 1, one ``opt.step()`` captured in a CUDA graph and
+  replayed, bit for bit against eager steps, and the replay's time against an eager
+  step's: tools/_gpu_capture.py;
 - ``profiler``: are our fully_shard's all-gathers and reduce-scatters off the default
   stream (FSDP2 as the control): tools/_gpu_profile.py;
 - ``kernels``: the suite's GPU tests (``VEFSDP_TEST_DEVICE=cuda``: the Triton 8-bit
@@ -56,10 +60,10 @@ DEPS = ("einops", "scipy", "pytest", "hypothesis")
 OPTIONAL = ("triton",)
 BUDGET_S = 450.0
 # seconds each part may take on a GPU (on the CPU dry run: CPU_CAP_S each)
-CAPS_S = {"plain": 45, "fully_shard": 60, "fsdp2": 60, "profiler": 45, "kernels": 75,
-          "bench_adam8bit": 45, "bench_muon": 60, "bench_fully_shard": 75}
+CAPS_S = {"plain": 45, "fully_shard": 60, "fsdp2": 60, "capture": 60, "profiler": 40, "kernels": 70,
+          "bench_adam8bit": 40, "bench_muon": 50, "bench_fully_shard": 70}
 CPU_CAP_S = 300
-CORRECTNESS = ("plain", "fully_shard", "fsdp2", "kernels")
+CORRECTNESS = ("plain", "fully_shard", "fsdp2", "capture", "kernels")
 KERNEL_TESTS = ["tests/test_adam8bit_triton.py", "-k",
                 "triton_equals or bf16_param or compiles_for_cuda or default_on_cuda or one_launch"]
 
@@ -162,6 +166,8 @@ def plan(n_gpus: int, dry: bool, parts: list[str] | None, worlds: list[int] | No
     big = [w for w in worlds if w > 1]
     steps: list[tuple[str, int]] = [("plain", 1)]
     steps += [(k, w) for w in worlds for k in ("fully_shard", "fsdp2")]
+    if 1 in worlds:
+        steps.append(("capture", 1))
     steps.append(("profiler", min(big) if big else 1))
     if not dry:
         steps.append(("kernels", 1))
@@ -196,6 +202,8 @@ def _recover(d: Path, part: str, world: int, why: str) -> dict[str, Any]:
     started = [x["start"] for x in lines if "start" in x]
     if part in ("plain", "fully_shard", "fsdp2"):
         res["cases"] = [x for x in done if "optimizer" in x]
+    elif part == "capture":
+        res["captures"] = [x for x in done if "optimizer" in x]
     else:
         res["partial"] = done
     if len(started) > len(done):
@@ -354,6 +362,20 @@ def _cell(c: dict[str, Any]) -> str:
     return "; ".join(parts) or f"equal ({c['steps']} steps{', DCP' if dcp else ''})"
 
 
+def _capture_row(c: dict[str, Any]) -> dict[str, Any]:
+    """One case of the capture part, as a table row."""
+    if c.get("error"):
+        first = [ln for ln in c["error"].splitlines() if ln.strip()]
+        verdict = f"error: {first[-1]}"[:220] if first else "error"
+    elif c["mismatch"]:
+        m = c["mismatch"]
+        verdict = f"differs: {m['what']}" + (f" ({m['n_diff']} of {m['numel']})" if m.get("n_diff") else "")
+    else:
+        verdict = f"equal ({c['steps']} steps)"
+    return {"optimizer": c["optimizer"], "kind": c["kind"], "verdict": verdict, "eager ms": c.get("eager_ms"),
+            "replay ms": c.get("replay_ms"), "eager / replay": c.get("ratio")}
+
+
 def _part_name(r: dict[str, Any]) -> str:
     name = {"plain": "plain", "fully_shard": "fully_shard", "fsdp2": "FSDP2"}.get(r["part"], r["part"])
     return name + f" W={r['world']}"
@@ -384,6 +406,10 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
         if r.get("cases"):
             bad = [c for c in r["cases"] if not c["ok"]]
             detail = (f"{len(r['cases']) - len(bad)} of {len(r['cases'])} optimizers equal"
+                      + (f"; {detail}" if detail else "") + (f"; running: {r['running']}" if r.get("running") else ""))
+        elif r.get("captures"):
+            bad = [c for c in r["captures"] if not c["ok"]]
+            detail = (f"{len(r['captures']) - len(bad)} of {len(r['captures'])} cases equal"
                       + (f"; {detail}" if detail else "") + (f"; running: {r['running']}" if r.get("running") else ""))
         elif r["part"] == "kernels":
             detail = ", ".join(f"{v} {k}" for k, v in r.get("counts", {}).items()) or detail
@@ -417,6 +443,13 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
                   "AdamW and Muon against torch.optim.AdamW / torch.optim.Muon, the others against the "
                   "same class on one device fed the reduced gradient (tools/_gpu_correct.py); a DCP round "
                   "trip between the third and fourth step on the sharded ones.", "", md_table(table), ""]
+    for r in results:
+        if r.get("captures"):
+            lines += ["### Captured steps (capturable=True, one CUDA graph)", "",
+                      "Per optimizer and kind of parameter: eager steps against one captured `opt.step()` "
+                      "replayed, parameters and state bit for bit; the median eager step and replay in ms and "
+                      "their ratio (tools/_gpu_capture.py)" + (", the replays eager steps on the CPU" if dry else "")
+                      + ".", "", md_table([_capture_row(c) for c in r["captures"]]), ""]
     if found:
         lines += ["### Host syncs in a step", ""] + [f"- {f}" for f in found[:60]] + [""]
     prof = [r for r in results if r["part"] == "profiler" and "ours" in r]
@@ -440,11 +473,12 @@ def render(info: dict[str, Any], results: list[dict[str, Any]], dry: bool, full:
             lines += [f"- {n}" for n in r.get("notes", [])] + [""]
     if full:
         for r in results:
-            tb = [c for c in r.get("cases", []) if c["error"]]
+            tb = [c for c in r.get("cases", []) + r.get("captures", []) if c.get("error")]
             if tb or r.get("log_tail"):
                 lines += [f"### {_part_name(r)}: details", ""]
                 for c in tb:
-                    lines += [f"{c['optimizer']}:", "```", c["error"].strip(), "```"]
+                    lines += [f"{c['optimizer']}" + (f" on {c['kind']}" if "captures" in r else "") + ":", "```",
+                              c["error"].strip(), "```"]
                 if r.get("log_tail"):
                     lines += ["log tail:", "```", r["log_tail"].strip(), "```"]
                 lines.append("")
