@@ -153,13 +153,19 @@ class _Copy:
         self.params = self.model.params()
         # the .grad tensors, made once by a backward (fully_shard / FSDP2: the sharded ones)
         self.model([torch.zeros(s, device=device) for s in shapes]).backward()
-        self.grads = [_local(p.grad) for p in self.params]
         self.lr = torch.full((), _lr(0), dtype=torch.float32, device=device)
         self.opt = CASES[name](self.params, lr=self.lr, capturable=True)
+        # after the constructor, which may lay the parameters and their .grad out anew (our
+        # fully_shard: a matrix optimizer's whole matrices)
+        self.grads = [_local(p.grad) for p in self.params]
 
     def feed(self, grads: list[torch.Tensor], k: int) -> None:
-        """Step ``k``'s gradients and lr, copied into the existing tensors."""
-        for mine, g in zip(self.grads, grads, strict=True):
+        """Step ``k``'s gradients and lr, copied into the existing tensors (a graph reads
+        the ones it captured: a step must not replace them)."""
+        for i, (p, mine, g) in enumerate(zip(self.params, self.grads, grads, strict=True)):
+            if _local(p.grad).data_ptr() != mine.data_ptr():
+                raise AssertionError(f"p{i}.grad was replaced before step {k}: a captured step would read "
+                                     "the gradient it was captured with")
             mine.copy_(g.reshape(mine.shape))
         self.lr.fill_(_lr(k))
 
@@ -218,6 +224,11 @@ def capture_case(name: str, kind: str, size: str, device: str) -> dict[str, Any]
     b = _Copy(name, kind, shapes, device)
     for k in range(STEPS):
         a.feed(grads[k], k)
+        if k == 0:  # the copies reach the gradients the optimizer reads
+            for i, (p, g) in enumerate(zip(a.params, grads[0], strict=True)):
+                if not torch.equal(_full(p.grad), g):
+                    raise AssertionError(f"p{i}.grad is not the gradient copied into it: the static "
+                                         "gradients do not reach the optimizer")
         a.opt.step()
     if cuda:
         side = torch.cuda.Stream()
