@@ -48,9 +48,7 @@ CASES: dict[str, tuple[Factory, tuple[float, float]]] = {
     "Adam8bit": (lambda ps, **kw: vefsdp_optim.Adam8bit(ps, weight_decay=0.1, min_8bit_size=16, block_size=64,
                                                         **kw), (1e-5, 1e-6)),
     "Muon": (lambda ps, **kw: vefsdp_optim.Muon(ps, **kw), (1e-5, 1e-6)),
-    "Muon-int8": (lambda ps, **kw: vefsdp_optim.Muon(ps, momentum_dtype=torch.int8, **kw), (1e-5, 1e-6)),
     "NorMuon": (lambda ps, **kw: vefsdp_optim.NorMuon(ps, **kw), (1e-5, 1e-6)),
-    "NorMuon-int8": (lambda ps, **kw: vefsdp_optim.NorMuon(ps, momentum_dtype=torch.int8, **kw), (1e-5, 1e-6)),
     "Shampoo": (lambda ps, **kw: vefsdp_optim.Shampoo(ps, max_preconditioner_dim=32, precondition_frequency=2,
                                                       start_preconditioning_step=1, **kw), (1e-4, 1e-6)),
     "SOAP": (lambda ps, **kw: vefsdp_optim.SOAP(ps, precondition_frequency=2, **kw), (1e-4, 1e-6)),
@@ -116,6 +114,18 @@ def test_capturable_refused_on_cpu(name: str) -> None:
     else:
         with pytest.raises(ValueError, match=r"capturable=True\) needs its parameters on a device"):
             opt.step()
+
+
+@pytest.mark.parametrize("cls", [vefsdp_optim.Muon, vefsdp_optim.NorMuon])
+def test_capturable_int8_momentum_is_refused(cls: type) -> None:
+    p = nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(NotImplementedError, match="momentum_dtype=torch.int8 is not supported"):
+        cls([p], capturable=True, momentum_dtype=torch.int8)
+    opt = cls([p], capturable=True)
+    with pytest.raises(NotImplementedError, match="dither phase is a host counter"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], "momentum_dtype": torch.int8})
+    with pytest.raises(TypeError, match="capturable must be a bool"):
+        cls([p], capturable=1)
 
 
 # -- 2. one device, the CPU let in ----------------------------------------------------------------

@@ -89,6 +89,13 @@ class Muon(QKClip, BlockOptimizer):
     QK-clip (MuonClip, Kimi K2): ``qk_clip_threshold`` (None: off) and ``qk_clip_alpha``
     (group keys), :meth:`register_qk_clip` and :meth:`qk_clip_` after each step
     ([Note: QK-clip] in _math/_qk_clip.py).
+
+    ``capturable=True`` (torch.optim's flag, [Note: capturable steps]): the learning rate
+    (a float, or a 0-d tensor on the parameters' device that a scheduler may change in
+    place), its per-shape adjustment and the weight decay factor are device tensors, so a
+    CUDA graph can capture the step; the 1-D parameters' AdamW keeps its step counts on
+    the device, as torch's capturable AdamW. Not with ``momentum_dtype=torch.int8``, whose
+    dither phase is a host counter (NotImplementedError).
     """
 
     #: accepted ``adjust_lr_fn`` values: torch.optim.Muon's (``"spectral_unclamped"``,
@@ -115,13 +122,14 @@ class Muon(QKClip, BlockOptimizer):
         momentum_dtype: torch.dtype | None = None,
         qk_clip_threshold: float | None = None,
         qk_clip_alpha: float = 0.5,
+        capturable: bool = False,
     ) -> None:
         super().__init__(params, muon_defaults(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             betas=betas, adamw_eps=adamw_eps, flatten=flatten, split_sizes=split_sizes,
             adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype)
-            | qk_clip_defaults(qk_clip_threshold, qk_clip_alpha))
+            | qk_clip_defaults(qk_clip_threshold, qk_clip_alpha) | {"capturable": capturable})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("use_muon", True) is False and "eps" in param_group:
@@ -144,6 +152,7 @@ class Muon(QKClip, BlockOptimizer):
             param_group["momentum_dtype"] = check_momentum_dtype(param_group["momentum_dtype"])
         if "ns_coefficients" in param_group:
             param_group["ns_coefficients"] = check_ns_coefficients(param_group["ns_coefficients"])
+        check_muon_capturable(type(self).__name__, param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -296,6 +305,9 @@ class Muon(QKClip, BlockOptimizer):
         p, group = item.view.local, item.group
         lr, wd = group["lr"], group["weight_decay"]
         plan = self._plan(item.view.shape, group)
+        if group.get("capturable"):
+            self._apply_capturable(item, plan, ortho)
+            return
         if plan.uniform:
             muon_apply_(p, ortho, lr=lr, weight_decay=wd,
                         adjusted_lr=muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0]))
@@ -323,3 +335,53 @@ class Muon(QKClip, BlockOptimizer):
             else:
                 runs.append((lo, hi, a_lr))
         muon_apply_(p, ortho, lr=lr, weight_decay=wd, adjusted_lr=runs)
+
+    def _apply_capturable(self, item: StepItem, plan: MuonPlan, ortho: torch.Tensor) -> None:
+        """``apply_results`` under ``capturable`` ([Note: capturable steps]): the lr, its
+        adjustments and the decay factor as device tensors, each block's run of this slice
+        updated by one ``addcmul_`` (float32 on the device, whatever the lr's form)."""
+        p, group = item.view.local, item.group
+        lr = device_lr(group["lr"], p.device)
+        p.mul_(1 - lr * group["weight_decay"])
+        if not p.numel():
+            return
+        fn = group["adjust_lr_fn"]
+        if plan.uniform:
+            p.addcmul_(ortho, -muon_adjust_lr(lr, fn, plan.blocks[0]))
+            return
+        layout, rank = item.view.layout, item.view.rank
+        span = plan.span(*layout.local(rank)) if isinstance(layout, RaggedShard) else range(len(plan.blocks))
+        runs: list[tuple[int, int, Any]] = []  # (lo, hi, block shape of its adjustment)
+        for b in span:
+            rows, cols = plan.blocks[b]
+            lo = layout.count_below(rank, plan.offsets[b])
+            hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
+            if lo == hi:
+                continue
+            if runs and runs[-1][2] == plan.blocks[b] and lo == runs[-1][1]:
+                runs[-1] = (runs[-1][0], hi, plan.blocks[b])
+            else:
+                runs.append((lo, hi, plan.blocks[b]))
+        adjusted = {rc: -muon_adjust_lr(lr, fn, rc) for rc in {r[2] for r in runs}}
+        for lo, hi, rc in runs:
+            p[lo:hi].addcmul_(ortho[lo:hi], adjusted[rc])
+
+
+def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A capturable step's learning rate: a float32 0-d tensor on ``device`` (a fill for a
+    float lr, so a float and a tensor of its float32 value give the same bits)."""
+    if isinstance(lr, torch.Tensor):
+        return lr if lr.dtype == torch.float32 else lr.to(torch.float32)
+    return torch.full((), lr, dtype=torch.float32, device=device)
+
+
+def check_muon_capturable(name: str, param_group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """``capturable`` is a bool, and not with 8-bit momentum."""
+    capturable = param_group.get("capturable", defaults.get("capturable", False))
+    if not isinstance(capturable, bool):
+        raise TypeError(f"capturable must be a bool, got {capturable!r}")
+    if capturable and param_group.get("momentum_dtype", defaults.get("momentum_dtype")) is torch.int8:
+        raise NotImplementedError(
+            f"{name}(capturable=True) with momentum_dtype=torch.int8 is not supported: the 8-bit "
+            "momentum's dither phase is a host counter; use momentum_dtype=None or torch.bfloat16 "
+            "with capturable=True")

@@ -100,6 +100,7 @@ class NorMuon(Muon):
         momentum_dtype: torch.dtype | None = None,
         qk_clip_threshold: float | None = None,
         qk_clip_alpha: float = 0.5,
+        capturable: bool = False,
     ) -> None:
         _check_beta2(muon_beta2)
         defaults = muon_defaults(
@@ -109,6 +110,7 @@ class NorMuon(Muon):
             adjust_lr_fns=self.adjust_lr_fns, num_heads=num_heads, momentum_dtype=momentum_dtype)
         defaults["muon_beta2"] = muon_beta2
         defaults.update(qk_clip_defaults(qk_clip_threshold, qk_clip_alpha))
+        defaults["capturable"] = capturable  # as Muon's ([Note: capturable steps])
         BlockOptimizer.__init__(self, params, defaults)  # what Muon.__init__ does, with these defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
