@@ -10,6 +10,7 @@ import torch
 
 from vefsdp_optim._math import (
     TableQuantizer,
+    adam8bit_capturable_step_,
     adam8bit_multi_tensor_step_,
     check_adam_hparams,
     dynamic_code_map,
@@ -64,8 +65,16 @@ class _Adam8bitBase(BlockOptimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         fused: bool | None = None,
+        capturable: bool = False,
     ) -> None:
         check_adam_hparams(lr, betas, eps, weight_decay)
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be a bool, got {capturable!r}")
+        if capturable and fused:
+            raise ValueError(
+                f"{type(self).__name__}(fused=True, capturable=True) is not supported: the fused kernels "
+                "take each step's coefficients as host scalars, which a CUDA graph would keep; "
+                "capturable=True steps with the eager ops (fused=None or False)")
         _check_8bit_args(block_size, min_8bit_size)
         if fused is not None and not isinstance(fused, bool):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
@@ -81,7 +90,7 @@ class _Adam8bitBase(BlockOptimizer):
                 "Adam moments only; use vefsdp_optim.AdamW(amsgrad=True)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         block_size=block_size, min_8bit_size=min_8bit_size, amsgrad=False,
-                        maximize=maximize)
+                        maximize=maximize, capturable=capturable)
         # code maps and quantizer tables per device, shared by every parameter: built on
         # the host (the tables once per process, here) and copied to a device without
         # waiting for it, so no step reads a device value back
@@ -147,8 +156,9 @@ class _Adam8bitBase(BlockOptimizer):
         v_codes, v_absmax = quantize_blockwise(zeros, unsigned, bs)
         if m_absmax.numel() != num_blocks(p.numel(), bs):
             raise AssertionError(f"absmax has {m_absmax.numel()} blocks for {p.numel()} elements")
-        return {
-            "step": torch.tensor(0.0, dtype=torch.float32),
+        return {  # the step on the host as torch.optim keeps it, on the device when capturable
+            "step": (torch.zeros((), dtype=torch.float32, device=p.device) if group.get("capturable")
+                     else torch.tensor(0.0, dtype=torch.float32)),
             "exp_avg_codes": m_codes,  # uint8 (slice numel,)
             "exp_avg_absmax": m_absmax,  # float32 (ceil(slice numel / block_size),)
             "exp_avg_sq_codes": v_codes,  # uint8 (slice numel,)
@@ -181,6 +191,16 @@ class _Adam8bitBase(BlockOptimizer):
         device = work[0][0].device
         signed, unsigned = self._code_maps(device)
         beta1, beta2 = group["betas"]
+        if group.get("capturable"):  # [Note: capturable steps]: the coefficients on the device
+            adam8bit_capturable_step_(
+                [p for p, _, _, _ in work], [g for _, g, _, _ in work],
+                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+                 for _, _, st, _ in work],
+                steps=step_tensors, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled=self.decoupled, block_size=bs,
+                signed_code=signed, unsigned_code=unsigned, quantizers=self._table_quantizers(device),
+                maximize=group["maximize"])
+            return
         adam8bit_multi_tensor_step_(
             [p for p, _, _, _ in work], [g for _, g, _, _ in work],
             [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
@@ -248,10 +268,11 @@ class AdamW8bit(_Adam8bitBase):
         amsgrad: bool = False,
         maximize: bool = False,
         fused: bool | None = None,
+        capturable: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, block_size,
                          min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize,
-                         fused=fused)
+                         fused=fused, capturable=capturable)
 
 
 @register_optimizer("adam8bit")
@@ -274,7 +295,8 @@ class Adam8bit(_Adam8bitBase):
         amsgrad: bool = False,
         maximize: bool = False,
         fused: bool | None = None,
+        capturable: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, block_size,
                          min_8bit_size=min_8bit_size, amsgrad=amsgrad, maximize=maximize,
-                         fused=fused)
+                         fused=fused, capturable=capturable)

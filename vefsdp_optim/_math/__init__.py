@@ -33,7 +33,11 @@ torch.optim, scipy or a float64 reference.
 """
 
 from ._adam import adam_foreach_, adamw_step_, check_adam_hparams
-from ._adam8bit_step import adam8bit_block_step_, adam8bit_multi_tensor_step_
+from ._adam8bit_step import (
+    adam8bit_block_step_,
+    adam8bit_capturable_step_,
+    adam8bit_multi_tensor_step_,
+)
 from ._matrix_root import matrix_inverse_root
 from ._muon import (
     Int8Momentum,
@@ -123,6 +127,7 @@ __all__ = [
     "TableQuantizer",
     "adam8bit_block_step_",
     "adam8bit_multi_tensor_step_",
+    "adam8bit_capturable_step_",
     "adam_foreach_",
     "adamw_step_",
     "check_adam_hparams",

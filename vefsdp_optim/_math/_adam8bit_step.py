@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ._quant8 import TableQuantizer, _check_block_size, dequantize_table, num_blocks
 
-__all__ = ["adam8bit_block_step_", "adam8bit_hparams", "adam8bit_multi_tensor_step_"]
+__all__ = ["adam8bit_block_step_", "adam8bit_capturable_step_", "adam8bit_device_hparams", "adam8bit_hparams",
+           "adam8bit_multi_tensor_step_"]
 
 
 # [Note: 8-bit Adam op order]
@@ -70,7 +71,7 @@ def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ..
     # not the correctly rounded quotient (measured on an H200: the eager step then left
     # the kernels' bits in 1-24 of 5000 elements); a 0-dim tensor on the device divides.
     # (torch.full, not torch.tensor: a fill on the device, no copy from the host)
-    divisor = bc2_sqrt if v.device.type == "cpu" else torch.full(
+    divisor = bc2_sqrt if v.device.type == "cpu" or isinstance(bc2_sqrt, Tensor) else torch.full(
         (), bc2_sqrt, dtype=torch.float32, device=v.device)
     denom = v.double().sqrt_().float().div_(divisor).add_(eps)
     p.add_((m * neg_step).div_(denom))
@@ -272,3 +273,48 @@ def _eager_step_(p32s: list[Tensor], grads: Sequence[Tensor], states: Sequence[S
                 (exp_avg, codes_m, absmax_m, quantizers[0]),
                 (exp_avg_sq, codes_v, absmax_v, quantizers[1])):
             absmax.copy_(quantize(moment, block_size, out=codes)[1])
+
+
+def adam8bit_device_hparams(steps: Tensor, *, lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                            weight_decay: float) -> Tensor:
+    """``adam8bit_hparams`` of each step count of ``steps`` (float32, 1-D, on the device),
+    computed on their device ([Note: capturable steps]): a ``(len(steps), 8)`` float32
+    tensor, each coefficient computed in float64 from the float32 ``lr`` (a float is
+    first rounded to float32, so a float and a tensor of that value agree) and rounded
+    once to float32, as the host computes them; no value is read back."""
+    t = steps.double()
+    lr64 = (lr.to(device=t.device, dtype=torch.float32) if isinstance(lr, Tensor)
+            else torch.full((), lr, dtype=torch.float32, device=t.device)).double()
+    bc1 = 1 - torch.pow(beta1, t)
+    bc2 = 1 - torch.pow(beta2, t)
+    ones = torch.ones_like(t)
+    cols = [(1 - lr64 * weight_decay) * ones, ones * weight_decay, ones * (1 - beta1), ones * beta2,
+            ones * (1 - beta2), bc2.sqrt(), ones * eps, -(lr64 / bc1)]
+    return torch.stack(cols, dim=1).float()
+
+
+def adam8bit_capturable_step_(
+    params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]], *,
+    steps: Sequence[Tensor], lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    decoupled: bool, block_size: int, signed_code: Tensor, unsigned_code: Tensor,
+    quantizers: tuple[TableQuantizer, TableQuantizer] | None = None, maximize: bool = False,
+) -> None:
+    """:func:`adam8bit_multi_tensor_step_` with ``capturable`` ([Note: capturable steps]):
+    ``steps`` are each tensor's count after this update (float32 0-d tensors on the
+    device), the coefficients :func:`adam8bit_device_hparams`, and the update the eager
+    ops of [Note: 8-bit Adam op order] with them as 0-d device tensors (the fused kernels
+    take host scalars, which a CUDA graph would keep)."""
+    if not params:
+        return
+    _check_multi_tensor_args(params, grads, states, steps, block_size, False)
+    if quantizers is None:
+        quantizers = (TableQuantizer(signed_code), TableQuantizer(unsigned_code))
+    table = adam8bit_device_hparams(torch.stack(list(steps)), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay)
+    hps = [tuple(row.unbind()) for row in table.unbind()]
+    p32s = [_flat_float32(param) for param in params]
+    _eager_step_(p32s, grads, states, hps, block_size, signed_code, unsigned_code, quantizers,
+                 maximize=maximize, wd_on=weight_decay != 0, decoupled=decoupled)
+    for param, p32 in zip(params, p32s, strict=True):
+        if param.dtype != torch.float32 or not param.is_contiguous():  # p32 is a copy
+            param.copy_(p32.view(param.shape))
