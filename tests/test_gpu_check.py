@@ -237,32 +237,27 @@ def test_dry_run_every_part_at_w1_and_w2(tmp_path):
     r, _ = _run(["--cpu-dry-run", "--out", str(tmp_path)], timeout=1800)
     res = json.loads((tmp_path / "results.json").read_text())
     got = {(x["part"], x["world"]): x["status"] for x in res["results"]}
-    # capture: "fail" while an optimizer lacks capturable=True (a TypeError, reported per case)
-    capture = got.pop(("capture", 1))
-    assert capture in ("pass", "fail"), capture
-    assert got == {("plain", 1): "pass", ("fully_shard", 1): "pass", ("fsdp2", 1): "pass",
+    assert got == {("plain", 1): "pass", ("capture", 1): "pass", ("fully_shard", 1): "pass", ("fsdp2", 1): "pass",
                    ("fully_shard", 2): "pass", ("fsdp2", 2): "pass", ("profiler", 2): "skip",
                    ("bench_adam8bit", 1): "pass", ("bench_muon", 1): "pass", ("bench_fully_shard", 1): "pass"}, got
-    assert r.returncode == (0 if capture == "pass" else 1), r.stdout[-3000:]
+    assert r.returncode == 0, r.stdout[-3000:]
     prof = next(x for x in res["results"] if x["part"] == "profiler")
     assert prof["fsdp2"]["cpu_comm_ops"] and "no GPU activity" in prof["ours"]["why"]
 
 
 def test_dry_run_capture(tmp_path):
     """The capture part's flow on the CPU (eager steps for the replays): AdamW (and its
-    amsgrad row) equal on all three kinds of parameter; an optimizer without capturable=True is a failed case, not a
-    crash; the report has its table."""
+    amsgrad row) and Muon equal on all three kinds of parameter; the report has its table."""
     r, _ = _run(["--cpu-dry-run", "--parts", "capture", "--optimizers", "AdamW,Muon", "--out", str(tmp_path)],
                 timeout=600)
     res = json.loads((tmp_path / "results.json").read_text())
     (part,) = res["results"]
     cases = part["captures"]
     assert [(c["optimizer"], c["kind"]) for c in cases] == [
-        (n, k) for k in ("plain", "fully_shard", "fsdp2") for n in ("AdamW", "AdamW-amsgrad", "Muon", "Muon-int8")]
+        (n, k) for k in ("plain", "fully_shard", "fsdp2") for n in ("AdamW", "AdamW-amsgrad", "Muon")]
     for c in cases:
-        assert c["ok"] if c["optimizer"].startswith("AdamW") else c["ok"] or "capturable" in c["error"], c
-        assert not c["ok"] or (c["steps"] == 8 and c["eager_ms"] > 0 and c["ratio"] is not None), c
-    assert r.returncode == (0 if part["status"] == "pass" else 1), r.stdout[-3000:]
+        assert c["ok"] and c["steps"] == 8 and c["eager_ms"] > 0 and c["ratio"] is not None, c
+    assert part["status"] == "pass" and r.returncode == 0, r.stdout[-3000:]
     text = (tmp_path / "report.md").read_text()
     assert "### Captured steps" in text and "| AdamW | fsdp2 | equal (8 steps) |" in text, text
 

@@ -51,9 +51,7 @@ CASES: dict[str, Factory] = {  # tests/test_capturable.py's rows, at the optimiz
     "AdamW8bit": lambda ps, **kw: vefsdp_optim.AdamW8bit(ps, **kw),
     "Adam8bit": lambda ps, **kw: vefsdp_optim.Adam8bit(ps, weight_decay=0.1, **kw),
     "Muon": lambda ps, **kw: vefsdp_optim.Muon(ps, **kw),
-    "Muon-int8": lambda ps, **kw: vefsdp_optim.Muon(ps, momentum_dtype=torch.int8, **kw),
     "NorMuon": lambda ps, **kw: vefsdp_optim.NorMuon(ps, **kw),
-    "NorMuon-int8": lambda ps, **kw: vefsdp_optim.NorMuon(ps, momentum_dtype=torch.int8, **kw),
     "Shampoo": lambda ps, **kw: vefsdp_optim.Shampoo(ps, max_preconditioner_dim=64, precondition_frequency=NO_REFRESH,
                                                      start_preconditioning_step=1, **kw),
     "SOAP": lambda ps, **kw: vefsdp_optim.SOAP(ps, precondition_frequency=NO_REFRESH, **kw),
@@ -285,7 +283,7 @@ def _time(fn: Callable[[], Any], cuda: bool) -> float:
 
 
 def _cases(size: str, device: str, optimizers: list[str] | None) -> list[dict[str, Any]]:
-    # a name selects its row and its variants ("Muon": Muon and Muon-int8), in CASES' order
+    # a name selects its row and its variants ("AdamW": AdamW and AdamW-amsgrad), in CASES' order
     want = optimizers or list(CASES)
     names = [n for n in CASES if any(n == w or n.startswith(w + "-") for w in want)]
     unknown = sorted(w for w in want if not any(n == w or n.startswith(w + "-") for n in CASES))
