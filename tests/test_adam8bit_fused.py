@@ -383,6 +383,7 @@ def _fresh_build(monkeypatch, tmp_path, arch_flag: str) -> None:
     assert len(list(tmp_path.rglob("adam8bit_*.so"))) == 1  # really a fresh build
 
 
+@pytest.mark.slow  # a fresh C++ build, ~10 s: the fast tier keeps the native build's tests
 @needs_cc
 def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
     """The kernel built without AVX-512 (the portable C loops only) equals the eager ops
@@ -405,6 +406,7 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif("avx2" in _cpu_flags() and "avx512f" not in _cpu_flags(),
                     reason="this CPU has AVX2 and no AVX-512: the native build the other tests "
                     "use is the AVX2 build")
+@pytest.mark.slow  # a fresh C++ build, ~10 s
 def test_avx2_build_gives_the_same_bits(monkeypatch, tmp_path):
     """The kernel built for AVX2 without AVX-512 (the 8-lane paths: gathers for the code
     maps, vector masks) equals the eager ops, also where the CPU has AVX-512; on a CPU

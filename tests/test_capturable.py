@@ -173,7 +173,7 @@ def _sharded(kind: str, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("kind", ["fsdp2", "fully_shard"])
 def test_capturable_sharded_equals_one_device(kind: str, world_size: int) -> None:
     names = sorted(CASES)

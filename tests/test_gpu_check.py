@@ -245,6 +245,7 @@ def test_dry_run_every_part_at_w1_and_w2(tmp_path):
     assert prof["fsdp2"]["cpu_comm_ops"] and "no GPU activity" in prof["ours"]["why"]
 
 
+@pytest.mark.slow
 def test_dry_run_capture(tmp_path):
     """The capture part's flow on the CPU (eager steps for the replays): AdamW (and its
     amsgrad row) and Muon equal on all three kinds of parameter; the report has its table."""

@@ -109,7 +109,7 @@ def _sharded(configs: list[OptimConfig]) -> list[tuple[str, str, str, bool]]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_sharded_equals_single_device_bitwise(world_size: int) -> None:
     for res in run_distributed(_sharded, world_size, _configs(), timeout=300):
         bad = [r for r in res if not r[3]]
