@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 import tools._checkout  # noqa: F401 - before vefsdp_optim: [Note: checkout imports]
 import vefsdp_optim
+from tools._gpu_correct import Bag
 from tools._gpu_parts import progress, run_on_ranks
 
 __all__ = ["CASES", "KINDS", "capture_part", "capture_case"]
@@ -67,22 +67,6 @@ LR = 1e-2
 
 def _lr(k: int) -> float:
     return LR * 0.9**k  # a schedule: the lr tensor is filled in place before each step
-
-
-class Bag(nn.Module):
-    """Parameters whose gradient is the given tensor: forward is sum(p * g)."""
-
-    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
-        super().__init__()
-        self.n = len(shapes)
-        for i, s in enumerate(shapes):
-            setattr(self, f"p{i}", nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(7 + i))))
-
-    def params(self) -> list[nn.Parameter]:
-        return [getattr(self, f"p{i}") for i in range(self.n)]
-
-    def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * g).sum() for p, g in zip(self.params(), gs, strict=True))
 
 
 @contextlib.contextmanager
