@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostStepCounts"]
+__all__ = ["HostStepCounts", "ReplayCounting"]
 
 
 class HostStepCounts:
@@ -43,3 +43,26 @@ class HostStepCounts:
         for step in steps:
             if isinstance(step, torch.Tensor):
                 self.start(step, int(step.item()))
+
+
+class ReplayCounting:
+    """``count_replays`` of an optimizer that keeps ``_host_steps`` (SOAP, Shampoo)."""
+
+    _host_steps: HostStepCounts
+
+    def count_replays(self, n: int = 1) -> None:
+        """Count ``n`` replays of a captured step (``capturable=True``) in the host's step
+        counts, which decide when the preconditioners are refreshed: without this, the
+        refreshes follow ``step()`` calls alone ([Note: capturable steps]). The ``step()``
+        call a graph captured counts once, for its first replay: count the others::
+
+            with torch.cuda.graph(graph):
+                opt.step()  # counted: the step of the first replay
+            graph.replay()
+            ...
+            graph.replay()
+            opt.count_replays()
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self._host_steps.add(n)

@@ -15,7 +15,7 @@ from vefsdp_optim.sharding import Elementwise, RaggedShard, Requirement, RowBloc
 
 from ._block_optimizer import BlockContext, BlockOptimizer
 from ._checkpoint import ELEMENTWISE, LOCAL, REPLICATED
-from ._host_steps import HostStepCounts
+from ._host_steps import HostStepCounts, ReplayCounting
 from ._registry import register_optimizer
 
 __all__ = ["Shampoo"]
@@ -62,7 +62,7 @@ def _matrix_cols(shape: torch.Size) -> int | None:
 
 
 @register_optimizer("shampoo")
-class Shampoo(BlockOptimizer):
+class Shampoo(ReplayCounting, BlockOptimizer):
     """Block-diagonal Shampoo with per-tile grafting, on plain, FSDP2 and fully_shard params.
 
     A parameter with 2 or more dims is viewed as the matrix ``(dim 0, rest)`` and cut
@@ -199,23 +199,6 @@ class Shampoo(BlockOptimizer):
                     f"{group['max_preconditioner_dim']})")
             if v.data_ptr() != live.data_ptr():
                 live.copy_(v)
-
-    def count_replays(self, n: int = 1) -> None:
-        """Count ``n`` replays of a captured step (``capturable=True``) in the host's step
-        counts, which decide when the preconditioners are refreshed: without this, the
-        refreshes follow ``step()`` calls alone ([Note: capturable steps]). The ``step()``
-        call a graph captured counts once, for its first replay: count the others::
-
-            with torch.cuda.graph(graph):
-                opt.step()  # counted: the step of the first replay
-            graph.replay()
-            ...
-            graph.replay()
-            opt.count_replays()
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        self._host_steps.add(n)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`BlockOptimizer.load_state_dict`; then each step count goes where its

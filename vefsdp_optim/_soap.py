@@ -14,7 +14,7 @@ from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
 
 from ._block_optimizer import BlockContext, BlockOptimizer, check_capturable
 from ._checkpoint import ELEMENTWISE, REPLICATED, WHOLE, validate_state
-from ._host_steps import HostStepCounts
+from ._host_steps import HostStepCounts, ReplayCounting
 from ._registry import register_optimizer
 from ._step_loop import StepItem, aligned
 from ._torch_compat import FakeTensor
@@ -55,7 +55,7 @@ def _geometry(shape: tuple[int, ...], max_precond_dim: int, merge_dims: bool, pr
 
 
 @register_optimizer("soap")
-class SOAP(BlockOptimizer):
+class SOAP(ReplayCounting, BlockOptimizer):
     """SOAP (Vyas et al., arXiv 2409.11321) on plain, FSDP2 and fully_shard parameters,
     equal to one device at any world size.
 
@@ -199,23 +199,6 @@ class SOAP(BlockOptimizer):
             spec[f"GG.{i}"] = WHOLE
             spec[f"Q.{i}"] = WHOLE
         return spec
-
-    def count_replays(self, n: int = 1) -> None:
-        """Count ``n`` replays of a captured step (``capturable=True``) in the host's step
-        counts, which decide when the preconditioners are refreshed: without this, the
-        refreshes follow ``step()`` calls alone ([Note: capturable steps]). The ``step()``
-        call a graph captured counts once, for its first replay: count the others::
-
-            with torch.cuda.graph(graph):
-                opt.step()  # counted: the step of the first replay
-            graph.replay()
-            ...
-            graph.replay()
-            opt.count_replays()
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        self._host_steps.add(n)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`BlockOptimizer.load_state_dict`; then each step count takes the form of its
