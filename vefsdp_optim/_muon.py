@@ -316,24 +316,13 @@ class Muon(QKClip, BlockOptimizer):
         if not p.numel():
             p.mul_(1 - lr * wd)
             return
-        layout, rank = item.view.layout, item.view.rank
-        if isinstance(layout, RaggedShard):
-            span = plan.span(*layout.local(rank))
-        else:  # a tensor-parallel box: each block's elements are one run of it
-            span = range(len(plan.blocks))
         adjusted = {rc: muon_adjust_lr(lr, group["adjust_lr_fn"], rc) for rc in set(plan.blocks)}
         runs: list[tuple[int, int, float]] = []  # (lo, hi, adjusted lr) in this slice
-        for b in span:
-            rows, cols = plan.blocks[b]
-            lo = layout.count_below(rank, plan.offsets[b])
-            hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
-            if lo == hi:
-                continue
-            a_lr = adjusted[plan.blocks[b]]
-            if runs and a_lr == runs[-1][2] and lo == runs[-1][1]:
-                runs[-1] = (runs[-1][0], hi, a_lr)
+        for lo, hi, rc in _block_runs(item, plan):
+            if runs and adjusted[rc] == runs[-1][2] and lo == runs[-1][1]:
+                runs[-1] = (runs[-1][0], hi, adjusted[rc])
             else:
-                runs.append((lo, hi, a_lr))
+                runs.append((lo, hi, adjusted[rc]))
         muon_apply_(p, ortho, lr=lr, weight_decay=wd, adjusted_lr=runs)
 
     def _apply_capturable(self, item: StepItem, plan: MuonPlan, ortho: torch.Tensor) -> None:
@@ -349,22 +338,32 @@ class Muon(QKClip, BlockOptimizer):
         if plan.uniform:
             p.addcmul_(ortho, -muon_adjust_lr(lr, fn, plan.blocks[0]))
             return
-        layout, rank = item.view.layout, item.view.rank
-        span = plan.span(*layout.local(rank)) if isinstance(layout, RaggedShard) else range(len(plan.blocks))
-        runs: list[tuple[int, int, Any]] = []  # (lo, hi, block shape of its adjustment)
-        for b in span:
-            rows, cols = plan.blocks[b]
-            lo = layout.count_below(rank, plan.offsets[b])
-            hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
-            if lo == hi:
-                continue
-            if runs and runs[-1][2] == plan.blocks[b] and lo == runs[-1][1]:
-                runs[-1] = (runs[-1][0], hi, plan.blocks[b])
-            else:
-                runs.append((lo, hi, plan.blocks[b]))
+        runs = _block_runs(item, plan)
         adjusted = {rc: -muon_adjust_lr(lr, fn, rc) for rc in {r[2] for r in runs}}
         for lo, hi, rc in runs:
             p[lo:hi].addcmul_(ortho[lo:hi], adjusted[rc])
+
+
+def _block_runs(item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
+    """The runs ``(lo, hi, block shape)`` of this rank's slice of ``item``'s parameter,
+    consecutive blocks of one shape merged (an lr adjustment is a function of the shape)."""
+    layout, rank = item.view.layout, item.view.rank
+    if isinstance(layout, RaggedShard):
+        span = plan.span(*layout.local(rank))
+    else:  # a tensor-parallel box: each block's elements are one run of it
+        span = range(len(plan.blocks))
+    runs: list[tuple[int, int, tuple[int, int]]] = []
+    for b in span:
+        rows, cols = plan.blocks[b]
+        lo = layout.count_below(rank, plan.offsets[b])
+        hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
+        if lo == hi:
+            continue
+        if runs and runs[-1][2] == plan.blocks[b] and lo == runs[-1][1]:
+            runs[-1] = (runs[-1][0], hi, plan.blocks[b])
+        else:
+            runs.append((lo, hi, plan.blocks[b]))
+    return runs
 
 
 def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
