@@ -164,6 +164,19 @@ def test_int8_momentum_equals_torch_muon_with_8bit_buffer() -> None:
     assert fp32.param_groups[0]["momentum_dtype"] is None
 
 
+def test_dither_reads_a_tensor_step_with_the_same_bits() -> None:
+    """The draw of [Note: no dead zone] from a step count given as an int (the host's) or
+    as a 0-d int64 tensor (capturable: read where it lives): both equal the rule written
+    out here, large flat indices and steps included."""
+    from vefsdp_optim._math._muon_int8 import _dither
+
+    index = torch.tensor([0, 1, 255, 70_000, 2**33 + 5, 2**40 - 1], dtype=torch.int64)
+    for step in (0, 1, 19, 2**20 + 3, 2**31 - 1):
+        want = torch.tensor([_uniform(int(i), step) for i in index], dtype=torch.float32)
+        assert torch.equal(_dither(index.clone(), step), want), step
+        assert torch.equal(_dither(index.clone(), torch.tensor(step)), want), step
+
+
 def test_momentum_dtype_errors() -> None:
     p = nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="momentum_dtype must be None .* or torch.int8"):
@@ -176,6 +189,10 @@ def test_momentum_dtype_errors() -> None:
                             code=CODE, step=0, offset=100)
     for bad in (-1, 1.0, True):
         with pytest.raises(ValueError, match="step must be an int >= 0"):
+            muon_momentum_int8_(torch.zeros(256), codes[:256], absmax[:1], momentum=0.9, nesterov=False,
+                                code=CODE, step=bad)
+    for bad in (torch.tensor(1.0), torch.tensor([1])):
+        with pytest.raises(TypeError, match="step must be an int or a 0-d int64 tensor"):
             muon_momentum_int8_(torch.zeros(256), codes[:256], absmax[:1], momentum=0.9, nesterov=False,
                                 code=CODE, step=bad)
 

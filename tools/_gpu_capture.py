@@ -52,6 +52,8 @@ CASES: dict[str, Factory] = {  # tests/test_capturable.py's rows, at the optimiz
     "Adam8bit": lambda ps, **kw: vefsdp_optim.Adam8bit(ps, weight_decay=0.1, **kw),
     "Muon": lambda ps, **kw: vefsdp_optim.Muon(ps, **kw),
     "NorMuon": lambda ps, **kw: vefsdp_optim.NorMuon(ps, **kw),
+    "Muon-int8": lambda ps, **kw: vefsdp_optim.Muon(ps, momentum_dtype=torch.int8, **kw),
+    "NorMuon-int8": lambda ps, **kw: vefsdp_optim.NorMuon(ps, momentum_dtype=torch.int8, **kw),
     "Shampoo": lambda ps, **kw: vefsdp_optim.Shampoo(ps, max_preconditioner_dim=64, precondition_frequency=NO_REFRESH,
                                                      start_preconditioning_step=1, **kw),
     "SOAP": lambda ps, **kw: vefsdp_optim.SOAP(ps, precondition_frequency=NO_REFRESH, **kw),

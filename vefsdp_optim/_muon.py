@@ -94,8 +94,8 @@ class Muon(QKClip, BlockOptimizer):
     (a float, or a 0-d tensor on the parameters' device that a scheduler may change in
     place), its per-shape adjustment and the weight decay factor are device tensors, so a
     CUDA graph can capture the step; the 1-D parameters' AdamW keeps its step counts on
-    the device, as torch's capturable AdamW. Not with ``momentum_dtype=torch.int8``, whose
-    dither phase is a host counter (NotImplementedError).
+    the device, as torch's capturable AdamW; with ``momentum_dtype=torch.int8`` the
+    rounding's step count too ([Note: no dead zone]).
     """
 
     #: accepted ``adjust_lr_fn`` values: torch.optim.Muon's (``"spectral_unclamped"``,
@@ -269,7 +269,9 @@ class Muon(QKClip, BlockOptimizer):
         state["compute"] = item.compute
         if "momentum_codes" not in state:
             state["momentum_codes"], state["momentum_absmax"] = empty_momentum(grad.numel(), grad.device)
-            state["momentum_step"] = torch.tensor(0, dtype=torch.int64)  # the dither's phase, a host counter
+            # the dither's phase: a host counter, on the device when capturable (read there)
+            state["momentum_step"] = torch.zeros((), dtype=torch.int64,
+                                                 device=grad.device if item.group.get("capturable") else "cpu")
         codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
         code = codes.get(grad.device)
         if code is None:
@@ -375,12 +377,7 @@ def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def check_muon_capturable(name: str, param_group: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """``capturable`` is a bool, and not with 8-bit momentum."""
+    """``capturable`` is a bool."""
     capturable = param_group.get("capturable", defaults.get("capturable", False))
     if not isinstance(capturable, bool):
-        raise TypeError(f"capturable must be a bool, got {capturable!r}")
-    if capturable and param_group.get("momentum_dtype", defaults.get("momentum_dtype")) is torch.int8:
-        raise NotImplementedError(
-            f"{name}(capturable=True) with momentum_dtype=torch.int8 is not supported: the 8-bit "
-            "momentum's dither phase is a host counter; use momentum_dtype=None or torch.bfloat16 "
-            "with capturable=True")
+        raise TypeError(f"{name}: capturable must be a bool, got {capturable!r}")

@@ -74,7 +74,7 @@ class Int8Momentum(NamedTuple):
     code: Tensor  # the signed dynamic code map (256 float32 values)
     # int64 0-dim tensor: the momentum steps taken (the rounding's dither phase, [Note:
     # no dead zone]); incremented in place, as torch's functional optimizers do with
-    # their state_steps; read on the host each step, so on the CPU it costs no sync
+    # their state_steps; read where it lives (on the host, or on the device when capturable)
     step: Tensor
     offset: int = 0  # flat index of codes[0] in the whole parameter (its rounding's key)
 
@@ -97,7 +97,7 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
             raise TypeError("Int8Momentum.step must be a 0-dim int64 tensor (the momentum steps taken), "
                             f"got {step!r}")
         out = muon_momentum_int8_(grad, codes, absmax, momentum=momentum, nesterov=nesterov,
-                                  code=code, step=int(step), offset=offset).to(torch.bfloat16)
+                                  code=code, step=step, offset=offset).to(torch.bfloat16)
         step.add_(1)
         return out
     momentum_buffer.lerp_(grad, 1 - momentum)

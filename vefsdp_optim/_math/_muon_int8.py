@@ -26,8 +26,10 @@ sequence, so the average of its roundings over K steps follows its value with an
 of order 1 / K instead of the 1 / sqrt(K) of independent draws; the momentum is such an
 average (over ~1 / (1 - momentum) = 20 steps). Integer arithmetic, deterministic and the
 same at any sharding; the step count is the state entry ``momentum_step`` (REPLICATED,
-like Adam's ``step``). Every element's dithered code is computed and taken where its
-nearest code is stuck: finding the stuck ones first would be a host sync. What each
+like Adam's ``step``; an int64 0-d tensor on the host, or on the parameters' device with
+``capturable=True``; the hash reads it where it lives, so either way no host sync).
+Every element's dithered code is computed and taken where its nearest code is stuck:
+finding the stuck ones first would be a host sync. What each
 rounding rule cost on the toy tasks, and why 8-bit NorMuon stays above float32 momentum
 on mlp (the code map's resolution, not a bias): docs/decisions.md.
 """
@@ -48,13 +50,15 @@ _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9  # 2**32 / golden ratio, odd
 
 
-def _dither(index: Tensor, step: int) -> Tensor:
+def _dither(index: Tensor, step: int | Tensor) -> Tensor:
     """A float32 in [0, 1) per element from its int64 flat ``index`` and the momentum's
     ``step`` count ([Note: no dead zone]): a hash of the index, rotated by ``step`` times
     2**32 / golden ratio (mod 2**32), so each element's draws over the steps are a
     low-discrepancy sequence and the draws of one step are spread over the elements.
     Integer arithmetic only: the same bits on every device; every product stays below
-    2**63."""
+    2**63 (``step`` below 2**31). ``step``: an int, or a 0-d int64 tensor (the state's
+    count, on the host or, capturable, on ``index``'s device: read there, not on the host)
+    with the same bits."""
     h = index >> 32  # in place from here: ~20 integer passes over every element of a step
     h ^= index
     h &= _MASK32
@@ -72,7 +76,7 @@ def _dither(index: Tensor, step: int) -> Tensor:
 
 
 def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tensor, offset: int,
-                         step: int) -> None:
+                         step: int | Tensor) -> None:
     """Quantize the float32 momentum ``m`` (1-D, whole blocks) into ``codes`` and
     ``absmax`` in place, which hold its previous value ([Note: no dead zone]); ``offset``:
     the flat index of ``m[0]`` in the whole parameter; ``step``: the number of momentum
@@ -96,15 +100,19 @@ def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tens
 
 
 def muon_momentum_int8_(grad: Tensor, codes: Tensor, absmax: Tensor, *, momentum: float, nesterov: bool,
-                        code: Tensor, step: int, offset: int = 0) -> Tensor:
+                        code: Tensor, step: int | Tensor, offset: int = 0) -> Tensor:
     """One momentum step on a run of whole blocks (1-D ``grad``), in place on ``codes``
     (uint8, one per element) and ``absmax`` (float32, one per block); returns the float32
     update Newton-Schulz orthogonalizes. ``step``: the number of momentum steps before
-    this one; ``offset``: the flat index of ``grad[0]`` in the whole parameter (a
-    multiple of MOMENTUM_BLOCK)."""
+    this one (an int, or a 0-d int64 tensor read where it lives: no host sync);
+    ``offset``: the flat index of ``grad[0]`` in the whole parameter (a multiple of
+    MOMENTUM_BLOCK)."""
     if codes.numel() != grad.numel():
         raise ValueError(f"8-bit momentum holds {codes.numel()} codes for a gradient of {grad.numel()} elements")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, Tensor):
+        if step.dtype != torch.int64 or step.dim() != 0:
+            raise TypeError(f"8-bit momentum step must be an int or a 0-d int64 tensor, got {step!r}")
+    elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"8-bit momentum step must be an int >= 0 (the steps taken before), got {step!r}")
     if offset % MOMENTUM_BLOCK:
         raise ValueError(f"8-bit momentum offset must be a multiple of {MOMENTUM_BLOCK}, got {offset}")
