@@ -247,15 +247,16 @@ def test_dry_run_every_part_at_w1_and_w2(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_capture(tmp_path):
-    """The capture part's flow on the CPU (eager steps for the replays): AdamW (and its
-    amsgrad row) and Muon equal on all three kinds of parameter; the report has its table."""
+    """The capture part's flow on the CPU (eager steps for the replays): AdamW and Muon
+    (and their amsgrad and 8-bit momentum rows) equal on all three kinds of parameter;
+    the report has its table."""
     r, _ = _run(["--cpu-dry-run", "--parts", "capture", "--optimizers", "AdamW,Muon", "--out", str(tmp_path)],
                 timeout=600)
     res = json.loads((tmp_path / "results.json").read_text())
     (part,) = res["results"]
     cases = part["captures"]
     assert [(c["optimizer"], c["kind"]) for c in cases] == [
-        (n, k) for k in ("plain", "fully_shard", "fsdp2") for n in ("AdamW", "AdamW-amsgrad", "Muon")]
+        (n, k) for k in ("plain", "fully_shard", "fsdp2") for n in ("AdamW", "AdamW-amsgrad", "Muon", "Muon-int8")]
     for c in cases:
         assert c["ok"] and c["steps"] == 8 and c["eager_ms"] > 0 and c["ratio"] is not None, c
     assert part["status"] == "pass" and r.returncode == 0, r.stdout[-3000:]

@@ -127,6 +127,7 @@ class _Adam8bitBase(BlockOptimizer):
         return Elementwise()
 
     structural_keys = ("block_size", "min_8bit_size")
+    step_count_keys = ("step",)
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
         if not self.is_quantized(shape, group):

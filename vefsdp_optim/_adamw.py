@@ -72,6 +72,7 @@ class AdamW(BlockOptimizer):
 
     decoupled = True
     checks_capturable = False  # torch's own error at the first step, as torch.optim.AdamW
+    step_count_keys = ("step",)
     #: update whole fully_shard stores in fused ops where possible
     fuse_stores: bool = True
 
@@ -125,6 +126,10 @@ class AdamW(BlockOptimizer):
                      [ins[1] for ins in inputs], group=group, amsgrad=group["amsgrad"],
                      maximize=group["maximize"], decoupled=self.decoupled)
         return [[ins[0]] for ins in inputs]
+
+    def step_counts_on_device(self, group: dict[str, Any]) -> bool:
+        """torch's Adam keeps ``step`` on the device when capturable or fused."""
+        return bool(group.get("capturable", False) or group.get("fused", False))
 
     # -- fused fully_shard stores ([Note: fused stores]) ---------------------------------
 

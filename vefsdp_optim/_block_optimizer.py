@@ -179,6 +179,15 @@ class BlockOptimizer(Optimizer):
     plan_keys: tuple[str, ...] = ()
     #: prefixes of state keys handled by export/import_extra_state
     extra_state_prefixes: tuple[str, ...] = ()
+    #: state keys of 0-d step counts: after a load each goes where its group's (loaded)
+    #: flags keep it (``step_counts_on_device``): the parameter's device or the host, as
+    #: torch.optim's load_state_dict places ``step`` ([Note: capturable steps])
+    step_count_keys: tuple[str, ...] = ()
+
+    def step_counts_on_device(self, group: dict[str, Any]) -> bool:
+        """Whether ``group``'s step counts live on its parameters' device (``capturable``)
+        or on the host."""
+        return bool(group.get("capturable", False))
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None:
         """The declaration of a parameter's state: ``{key: kind}`` for every state entry of
@@ -229,7 +238,29 @@ class BlockOptimizer(Optimizer):
             super().load_state_dict(state_dict)
         else:
             load_state(self, state_dict)
+            self._place_step_counts()
         self._drop_plan()  # [Note: step plan], [Note: consistent steps]
+
+    def _place_step_counts(self) -> None:
+        """Each ``step_count_keys`` entry where its group's flags keep it: the load made it
+        in the form of the flags before the saved groups' keys were loaded (torch.optim's
+        load uses the saved ones). Unlike torch's, a step count loaded into a group that
+        keeps it on the host goes there (torch leaves a saved device count on the device,
+        and every step then reads it back)."""
+        if not self.step_count_keys:
+            return
+        host = torch.device("cpu")
+        for group in self.param_groups:
+            on_device = self.step_counts_on_device(group)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                device = sharded_view(p).local.device if on_device else host
+                for key in self.step_count_keys:
+                    v = state.get(key)
+                    if isinstance(v, torch.Tensor) and v.device != device:
+                        state[key] = v.to(device)
 
     # -- data flow (defaults: state lives with the blocks) ----------------------------
 

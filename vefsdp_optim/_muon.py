@@ -183,6 +183,7 @@ class Muon(QKClip, BlockOptimizer):
         return req
 
     structural_keys = ("use_muon", "momentum_dtype")
+    step_count_keys = ("step", "momentum_step")  # the 1-D AdamW path's, the 8-bit momentum's
     plan_keys = ("flatten", "split_sizes", "num_heads")  # _plan() reads them ([Note: step plan])
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
