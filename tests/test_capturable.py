@@ -240,3 +240,51 @@ def test_fake_cuda_capturable_step(name: str) -> None:
             for t in tree_flatten(v)[0]:
                 if isinstance(t, torch.Tensor):
                     assert t.device.type == "cuda", f"state[{k!r}] on {t.device}"
+
+
+# -- 5. QK-clip after capturable steps ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [vefsdp_optim.Muon, vefsdp_optim.NorMuon])
+def test_capturable_with_qk_clip(cls: type) -> None:
+    """QK-clip after each capturable step (a graph may capture the step and the clip):
+    close to capturable=False on one device, the clipped rows included; on fake CUDA
+    neither the step nor the clip syncs, and after the first step neither reads a host
+    tensor."""
+    from test_qk_clip import LOGITS, TAU, _groups, _model, _register, _shapes
+    from test_qk_clip import _grad as qk_grad
+
+    def run(capturable: bool) -> dict[str, torch.Tensor]:
+        params = dict(_model().named_parameters())
+        opt = cls(_groups(params), lr=0.02, weight_decay=0.1, qk_clip_threshold=TAU, capturable=capturable)
+        _register(opt, params)
+        for step, logits in enumerate(LOGITS):
+            for k, p in params.items():
+                p.grad = qk_grad(step, k)
+            opt.step()
+            opt.qk_clip_({k: torch.tensor(v) for k, v in logits.items()})
+        return {k: p.detach() for k, p in params.items()}
+
+    eager = run(False)
+    with capturable_on_cpu():
+        captured = run(True)
+    for k, want in eager.items():
+        torch.testing.assert_close(captured[k], want, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    if not torch.backends.cuda.is_built():
+        return  # fake CUDA tensors need a CUDA build of torch (the -lo / -hi venvs)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = {k: nn.Parameter(torch.randn(s, device="cuda")) for k, s in _shapes().items()}
+    opt = cls(_groups(fake), lr=0.02, qk_clip_threshold=TAU, capturable=True)
+    _register(opt, fake)
+    for step in range(STEPS):
+        with mode:
+            for p in fake.values():
+                p.grad = torch.randn(p.shape, device="cuda")
+            logits = {k: torch.randn(len(v), device="cuda") for k, v in LOGITS[0].items()}
+            with CaptureRecorder() if step else SyncRecorder(device_type="cuda") as rec:
+                opt.step()
+                opt.qk_clip_(logits)
+        assert rec.found == [], (step, rec.found)
