@@ -134,6 +134,39 @@ def test_plan_survives_in_place_writes() -> None:
         assert torch.equal(a, b)
 
 
+def test_kept_gradients_written_and_moved_in_place() -> None:
+    """A .grad kept between steps (zero_grad(set_to_none=False), static CUDA-graph
+    gradients) reuses its flat view; written in place, given another storage in place
+    (``.data =``, ``set_``), or made another shape of the same elements: every step still
+    reads this step's values, bit for bit torch.optim.AdamW's."""
+    shapes = [(6, 7), (5,), (4, 3, 2)]
+    params = [nn.Parameter(_init(i, s)) for i, s in enumerate(shapes)]
+    refs = [nn.Parameter(_init(i, s)) for i, s in enumerate(shapes)]
+    opt = vefsdp_optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(refs, lr=1e-2, weight_decay=0.1, foreach=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for k in range(7):
+        new = [_grad(k, i, p.shape) for i, p in enumerate(params)]
+        with torch.no_grad():
+            for p, g in zip(params, new, strict=True):
+                if k in (0, 1, 2, 6):  # written in place
+                    p.grad.copy_(g)
+                elif k == 3:  # another storage, the same tensor object
+                    p.grad.data = g.clone()
+                elif k == 4:
+                    p.grad.set_(g.clone())
+                else:  # k == 5: the elements in another shape, then back in place
+                    p.grad.set_(g.clone().view(-1))
+                    p.grad.set_(p.grad.view(g.shape))
+        for r, g in zip(refs, new, strict=True):
+            r.grad = g
+        opt.step()
+        ref.step()
+        for i, (a, b) in enumerate(zip(params, refs, strict=True)):
+            assert torch.equal(a, b), f"step {k}, parameter {i}"
+
+
 def test_plan_rebuild_raises_a_bad_gradient() -> None:
     """A gradient the step cannot take, after the plan was built, raises as on a first step."""
     p = nn.Parameter(torch.randn(4, 3))

@@ -87,6 +87,9 @@ class StepItem:
     compute: RaggedShard | BoxShard  # compute layout (a BoxShard only when it is the storage)
     group: dict[str, Any]  # the param group
     cost: float = 0.0  # relative compute cost of a whole-tensor update (owner items only)
+    # the plain gradient tensor ``grad`` is the flat view of, where it is one: a step whose
+    # .grad is that same tensor, at the same address, reuses the view ([Note: step plan])
+    grad_of: torch.Tensor | None = None
 
     @property
     def moves(self) -> bool:
