@@ -8,8 +8,9 @@ arithmetic. For K parameters of one shape (plain tensors, the same random
 gradients fed to all, alternating order, medians; one intra-op thread):
 
 - vefsdp_optim.AdamW against torch.optim.AdamW (foreach): the same arithmetic (ours
-  calls torch's multi-tensor implementation per bucket), so the ratio is our step
-  loop's cost per parameter;
+  runs torch's multi-tensor ops per bucket, op for op, with the step counts read in one
+  stack: [Note: host step counts read once]), so the ratio is our step loop's cost per
+  parameter, less the per-tensor reads of torch's;
 - vefsdp_optim.AdamW8bit against torch.optim.AdamW (foreach), at 4096 elements and
   more (the 8-bit threshold);
 - the same two with the cyclic garbage collector left on during the step, so that the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.optim import _muon as torch_muon
+from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
 from vefsdp_optim._math import (
@@ -103,6 +104,50 @@ def test_adamw_batched_forms_equal_the_pure_function_per_tensor() -> None:
         assert torch.equal(foreach[i], p) and torch.equal(flat[lo:hi], p.reshape(-1))
         assert torch.equal(s_foreach[i][0], s_alone[i][0]) and torch.equal(s_flat[1][lo:hi],
                                                                              s_alone[i][1].reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(("amsgrad", "maximize", "decoupled", "wd"),
+                         [(False, False, True, 0.1), (True, True, True, 0.1), (False, True, False, 0.1),
+                          (True, False, False, 0.1), (False, False, True, 0.0)])
+def test_adam_foreach_reads_steps_once_with_torchs_bits(dtype, amsgrad, maximize, decoupled, wd,
+                                                        monkeypatch) -> None:
+    """adam_foreach_'s own multi-tensor path ([Note: host step counts read once]) against
+    torch.optim.adam.adam(foreach=True) itself: equal counts (one scalar per op), then
+    mixed counts (a fresh tensor among stepped ones: lists), every flag; bit for bit, the
+    counts included. Tensor hyperparameters and mixed dtypes go to torch's own path."""
+    import vefsdp_optim._math._adam as ours_module
+
+    def not_torchs(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("adam_foreach_ called torch's Adam: its own path did not run")
+
+    monkeypatch.setattr(ours_module, "_torch_adam", not_torchs)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(5, 7), (9,), (1, 3, 4), (1,)]
+    ours = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    ref = [p.clone() for p in ours]
+    states = {k: [[torch.zeros_like(p) for p in ours] for _ in range(3)] + [[torch.tensor(0.0) for _ in ours]]
+              for k in ("ours", "ref")}
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=wd, amsgrad=amsgrad, maximize=maximize)
+    for t in range(5):
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        idx = list(range(len(shapes))) if t != 2 else [0, 2, 3]  # step 2: one tensor sits out
+        if t == 4:
+            states["ours"][3][1].zero_()  # and now restarts: a fresh count among stepped ones
+            states["ref"][3][1].zero_()
+        for name, ps in (("ours", ours), ("ref", ref)):
+            m, v, vmax, steps = states[name]
+            args = ([ps[i] for i in idx], [grads[i] for i in idx], [m[i] for i in idx], [v[i] for i in idx],
+                    [vmax[i] for i in idx] if amsgrad else [], [steps[i] for i in idx])
+            if name == "ours":
+                adam_foreach_(*args, foreach=True, decoupled=decoupled, **hp)
+            else:
+                torch_adam(*args, foreach=True, capturable=False, differentiable=False, fused=None,
+                                      grad_scale=None, found_inf=None, decoupled_weight_decay=decoupled, **hp)
+    for i in range(len(shapes)):
+        assert torch.equal(ours[i], ref[i]), i
+        for j in range(4):
+            assert torch.equal(states["ours"][j][i], states["ref"][j][i]), (i, j)
 
 
 # ----------------------------------------------------------------------------- 8-bit Adam

@@ -55,7 +55,8 @@ __all__ = [
     "device_dtype_check_for_fused", "to_scalar",
     "tree_flatten", "tree_map", "tree_unflatten", "FakeTensor",
     "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
-    "foreach_lerp_", "foreach_add_",
+    "foreach_lerp_", "foreach_add_", "foreach_add", "foreach_neg", "foreach_mul_", "foreach_addcmul_",
+    "foreach_maximum_", "foreach_sqrt", "foreach_div_", "foreach_addcdiv_",
     "storage_id", "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
@@ -122,6 +123,16 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._foreach_lerp_": CHECKED,
     # 8-bit Adam's step counts (_adam8bit): one add for a bucket's tensors, as torch.optim's
     "torch._foreach_add_": CHECKED,
+    # torch.optim's multi-tensor Adam, op for op, with the step counts read once
+    # (_math._adam, [Note: host step counts read once])
+    "torch._foreach_add": CHECKED,
+    "torch._foreach_neg": CHECKED,
+    "torch._foreach_mul_": CHECKED,
+    "torch._foreach_addcmul_": CHECKED,
+    "torch._foreach_maximum_": CHECKED,
+    "torch._foreach_sqrt": CHECKED,
+    "torch._foreach_div_": CHECKED,
+    "torch._foreach_addcdiv_": CHECKED,
     # a fake plain tensor (FakeTensorMode) is viewed as a plain one (comm._views, _soap):
     # the step then runs under FakeTensorMode, as torch.optim's does
     "torch._subclasses.fake_tensor.FakeTensor": ("2.11.0", "2.13.0", "2.15.0"),
@@ -152,6 +163,14 @@ unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counte
 tensordot = torch._VF.tensordot
 foreach_lerp_ = torch._foreach_lerp_
 foreach_add_ = torch._foreach_add_
+foreach_add = torch._foreach_add
+foreach_neg = torch._foreach_neg
+foreach_mul_ = torch._foreach_mul_
+foreach_addcmul_ = torch._foreach_addcmul_
+foreach_maximum_ = torch._foreach_maximum_
+foreach_sqrt = torch._foreach_sqrt
+foreach_div_ = torch._foreach_div_
+foreach_addcdiv_ = torch._foreach_addcdiv_
 
 
 def capturable_devices() -> list[str]:

@@ -18,6 +18,19 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
+from vefsdp_optim._torch_compat import (
+    foreach_add,
+    foreach_add_,
+    foreach_addcdiv_,
+    foreach_addcmul_,
+    foreach_div_,
+    foreach_lerp_,
+    foreach_maximum_,
+    foreach_mul_,
+    foreach_neg,
+    foreach_sqrt,
+)
+
 __all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fused_pieces_",
            "adamw_step_", "check_adam_hparams", "fused_pieces"]
 
@@ -240,6 +253,13 @@ def adam_foreach_(
         tensor_hp = any(isinstance(h, Tensor) for h in (lr, beta1, beta2))
         foreach = (len({p.device for p in params}) == 1 and not differentiable
                    and not (tensor_hp and not capturable))
+    if (foreach and not fused and not capturable and not differentiable
+            and _host_steps_apply(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+                                  beta2, amsgrad)):
+        _multi_tensor_adam_host_steps_(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
+        return
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
         foreach=bool(foreach) and not fused, fused=fused, capturable=capturable,
@@ -247,6 +267,80 @@ def adam_foreach_(
         weight_decay=weight_decay, eps=eps, maximize=maximize, decoupled_weight_decay=decoupled,
         grad_scale=None, found_inf=None,
     )
+
+
+# [Note: host step counts read once]
+# torch's multi-tensor Adam (non-capturable) reads every parameter's step count back with
+# its own .item(), twice, and regroups the lists by device and dtype: about 2 us a
+# parameter of host work on every step, whatever its size. Where every tensor of a call
+# is on one device with one floating dtype and every step count is a host tensor (the
+# non-capturable, non-fused state), _multi_tensor_adam_host_steps_ runs the same foreach
+# ops in the same order with the same Python-float bias corrections, reading the counts
+# in one stack; where they are all equal (every parameter stepped every time: the usual
+# case) each op takes one scalar instead of a list of equal ones. An elementwise op
+# rounds its scalar to the tensors' opmath type either way, so the bits are torch's
+# (tests/test_math_functional.py checks them against torch's _multi_tensor_adam, mixed
+# counts, amsgrad, maximize and both decays included). Anything else goes to torch.
+
+
+def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                      exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
+                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor, amsgrad: bool) -> bool:
+    """Whether [Note: host step counts read once]'s path takes this call."""
+    if isinstance(lr, Tensor) or isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
+        return False
+    p0 = params[0]
+    device, dtype = p0.device, p0.dtype
+    if not dtype.is_floating_point:
+        return False
+    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (
+        params, grads, exp_avgs, exp_avg_sqs)
+    for ts in lists:
+        if len(ts) != len(params):
+            return False
+        for t in ts:
+            if t.device != device or t.dtype != dtype:
+                return False
+    return len(steps) == len(params) and all(type(s) is Tensor and s.is_cpu and not s.dim() for s in steps)
+
+
+def _multi_tensor_adam_host_steps_(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+) -> None:
+    """torch.optim.adam._multi_tensor_adam's non-capturable path, op for op, with the step
+    counts read in one stack ([Note: host step counts read once])."""
+    if maximize:
+        grads = foreach_neg(grads)
+    foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    if weight_decay != 0:
+        if decoupled:
+            foreach_mul_(params, 1 - lr * weight_decay)
+        elif maximize:
+            foreach_add_(grads, params, alpha=weight_decay)
+        else:
+            grads = foreach_add(grads, params, alpha=weight_decay)
+    foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    foreach_mul_(exp_avg_sqs, beta2)
+    foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    del grads
+    counts = torch.stack(steps).tolist() if len(steps) > 1 else [steps[0].item()]
+    first = counts[0]
+    if all(c == first for c in counts):
+        step_size: float | list[float] = (lr / (1 - beta1 ** first)) * -1
+        bias_correction2_sqrt: float | list[float] = (1 - beta2 ** first) ** 0.5
+    else:
+        step_size = [(lr / (1 - beta1 ** c)) * -1 for c in counts]
+        bias_correction2_sqrt = [(1 - beta2 ** c) ** 0.5 for c in counts]
+    if amsgrad:
+        foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        exp_avg_sq_sqrt = foreach_sqrt(max_exp_avg_sqs)
+    else:
+        exp_avg_sq_sqrt = foreach_sqrt(exp_avg_sqs)
+    foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
+    foreach_add_(exp_avg_sq_sqrt, eps)
+    foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt, step_size)
 
 
 def adam_fused_pieces_(
