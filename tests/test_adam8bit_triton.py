@@ -236,13 +236,15 @@ def test_triton_bf16_param_and_grad(device):
 
 
 @needs_triton
-@pytest.mark.parametrize("block_size,off64,aligned", [(256, False, True), (256, False, False), (7, False, False),
-                                                      (256, True, True)])
-def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64, aligned):
+@pytest.mark.parametrize("block_size,off64,aligned,hp_on_device", [
+    (256, False, True, False), (256, False, False, False), (7, False, False, False), (256, True, True, False),
+    (256, False, True, True), (7, False, False, True)])  # the coefficients read from a device table
+def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64, aligned, hp_on_device):
     """Compiled for an H100 (sm_90) with Triton's own ptxas, no GPU needed: every multiply
     and add stays apart (no fma), division and square root are IEEE round-to-nearest,
     and nothing flushes subnormals to zero; an aligned launch loads and stores its float32
-    rows four elements at a time ([Note: aligned tables])."""
+    rows four elements at a time ([Note: aligned tables]); the same with the coefficients
+    of each row read on the device ([Note: coefficients on the device])."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -250,18 +252,20 @@ def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64, 
 
     cfg = qt.launch_config(block_size)
     sig = {"ptrs": "*i64", "starts": "*i64", "numels": "*i64", "scode_ptr": "*fp32",
-           "ucode_ptr": "*fp32", "stab_ptr": "*i32", "utab_ptr": "*i32", "T": "i32", "nb": "i32",
+           "ucode_ptr": "*fp32", "stab_ptr": "*i32", "utab_ptr": "*i32", "hp_ptr": "*fp32", "T": "i32", "nb": "i32",
            "bs": "i32",
            **dict.fromkeys(("c_wd", "wd", "w1", "beta2", "w2", "bc2", "eps", "neg_step",
                             "FLT_MAX"), "fp32"),
-           **dict.fromkeys(("MAXIMIZE", "WD_MODE", "ROWS", "BLOCK", "OFF64", "LOG_T", "ALIGNED"), "constexpr")}
+           **dict.fromkeys(("MAXIMIZE", "WD_MODE", "ROWS", "BLOCK", "OFF64", "LOG_T", "ALIGNED", "HP_ON_DEVICE"),
+                           "constexpr")}
     # as Triton specializes a launch: pointers and a block size of 256 divisible by 16
     names = list(inspect.signature(qt._adam8bit_step_kernel).parameters)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
              if sig[n].startswith("*") or (n == "bs" and block_size % 16 == 0)}
     src = ASTSource(fn=triton.jit(qt._adam8bit_step_kernel), signature=sig, attrs=attrs,
                     constexprs={"MAXIMIZE": True, "WD_MODE": 2, "ROWS": cfg["ROWS"],
-                                "BLOCK": cfg["BLOCK"], "OFF64": off64, "LOG_T": 3, "ALIGNED": aligned})
+                                "BLOCK": cfg["BLOCK"], "OFF64": off64, "LOG_T": 3, "ALIGNED": aligned,
+                                "HP_ON_DEVICE": hp_on_device})
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False})

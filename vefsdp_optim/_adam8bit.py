@@ -18,6 +18,7 @@ from vefsdp_optim._math import (
     num_blocks,
     quantize_blockwise,
 )
+from vefsdp_optim._math._adam8bit_step import select_capturable_backend
 from vefsdp_optim.sharding import Elementwise, FlatBlocks, Requirement
 
 from ._adam_state import adam_bucket_, adam_state_spec
@@ -70,11 +71,6 @@ class _Adam8bitBase(BlockOptimizer):
         check_adam_hparams(lr, betas, eps, weight_decay)
         if not isinstance(capturable, bool):
             raise TypeError(f"capturable must be a bool, got {capturable!r}")
-        if capturable and fused:
-            raise ValueError(
-                f"{type(self).__name__}(fused=True, capturable=True) is not supported: the fused kernels "
-                "take each step's coefficients as host scalars, which a CUDA graph would keep; "
-                "capturable=True steps with the eager ops (fused=None or False)")
         _check_8bit_args(block_size, min_8bit_size)
         if fused is not None and not isinstance(fused, bool):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
@@ -98,13 +94,17 @@ class _Adam8bitBase(BlockOptimizer):
         self._quantizers: dict[torch.device, tuple[TableQuantizer, TableQuantizer]] = {}
         self._host_quantizers = host_table_quantizers()
         super().__init__(params, defaults)
-        if fused:  # a kernel must run on every device type that holds parameters
+        if fused:  # a kernel must run on every device type that holds parameters; capturable:
+            # the Triton kernel, which reads the coefficients on the device ([Note: coefficients
+            # on the device]), never the C++ kernel's host scalars
+            select = select_capturable_backend if capturable else select_backend
             for device_type in sorted({p.device.type for g in self.param_groups
                                        for p in g["params"]} - {"meta"}):
                 try:
-                    select_backend(device_type, block_size, 1, True)
+                    select(device_type, block_size, 1, True)
                 except RuntimeError as e:
-                    raise RuntimeError(f"{type(self).__name__}(fused=True): {e}") from None
+                    flag = ", capturable=True" if capturable else ""
+                    raise RuntimeError(f"{type(self).__name__}(fused=True{flag}): {e}") from None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         merged = {**self.defaults, **param_group}
@@ -192,7 +192,8 @@ class _Adam8bitBase(BlockOptimizer):
         device = work[0][0].device
         signed, unsigned = self._code_maps(device)
         beta1, beta2 = group["betas"]
-        if group.get("capturable"):  # [Note: capturable steps]: the coefficients on the device
+        if group.get("capturable"):  # [Note: capturable steps]: the coefficients on the device, read
+            # there by the Triton kernel or the eager ops ([Note: coefficients on the device])
             adam8bit_capturable_step_(
                 [p for p, _, _, _ in work], [g for _, g, _, _ in work],
                 [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
@@ -200,7 +201,7 @@ class _Adam8bitBase(BlockOptimizer):
                 steps=step_tensors, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], decoupled=self.decoupled, block_size=bs,
                 signed_code=signed, unsigned_code=unsigned, quantizers=self._table_quantizers(device),
-                maximize=group["maximize"])
+                maximize=group["maximize"], fused=self.fused)
             return
         adam8bit_multi_tensor_step_(
             [p for p, _, _, _ in work], [g for _, g, _, _ in work],
@@ -252,6 +253,10 @@ class AdamW8bit(_Adam8bitBase):
     ``fused=False``). ``VEFSDP_ADAM8BIT_BACKEND`` =
     ``triton`` / ``c`` / ``eager`` forces one ([Note: 8-bit Adam backends]);
     ``fused=True`` raises where no kernel can run. All give the same bits.
+    ``capturable=True`` ([Note: capturable steps]) computes each step's coefficients on the
+    device and steps with the Triton kernel, which reads them there, where it runs (CUDA),
+    else with the eager ops (also with ``fused=False``; never the C++ kernel, which takes
+    host scalars: ``fused=True`` raises where Triton cannot run).
     """
 
     decoupled = True

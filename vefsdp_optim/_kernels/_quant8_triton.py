@@ -32,11 +32,12 @@ its tensors' addresses in a table of ``data_ptr``s (6 x T int64, cast to pointer
 may hold the last blocks of one tensor and the first of the next; each block is still its
 own tensor's, with its tensor's numel masking the tail, so the bits are those of one
 launch per tensor. The scalars (the step's ``hp``, the flags) are the launch's: tensors
-with different step counts take one launch each. The tables live on the tensors' device,
-built once per list of addresses and numels (a small cache, the oldest dropped) and
-copied from pinned memory without a host sync (the pinned copy kept with them, which a
-copy captured in a CUDA graph reads at each replay); a steady-state step, whose tensors
-keep their storage, reuses them and copies nothing.
+with different step counts take one launch each (the capturable launch reads each
+tensor's coefficients from a device table: [Note: coefficients on the device]). The
+tables live on the tensors' device, built once per list of addresses and numels (a
+small cache, the oldest dropped) and copied from pinned memory without a host sync (the
+pinned copy kept with them, which a copy captured in a CUDA graph reads at each replay);
+a steady-state step, whose tensors keep their storage, reuses them and copies nothing.
 
 Blocks of more than ``MAX_BLOCK`` elements do not fit a tile; ``triton_unavailable_reason``
 says so and those tensors take another backend. The kernel is wrapped by ``triton.jit``
@@ -58,7 +59,8 @@ try:  # the kernel's body reads ``tl`` as a global, as Triton requires
 except Exception:  # noqa: BLE001 - reported by triton_unavailable_reason
     tl = None
 
-__all__ = ["MAX_BLOCK", "interpreting", "run_triton_steps_", "triton_unavailable_reason"]
+__all__ = ["MAX_BLOCK", "interpreting", "run_triton_capturable_steps_", "run_triton_steps_",
+           "triton_unavailable_reason"]
 
 MAX_BLOCK = 4096  # largest (power-of-two padded) block one program holds
 # elements a program takes at least, as whole blocks, and elements a thread holds: ~4 a
@@ -117,11 +119,11 @@ def _block(block_size: int) -> int:
     return 1 << max(0, block_size - 1).bit_length()  # next power of two
 
 
-def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, T, nb,
+def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, hp_ptr, T, nb,
                           bs, c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, FLT_MAX,
                           MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr, ROWS: tl.constexpr,
                           BLOCK: tl.constexpr, OFF64: tl.constexpr, LOG_T: tl.constexpr,
-                          ALIGNED: tl.constexpr):
+                          ALIGNED: tl.constexpr, HP_ON_DEVICE: tl.constexpr):
     # [Note: one launch for many tensors]: ``rows`` are block numbers over all the tensors
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) joint block numbers
     row_ok = rows < nb
@@ -131,6 +133,16 @@ def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, 
         take = (cand < T) & (tl.load(starts + cand, mask=cand < T, other=0) <= rows)
         t = tl.where(take, cand, t)
     n = tl.load(numels + t)  # (ROWS,) int64: the row's tensor's elements
+    if HP_ON_DEVICE:  # [Note: coefficients on the device]: each row its tensor's 8, as (ROWS, 1)
+        hrow = hp_ptr + t * 8
+        c_wd = tl.load(hrow)[:, None]
+        wd = tl.load(hrow + 1)[:, None]
+        w1 = tl.load(hrow + 2)[:, None]
+        beta2 = tl.load(hrow + 3)[:, None]
+        w2 = tl.load(hrow + 4)[:, None]
+        bc2 = tl.broadcast_to(tl.load(hrow + 5)[:, None], (ROWS, BLOCK))  # div_rn does not broadcast
+        eps = tl.load(hrow + 6)[:, None]
+        neg_step = tl.load(hrow + 7)[:, None]
     rows = rows - tl.load(starts + t)  # block index within its tensor
     p_ptr = tl.load(ptrs + t)  # (ROWS,) each row's tensors' addresses
     g_ptr = tl.load(ptrs + T + t)
@@ -241,19 +253,62 @@ def run_triton_steps_(
     for i, (h, f) in enumerate(zip(hp, flags, strict=True)):
         if p[i].numel():
             runs.setdefault((tuple(h), f), []).append(i)
-    cfg = launch_config(block_size)
     for (h, f), idx in runs.items():
-        ptrs, starts, numels, nb, big, aligned = _tensor_table(
-            [(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx])
-        c_wd, wd, w1, beta2, w2, bc2, eps, neg_step = h
-        wd_mode = 0 if not f & 2 else (1 if f & 4 else 2)
-        grid = (-(-nb // cfg["ROWS"]),)
-        _kernel()[grid](ptrs, starts, numels, *tables, len(idx), nb, block_size, c_wd, wd, w1, beta2,
-                        w2, bc2, eps, neg_step, _FLT_MAX, MAXIMIZE=bool(f & 1), WD_MODE=wd_mode,
-                        ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], OFF64=big,
-                        LOG_T=max(1, (len(idx) - 1).bit_length()), ALIGNED=aligned and block_size % 16 == 0,
-                        num_warps=cfg["num_warps"],
-                        enable_fp_fusion=False)
+        _launch([(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx], h, tables[0], f, block_size,
+                tables, on_device=False)
+
+
+def run_triton_capturable_steps_(
+    p: Sequence[Tensor], g: Sequence[Tensor], mc: Sequence[Tensor], ma: Sequence[Tensor],
+    vc: Sequence[Tensor], va: Sequence[Tensor], hp: Tensor, flags: int, block_size: int,
+    tables: tuple[Tensor, ...],
+) -> None:
+    """:func:`run_triton_steps_` with the coefficients on the device ([Note: coefficients
+    on the device]): ``hp`` a contiguous ``(len(p), 8)`` float32 tensor on the tensors'
+    device (``adam8bit_device_hparams``'s rows, one per tensor), ``flags`` those of every
+    tensor, every tensor non-empty. One launch for all of them, whatever their steps; no
+    value is read back, and after the first call with these tensors no host tensor goes
+    in (the address tables are cached)."""
+    if hp.dtype != torch.float32 or tuple(hp.shape) != (len(p), 8) or not hp.is_contiguous():
+        raise ValueError(f"hp must be a contiguous ({len(p)}, 8) float32 tensor, got {hp.dtype} "
+                         f"{tuple(hp.shape)}")
+    if not p:
+        return
+    if any(t.numel() == 0 for t in p):
+        raise ValueError("run_triton_capturable_steps_ takes non-empty tensors (their rows of hp), got numels "
+                         f"{[t.numel() for t in p]}")
+    _launch(list(zip(p, g, mc, ma, vc, va, strict=True)), (0.0,) * 8, hp, flags, block_size, tables,
+            on_device=True)
+
+
+def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor, flags: int, block_size: int,
+            tables: tuple[Tensor, ...], *, on_device: bool) -> None:
+    """One launch of the kernel over ``tensors`` (each ``(p, g, mc, ma, vc, va)``, non-empty)
+    with the coefficients ``h`` (host floats) or, ``on_device``, the rows of ``hp``."""
+    cfg = launch_config(block_size)
+    ptrs, starts, numels, nb, big, aligned = _tensor_table(tensors)
+    c_wd, wd, w1, beta2, w2, bc2, eps, neg_step = h
+    wd_mode = 0 if not flags & 2 else (1 if flags & 4 else 2)
+    grid = (-(-nb // cfg["ROWS"]),)
+    t = len(tensors)
+    _kernel()[grid](ptrs, starts, numels, *tables, hp, t, nb, block_size, c_wd, wd, w1, beta2,
+                    w2, bc2, eps, neg_step, _FLT_MAX, MAXIMIZE=bool(flags & 1), WD_MODE=wd_mode,
+                    ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], OFF64=big,
+                    LOG_T=max(1, (t - 1).bit_length()), ALIGNED=aligned and block_size % 16 == 0,
+                    HP_ON_DEVICE=on_device, num_warps=cfg["num_warps"], enable_fp_fusion=False)
+
+
+# [Note: coefficients on the device]
+# A capturable step ([Note: capturable steps]) keeps each tensor's step count on the
+# device, so its 8 coefficients are computed there (``adam8bit_device_hparams``: an
+# (n, 8) float32 table, one row per tensor) and a CUDA graph replays them fresh; host
+# scalars in the launch would be frozen at capture. With ``HP_ON_DEVICE`` each row of the
+# tile loads its tensor's row of that table (its ``t``, found by the search) in place of
+# the scalar arguments (then unused), and the step runs the same float32 ops in the same
+# order on the same values: the bits of the host-scalar launch given the same float32
+# coefficients, and of the eager capturable step given the same table. As the
+# coefficients are per tensor, every tensor of one (flags) group takes one launch
+# whatever its step count.
 
 
 # [Note: aligned tables]

@@ -18,7 +18,7 @@ from torch import Tensor
 from ._quant8 import TableQuantizer, _check_block_size, dequantize_table, num_blocks
 
 __all__ = ["adam8bit_block_step_", "adam8bit_capturable_step_", "adam8bit_device_hparams", "adam8bit_hparams",
-           "adam8bit_multi_tensor_step_"]
+           "adam8bit_multi_tensor_step_", "select_capturable_backend"]
 
 
 # [Note: 8-bit Adam op order]
@@ -239,19 +239,28 @@ def _device_type(params: Sequence[Tensor], grads: Sequence[Tensor],
 
 
 def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor],
-                  states: Sequence[Sequence[Tensor]], hps: list[tuple[float, ...]], flags: int,
+                  states: Sequence[Sequence[Tensor]], hps: list[tuple[float, ...]] | Tensor, flags: int,
                   block_size: int, signed_code: Tensor, unsigned_code: Tensor,
                   quantizers: tuple[TableQuantizer, TableQuantizer]) -> None:
     """The step on the C++ or Triton kernel ([Note: 8-bit Adam backends]): every tensor in
-    one call, on contiguous copies of the states where they are not contiguous."""
+    one call, on contiguous copies of the states where they are not contiguous. ``hps``: the
+    host coefficients of each tensor, or (Triton) their device table ([Note: coefficients
+    on the device]), one row per tensor, every tensor non-empty."""
     from .._kernels import run_adam8bit_kernel_
 
     g32s = [_flat_float32(grad) for grad in grads]
     works = [[t if t.is_contiguous() else t.contiguous() for t in state] for state in states]
     tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
               quantizers[1].packed)
-    run_adam8bit_kernel_(backend, p32s, g32s, *(list(w) for w in zip(*works, strict=True)),
-                         hps, [flags] * len(p32s), block_size, tables)
+    columns = [list(w) for w in zip(*works, strict=True)]
+    if isinstance(hps, Tensor):
+        if backend != "triton":
+            raise AssertionError(f"a device table of coefficients takes the Triton kernel, got {backend!r}")
+        from .._kernels._quant8_triton import run_triton_capturable_steps_
+
+        run_triton_capturable_steps_(p32s, g32s, *columns, hps, flags, block_size, tables)
+    else:
+        run_adam8bit_kernel_(backend, p32s, g32s, *columns, hps, [flags] * len(p32s), block_size, tables)
     for state, work in zip(states, works, strict=True):
         for t, w in zip(state, work, strict=True):
             if w is not t:  # a contiguous copy
@@ -293,28 +302,68 @@ def adam8bit_device_hparams(steps: Tensor, *, lr: float | Tensor, beta1: float, 
     return torch.stack(cols, dim=1).float()
 
 
+def select_capturable_backend(device_type: str, block_size: int, max_k: int = 1,
+                              fused: bool | None = None) -> str:
+    """``"triton"`` or ``"eager"`` for a capturable step ([Note: coefficients on the device]
+    in ``_kernels/_quant8_triton.py``): ``select_backend``'s choice ([Note: 8-bit Adam
+    backends]), except that the C++ kernel, which takes host scalars, is never chosen: where
+    it would be (the CPU, or ``VEFSDP_ADAM8BIT_BACKEND=c``) the eager ops run, and
+    ``fused=True`` raises RuntimeError naming why."""
+    from .._kernels import requested_backend, select_backend
+
+    if fused is False:
+        return "eager"
+    forced = requested_backend()
+    if forced == "c" or (forced is None and device_type != "cuda"):
+        if fused:
+            why = f"VEFSDP_ADAM8BIT_BACKEND={forced}" if forced else f"the tensors are on {device_type}"
+            raise RuntimeError(
+                f"fused=True with capturable=True needs the Triton kernel (the C++ kernel takes host "
+                f"scalars, which a CUDA graph would keep), but {why}")
+        return "eager"
+    backend = select_backend(device_type, block_size, max_k, fused)
+    if backend not in ("triton", "eager"):
+        raise AssertionError(f"select_backend chose {backend!r} for a capturable step on {device_type}")
+    return backend
+
+
 def adam8bit_capturable_step_(
     params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]], *,
     steps: Sequence[Tensor], lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
     decoupled: bool, block_size: int, signed_code: Tensor, unsigned_code: Tensor,
     quantizers: tuple[TableQuantizer, TableQuantizer] | None = None, maximize: bool = False,
+    fused: bool | None = None,
 ) -> None:
     """:func:`adam8bit_multi_tensor_step_` with ``capturable`` ([Note: capturable steps]):
     ``steps`` are each tensor's count after this update (float32 0-d tensors on the
-    device), the coefficients :func:`adam8bit_device_hparams`, and the update the eager
-    ops of [Note: 8-bit Adam op order] with them as 0-d device tensors (the fused kernels
-    take host scalars, which a CUDA graph would keep)."""
+    device), the coefficients :func:`adam8bit_device_hparams`, read on the device: by the
+    Triton kernel (one launch for every tensor, [Note: coefficients on the device]) where
+    it runs (:func:`select_capturable_backend`: CUDA by default, ``fused`` and
+    ``VEFSDP_ADAM8BIT_BACKEND`` as for the host-scalar step), else by the eager ops of
+    [Note: 8-bit Adam op order] with them as 0-d device tensors; the same bits either way."""
     if not params:
         return
-    _check_multi_tensor_args(params, grads, states, steps, block_size, False)
+    _check_multi_tensor_args(params, grads, states, steps, block_size, fused)
     if quantizers is None:
         quantizers = (TableQuantizer(signed_code), TableQuantizer(unsigned_code))
+    backend = select_capturable_backend(_device_type(params, grads, states), block_size,
+                                        max(q.k for q in quantizers), fused)
+    if backend == "triton":  # the kernel's launch takes the non-empty tensors, one row of hp each
+        keep = [i for i, param in enumerate(params) if param.numel()]
+        params, grads, states, steps = ([xs[i] for i in keep] for xs in (params, grads, states, steps))
+        if not params:
+            return
     table = adam8bit_device_hparams(torch.stack(list(steps)), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay)
-    hps = [tuple(row.unbind()) for row in table.unbind()]
     p32s = [_flat_float32(param) for param in params]
-    _eager_step_(p32s, grads, states, hps, block_size, signed_code, unsigned_code, quantizers,
-                 maximize=maximize, wd_on=weight_decay != 0, decoupled=decoupled)
+    if backend == "triton":
+        flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
+        _kernel_step_(backend, p32s, grads, states, table, flags, block_size, signed_code, unsigned_code,
+                      quantizers)
+    else:
+        hps = [tuple(row.unbind()) for row in table.unbind()]
+        _eager_step_(p32s, grads, states, hps, block_size, signed_code, unsigned_code, quantizers,
+                     maximize=maximize, wd_on=weight_decay != 0, decoupled=decoupled)
     for param, p32 in zip(params, p32s, strict=True):
         if param.dtype != torch.float32 or not param.is_contiguous():  # p32 is a copy
             param.copy_(p32.view(param.shape))
