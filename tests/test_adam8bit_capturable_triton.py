@@ -23,7 +23,7 @@ from test_adam8bit_triton import (
 from torch import nn
 
 import vefsdp_optim
-from vefsdp_optim._math import adam8bit_capturable_step_
+from vefsdp_optim._math import TableQuantizer, adam8bit_capturable_step_
 from vefsdp_optim._math._adam8bit_step import adam8bit_device_hparams
 
 # the interpreter's numpy divides NaN moments of the non-finite cases (zeroed afterwards)
@@ -92,10 +92,8 @@ def test_device_table_kernel_equals_host_scalar_kernel_bitwise(device, monkeypat
     table = adam8bit_device_hparams(steps, lr=torch.tensor(3e-3), beta1=0.9, beta2=0.999, eps=1e-8,
                                     weight_decay=0.1)
     hps = [tuple(float(x) for x in row) for row in table.cpu()]
-    codes = (SIGNED.to(device), UNSIGNED.to(device))
-    from vefsdp_optim._math import TableQuantizer
-
-    tables = (*codes, *(TableQuantizer(c).packed for c in codes))
+    tables = tuple(t.to(device) for t in (SIGNED, UNSIGNED, TableQuantizer(SIGNED).packed,
+                                          TableQuantizer(UNSIGNED).packed))
     gen = torch.Generator().manual_seed(bs)
     init = [torch.randn(n, generator=gen).to(device) for n in ns]
     runs = {how: ([p.clone() for p in init], [_state(n, bs, device) for n in ns]) for how in ("host", "table")}
@@ -142,24 +140,28 @@ def _opt_run(fused, steps=3, **kw):
         opt = vefsdp_optim.AdamW8bit(ps, lr=lr, min_8bit_size=100, block_size=64, capturable=True, fused=fused,
                                      **kw)
         gen = torch.Generator().manual_seed(1)
+        for p in ps:
+            p.grad = torch.empty_like(p)  # static gradients, as a captured step reads them
         for step in range(steps):
             lr.fill_(1e-2 * (1.0, 0.5, 0.25)[step])
             for p in ps:
-                p.grad = torch.randn(p.shape, generator=gen)
+                p.grad.copy_(torch.randn(p.shape, generator=gen))
             opt.step()
     return [p.detach().clone() for p in ps], opt
 
 
-def test_optimizer_capturable_on_triton_equals_eager_bitwise():
+def test_optimizer_capturable_on_triton_equals_eager_bitwise(monkeypatch):
     """AdamW8bit(capturable=True) on the Triton kernel (forced, under the interpreter): one
-    launch a step for its three 8-bit tensors, the bits of its eager capturable step."""
+    launch a step for its three 8-bit tensors, its address table built at the first step
+    only (no host tensor copied in after it), the bits of its eager capturable step."""
     from vefsdp_optim._kernels import _quant8_triton as qt
 
+    monkeypatch.setattr(qt, "_tables", _CountingDict())
     with _Backend("triton", interpret=True), _Launches(qt) as spy:
         got, opt = _opt_run(None)
-        assert spy.launches == 3
+        assert spy.launches == 3 and qt._tables.inserted == 1
         forced, _ = _opt_run(True)  # fused=True: the Triton kernel runs
-        assert spy.launches == 6
+        assert spy.launches == 6 and qt._tables.inserted == 2
     want, want_opt = _opt_run(False)
     for a, b, c in zip(got, forced, want, strict=True):
         assert _equal(a, c) and _equal(b, c)
