@@ -58,10 +58,9 @@ def test_device_table_kernel_equals_eager_capturable_bitwise(device, bs, decoupl
         lr.fill_(1e-2 / step)
         gs = [(_grad(n, gen, step) if n > 2 else torch.randn(n, generator=gen)).to(device) for n in ns]
         for fused, (ps, ss, counts) in runs.items():
-            for i, c in enumerate(counts):
-                if i != 3 or step == 3:  # tensor 3 fresh at step 3: counts 3, 3, ..., 1, ...
-                    c.add_(1)
-            on = [i for i, c in enumerate(counts) if c > 0]
+            on = [i for i in range(len(ns)) if i != 3 or step == 3]  # tensor 3 fresh at step 3 (count 1)
+            for i in on:
+                counts[i].add_(1)
             with _Backend("triton", interpret=torch.device(device).type == "cpu"), _Launches(qt) as spy:
                 adam8bit_capturable_step_([ps[i] for i in on], [gs[i] for i in on], [ss[i] for i in on],
                                           steps=[counts[i] for i in on], lr=lr, fused=fused, **kw)
