@@ -251,6 +251,7 @@ class SOAP(ReplayCounting, BlockOptimizer):
         and the step loop's bookkeeping would cost more than the math on small tensors.
         The same update_block runs on the same whole tensors; the rest go to the loop."""
         rest = []
+        checked: set[torch.device] = set()  # capturable: the devices checked this step
         for p in group["params"]:
             g = p.grad
             if (g is None or type(p) not in _PLAIN or type(g) not in _PLAIN or g.is_sparse or p.is_meta
@@ -258,8 +259,9 @@ class SOAP(ReplayCounting, BlockOptimizer):
                     or g.shape != p.shape):
                 rest.append(p)  # the loop skips it, steps it, or raises its error
                 continue
-            if group["capturable"]:
+            if group["capturable"] and p.device not in checked:
                 check_capturable(type(self).__name__, group, p.device)
+                checked.add(p.device)
             state = self.state[p]
             flat = p.view(-1)  # under the step's no_grad
             ctx = BlockContext(p.shape, 0, flat.numel(), 0, 1)
