@@ -10,6 +10,7 @@ sizes stay small; with ``VEFSDP_TEST_DEVICE=cuda`` the kernel tests run compiled
 import pytest
 import torch
 from capturable_utils import capturable_on_cpu
+from dist_utils import run_distributed
 from test_adam8bit_triton import (
     SIGNED,
     UNSIGNED,
@@ -18,6 +19,7 @@ from test_adam8bit_triton import (
     _grad,
     _Launches,
     _state,
+    _Uneven,
     needs_triton,
 )
 from torch import nn
@@ -187,3 +189,50 @@ def test_fused_true_capturable_needs_triton(monkeypatch):
     want, _ = _opt_run(False, steps=2)
     for a, b in zip(got, want, strict=True):
         assert _equal(a, b)
+
+
+def _sharded_capturable_triton_vs_one_device(kind):
+    """On each rank: AdamW8bit(capturable=True) on the Triton kernel on its shards against
+    the one-device capturable run on the eager ops, fed the same full gradients."""
+    import torch.distributed as dist
+
+    from vefsdp_optim._kernels import _quant8_triton as qt
+
+    model = _Uneven()
+    init = [p.detach().clone() for p in model.parameters()]
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        vefsdp_optim.fully_shard(model)
+    ps = list(model.parameters())
+    q = [nn.Parameter(t.clone()) for t in init]
+    lr, lr_ref = torch.tensor(1e-2), torch.tensor(1e-2)
+    kw = dict(weight_decay=0.1, block_size=64, min_8bit_size=100, capturable=True)
+    x = torch.randn(8, 37, generator=torch.Generator().manual_seed(11 + dist.get_rank()))
+    with capturable_on_cpu(), _Launches(qt) as spy:
+        opt = vefsdp_optim.AdamW8bit(ps, lr=lr, **kw)
+        ref = vefsdp_optim.AdamW8bit(q, lr=lr_ref, fused=False, **kw)
+        for step in range(3):
+            lr.fill_(1e-2 * 0.5**step)
+            lr_ref.fill_(1e-2 * 0.5**step)
+            opt.zero_grad()
+            model(x).backward()  # each rank its own batch; the gradient is their average
+            with _Backend("triton", interpret=True):
+                opt.step()
+            for qi, p in zip(q, ps, strict=True):
+                qi.grad = p.grad.full_tensor().clone()
+            ref.step()
+    for p, qi in zip(ps, q, strict=True):
+        assert torch.equal(p.full_tensor(), qi.detach()), tuple(p.shape)
+    return spy.launches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp2", "fully_shard"])
+def test_sharded_capturable_triton_bit_identical_to_one_device(kind):
+    """Sharded at W = 2 on the Triton kernel: bit for bit the one-device eager capturable run."""
+    launches = run_distributed(_sharded_capturable_triton_vs_one_device, 2, kind)
+    assert all(n >= 3 for n in launches), launches  # the Triton kernel ran on each rank's shards
