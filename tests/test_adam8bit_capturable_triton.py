@@ -191,6 +191,35 @@ def test_fused_true_capturable_needs_triton(monkeypatch):
         assert _equal(a, b)
 
 
+def test_capturable_copies_step_with_the_eager_ops(monkeypatch):
+    """bfloat16 parameters: the kernel would step a float32 copy made in each step, whose
+    address differs between the eager warm-up steps and a capture (the kernel's address
+    table is built on the host before it), so fused=None steps them with the eager ops,
+    the same bits, no launch; fused=True names what it needs."""
+    from vefsdp_optim._kernels import _quant8_triton as qt
+
+    def run(fused):
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in [(70, 10), (333,)]]
+        with capturable_on_cpu():
+            opt = vefsdp_optim.AdamW8bit(ps, lr=torch.tensor(1e-2), min_8bit_size=100, block_size=64,
+                                         capturable=True, fused=fused)
+            for step in range(2):
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(p.dtype)
+                opt.step()
+        return [p.detach().clone() for p in ps]
+
+    with _Backend("triton", interpret=True), _Launches(qt) as spy:
+        got = run(None)
+        assert spy.launches == 0
+        with pytest.raises(ValueError, match="fused=True with capturable=True needs float32 contiguous"):
+            run(True)
+    want = run(False)
+    for a, b in zip(got, want, strict=True):
+        assert _equal(a, b)
+
+
 def _sharded_capturable_triton_vs_one_device(kind):
     """On each rank: AdamW8bit(capturable=True) on the Triton kernel on its shards against
     the one-device capturable run on the eager ops, fed the same full gradients."""

@@ -64,8 +64,8 @@ CAPS_S = {"plain": 45, "fully_shard": 60, "fsdp2": 60, "capture": 60, "profiler"
           "bench_adam8bit": 40, "bench_muon": 50, "bench_fully_shard": 70}
 CPU_CAP_S = 300
 CORRECTNESS = ("plain", "fully_shard", "fsdp2", "capture", "kernels")
-KERNEL_TESTS = ["tests/test_adam8bit_triton.py", "-k",
-                "triton_equals or bf16_param or compiles_for_cuda or default_on_cuda or one_launch"]
+KERNEL_TESTS = ["tests/test_adam8bit_triton.py", "tests/test_adam8bit_capturable_triton.py", "-k",
+                "triton_equals or bf16_param or compiles_for_cuda or default_on_cuda or one_launch or device_table"]
 
 # -- the machine and its python -----------------------------------------------------------------
 

@@ -76,6 +76,8 @@ _lock = threading.Lock()
 _jitted: dict[bool, Any] = {}  # interpreter or not -> triton.jit of the kernel
 _tables: dict[tuple, tuple[Tensor, Tensor, Tensor, int, Tensor]] = {}  # _tensor_table's, by key
 _MAX_TABLES = 64  # the oldest dropped beyond it
+# the tables a CUDA graph capture read: a graph replays their addresses, so never dropped
+_captured: dict[tuple, tuple[Tensor, Tensor, Tensor, int, Tensor]] = {}
 _import_error: str | None = None
 
 
@@ -329,19 +331,29 @@ def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Te
     of each tensor (T + 1 int64, the total last), the numels (T int64); the total block
     count, whether some tensor needs int64 offsets, and whether the launch is
     [Note: aligned tables]'s. Cached by the addresses and numels, so a steady-state step
-    copies nothing to the device."""
+    copies nothing to the device; a table a CUDA graph capture reads is kept for good
+    (the graph replays its address), and one missing at a capture is a RuntimeError."""
     numel = [ts[0].numel() for ts in tensors]
     addresses = [t.data_ptr() for col in zip(*tensors, strict=True) for t in col]
     key = (tensors[0][0].device, *addresses, *numel, *(ts[3].numel() for ts in tensors))
     big = max(numel) >= _OFF32_LIMIT
     aligned = all(a % 16 == 0 for a in addresses) and all(n % 16 == 0 for n in numel)
-    hit = _tables.get(key)
+    device = tensors[0][0].device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    hit = _captured.get(key) or _tables.get(key)
     if hit is not None:
+        if capturing:  # a graph reads this table at every replay: keep it
+            with _lock:
+                _captured[key] = hit
         return (*hit[:4], big, aligned)
+    if capturing:
+        raise RuntimeError(
+            "the 8-bit Adam step's table of tensor addresses was not built before this CUDA graph "
+            "capture: capture the step after eager warm-up steps on the same parameters, states and "
+            ".grad tensors (a graph replays fixed addresses; the table is built on the host)")
     starts = [0]
     for ts in tensors:
         starts.append(starts[-1] + ts[3].numel())
-    device = tensors[0][0].device
     host = torch.tensor(addresses + starts + numel, dtype=torch.int64)
     table = host
     if device.type != "cpu":  # pinned: an asynchronous copy, no host sync

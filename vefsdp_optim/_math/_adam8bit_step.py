@@ -327,6 +327,11 @@ def select_capturable_backend(device_type: str, block_size: int, max_k: int = 1,
     return backend
 
 
+def _stays_put(t: Tensor) -> bool:
+    """Whether the kernel steps ``t`` itself (float32, contiguous), not a copy."""
+    return t.dtype == torch.float32 and t.is_contiguous()
+
+
 def adam8bit_capturable_step_(
     params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]], *,
     steps: Sequence[Tensor], lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -348,6 +353,15 @@ def adam8bit_capturable_step_(
         quantizers = (TableQuantizer(signed_code), TableQuantizer(unsigned_code))
     backend = select_capturable_backend(_device_type(params, grads, states), block_size,
                                         max(q.k for q in quantizers), fused)
+    if backend == "triton" and not all(_stays_put(t) for ts in (params, grads) for t in ts):
+        # a float32 copy made each step: another address at every eager step than at the
+        # capture, so the kernel's address table could not be built before it
+        if fused:
+            raise ValueError(
+                "fused=True with capturable=True needs float32 contiguous parameters and gradients (the "
+                "Triton kernel's address table is built before a capture; a copy made in each step has "
+                "another address there); use fused=None, which steps these with the eager ops")
+        backend = "eager"
     if backend == "triton":  # the kernel's launch takes the non-empty tensors, one row of hp each
         keep = [i for i, param in enumerate(params) if param.numel()]
         params, grads, states, steps = ([xs[i] for i in keep] for xs in (params, grads, states, steps))
