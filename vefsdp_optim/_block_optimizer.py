@@ -307,6 +307,13 @@ class BlockOptimizer(Optimizer):
 
     def _step(self) -> None:
         plan = self._current_plan()
+        try:
+            self._step_plan_run(plan)
+        finally:  # the plan keeps no gradient alive between steps ([Note: step plan])
+            for it in plan.items:
+                it.grad = None
+
+    def _step_plan_run(self, plan: StepPlan) -> None:
         items = plan.items
         state = self.state
         if not plan.validated:

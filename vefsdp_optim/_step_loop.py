@@ -82,14 +82,11 @@ class StepItem:
 
     param: torch.Tensor  # the user's parameter object (state key)
     view: ShardedView  # storage layout
-    grad: torch.Tensor  # 1-D local gradient slice, same length as view.local
+    grad: torch.Tensor  # 1-D local gradient slice, same length as view.local (None between steps)
     requirement: Requirement
     compute: RaggedShard | BoxShard  # compute layout (a BoxShard only when it is the storage)
     group: dict[str, Any]  # the param group
     cost: float = 0.0  # relative compute cost of a whole-tensor update (owner items only)
-    # the plain gradient tensor ``grad`` is the flat view of, where it is one: a step whose
-    # .grad is that same tensor, at the same address, reuses the view ([Note: step plan])
-    grad_of: torch.Tensor | None = None
 
     @property
     def moves(self) -> bool:

@@ -38,11 +38,10 @@ _TENSOR = torch.Tensor
 #     layout, process group and shape, from a fresh view each step;
 # and dropped whole by replan(), add_param_group() and load_state_dict(). A gradient is
 # read afresh every step and must match its parameter's layout, or the rebuild raises
-# the same error as a first step; a plain one's flat view is made again only when the
-# .grad is another tensor, or the same at another address (zero_grad(set_to_none=False),
-# static CUDA-graph gradients and accumulation keep one: its shape and contiguity are
-# checked each step, so the view still covers it). No key reads a device value: a step
-# stays free of host syncs.
+# the same error as a first step; the items let go of their gradients when the step ends
+# (the plan keeps no gradient alive between steps: after zero_grad() the last step's are
+# freed, as with torch.optim). No key reads a device value: a step stays free of host
+# syncs.
 
 
 def param_key(p: Any) -> tuple | None:
@@ -95,11 +94,7 @@ class GroupPlan:
                 if p.data_ptr() != ptr or p.shape != shape or not p.is_contiguous():
                     return False
                 if item is not None and type(g) is _TENSOR and g.shape == shape and g.is_contiguous():
-                    if len(shape) == 1:
-                        item.grad = g
-                    elif g is not item.grad_of or g.data_ptr() != item.grad.data_ptr():
-                        item.grad = g.ravel()  # a view: contiguous (sparse is not)
-                        item.grad_of = g
+                    item.grad = g if len(shape) == 1 else g.ravel()  # a view: contiguous (sparse is not)
                     continue
             elif view_key(sharded_view(p)) != vkey:
                 return False
