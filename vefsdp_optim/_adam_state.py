@@ -33,7 +33,8 @@ def adam_bucket_(
 ) -> None:
     """Adam(W) with ``group``'s hyperparameters and implementation flags (``foreach``,
     ``fused``, ``capturable``, ``differentiable`` where the group has them) on local 1-D
-    slices, one state dict per slice (created, as torch creates it, on first use)."""
+    slices of one step-loop bucket (one device and dtype), one state dict per slice
+    (created, as torch creates it, on first use, like its slice)."""
     exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], []
     on_device = group.get("capturable", False) or group.get("fused", False)
     for state, p in zip(states, params, strict=True):
@@ -55,4 +56,4 @@ def adam_bucket_(
                   amsgrad=amsgrad, maximize=maximize, decoupled=decoupled,
                   foreach=group.get("foreach"), fused=group.get("fused"),
                   capturable=group.get("capturable", False),
-                  differentiable=group.get("differentiable", False))
+                  differentiable=group.get("differentiable", False), uniform=True)

@@ -234,7 +234,7 @@ def adam_foreach_(
     max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float | Tensor,
     beta1: float | Tensor, beta2: float | Tensor, eps: float, weight_decay: float, amsgrad: bool,
     maximize: bool, decoupled: bool, foreach: bool | None = None, fused: bool | None = None,
-    capturable: bool = False, differentiable: bool = False,
+    capturable: bool = False, differentiable: bool = False, uniform: bool = False,
 ) -> None:
     """torch.optim's own functional Adam(W) on lists of tensors, in place, with torch's
     implementation flags: ``fused=True`` runs torch's fused kernel, ``foreach`` picks the
@@ -246,6 +246,9 @@ def adam_foreach_(
 
     ``steps`` are float32 0-d tensors, incremented here as torch does. Elementwise, so a
     list of slices (or one flat buffer) gets exactly the values the whole tensors would.
+    ``uniform``: the caller knows that the parameters share one device and dtype (a
+    step-loop bucket's), so torch would take the lists as one group: [Note: host step
+    counts read once]'s path checks nothing more of them.
     """
     if not params:
         return
@@ -255,7 +258,7 @@ def adam_foreach_(
                    and not (tensor_hp and not capturable))
     if (foreach and not fused and not capturable and not differentiable
             and _host_steps_apply(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
-                                  beta2, amsgrad)):
+                                  beta2, amsgrad, uniform)):
         _multi_tensor_adam_host_steps_(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
@@ -285,16 +288,21 @@ def adam_foreach_(
 
 def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                       exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
-                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor, amsgrad: bool) -> bool:
-    """Whether [Note: host step counts read once]'s path takes this call."""
+                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor, amsgrad: bool,
+                      uniform: bool) -> bool:
+    """Whether [Note: host step counts read once]'s path takes this call (a device read
+    costs ~0.1 us a tensor: ``uniform`` skips those the caller vouches for)."""
     if isinstance(lr, Tensor) or isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
         return False
     p0 = params[0]
     device, dtype = p0.device, p0.dtype
     if not dtype.is_floating_point:
         return False
-    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (
-        params, grads, exp_avgs, exp_avg_sqs)
+    if uniform:  # torch groups the lists by the parameters' device and dtype alone: one group
+        lists: tuple[list[Tensor], ...] = ()
+    else:
+        lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (
+            params, grads, exp_avgs, exp_avg_sqs)
     for ts in lists:
         if len(ts) != len(params):
             return False
