@@ -30,6 +30,7 @@ import gc
 import math
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,37 +59,77 @@ def _collector_on_during_steps():
         bo.gc_paused = saved
 
 
-def _runs(k: int, shape: tuple[int, ...]) -> dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]]:
-    """name -> (params, optimizer, collector on during its step)."""
+def _runs(k: int, shape: tuple[int, ...], reverse: bool = False,
+          ) -> dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]]:
+    """name -> (params, optimizer, collector on during its step), built in this order, or
+    in the reverse order (the dict keeps the first order either way)."""
     from vefsdp_optim import AdamW, AdamW8bit
 
     g = torch.Generator().manual_seed(0)
     init = [torch.randn(shape, generator=g) * 0.02 for _ in range(k)]
     e = math.prod(shape)
 
-    def params() -> list[nn.Parameter]:
-        return [nn.Parameter(t.clone()) for t in init]
-
-    runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]] = {}
-    ps = params()
-    runs["torch.optim.AdamW (foreach)"] = (ps, torch.optim.AdamW(ps, lr=1e-3, foreach=True), False)
-    ps = params()
-    runs["vefsdp_optim.AdamW"] = (ps, AdamW(ps, lr=1e-3), False)
-    ps = params()
-    runs["vefsdp_optim.AdamW, collector on"] = (ps, AdamW(ps, lr=1e-3), True)
+    makers: dict[str, tuple[Any, bool]] = {
+        "torch.optim.AdamW (foreach)": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), False),
+        "vefsdp_optim.AdamW": (lambda ps: AdamW(ps, lr=1e-3), False),
+        "vefsdp_optim.AdamW, collector on": (lambda ps: AdamW(ps, lr=1e-3), True),
+    }
     if e >= 4096:
-        ps = params()
-        runs["vefsdp_optim.AdamW8bit"] = (ps, AdamW8bit(ps, lr=1e-3), False)
-        ps = params()
-        runs["vefsdp_optim.AdamW8bit, collector on"] = (ps, AdamW8bit(ps, lr=1e-3), True)
-    return runs
+        makers["vefsdp_optim.AdamW8bit"] = (lambda ps: AdamW8bit(ps, lr=1e-3), False)
+        makers["vefsdp_optim.AdamW8bit, collector on"] = (lambda ps: AdamW8bit(ps, lr=1e-3), True)
+    built = {}
+    for name in (list(makers)[::-1] if reverse else makers):
+        ps = [nn.Parameter(t.clone()) for t in init]
+        make, collector_on = makers[name]
+        opt = make(ps)
+        for p in ps:  # the state (made at the first step) next to its parameters, in build order
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        built[name] = (ps, opt, collector_on)
+    return {name: built[name] for name in makers}
 
 
 def bench_case(k: int, shape: tuple[int, ...], steps: int, warmup: int) -> list[dict]:
-    runs = _runs(k, shape)
+    """Half the steps with the runners built in one order, half in the reverse order
+    ([Note: build order]); the per-step ratios pair steps within each half."""
+    times: dict[str, list[float]] = {}
+    collections: dict[str, list[int]] = {}
+    for reverse in (False, True):
+        _time_runs(_runs(k, shape, reverse), shape, steps - steps // 2 if reverse else steps // 2, warmup,
+                   times, collections)
+    names = list(times)
+    base = times[names[0]]
+    rows = []
+    for name in names:
+        mean = statistics.fmean(times[name])
+        rows.append(dict(
+            case=f"{k} x {tuple(shape)}", optimizer=name, step_ms=stats(times[name], 1e3), mean_ms=mean * 1e3,
+            us_per_param=mean * 1e6 / k,
+            ratio_vs_torch=paired_ratio(times[name], base),
+            mean_ratio_vs_torch=mean / statistics.fmean(base),
+            gc_per_step="/".join(f"{c / steps:.2f}" for c in collections[name])))
+    return rows
+
+
+# [Note: build order]
+# Where a case's memory exceeds the caches (1000 x (64, 64): ~64 MB a runner), where a
+# runner's parameters and moments land in memory moves its step by up to ~10% on the
+# 2-core AMD machine: two copies of one optimizer built one after the other differed by
+# 2-6% and torch's foreach AdamW built after ours ran 10% slower than built before it,
+# in the same interleaved run. So each case runs half its steps with the runners built
+# (parameters and moments: one untimed step each) in one order and half in the reverse
+# order, and the ratios pair the steps within each half.
+
+
+def _time_runs(runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer, bool]], shape: tuple[int, ...],
+               steps: int, warmup: int, times: dict[str, list[float]], collections: dict[str, list[int]]) -> None:
+    """Time ``steps`` interleaved steps of ``runs`` after ``warmup``, into ``times`` and
+    ``collections`` (per runner name)."""
     names = list(runs)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    collections: dict[str, list[int]] = {n: [0, 0, 0] for n in names}
+    k = len(next(iter(runs.values()))[0])
+    for n in names:
+        times.setdefault(n, [])
+        collections.setdefault(n, [0, 0, 0])
     g = torch.Generator().manual_seed(1)
     for step in range(warmup + steps):
         grads = [torch.randn(shape, generator=g) * 1e-3 for _ in range(k)]
@@ -107,17 +148,6 @@ def bench_case(k: int, shape: tuple[int, ...], steps: int, warmup: int) -> list[
                 times[name].append(dt)
                 for i in range(3):
                     collections[name][i] += after[i] - before[i]
-    base = times[names[0]]
-    rows = []
-    for name in names:
-        mean = statistics.fmean(times[name])
-        rows.append(dict(
-            case=f"{k} x {tuple(shape)}", optimizer=name, step_ms=stats(times[name], 1e3), mean_ms=mean * 1e3,
-            us_per_param=mean * 1e6 / k,
-            ratio_vs_torch=paired_ratio(times[name], base),
-            mean_ratio_vs_torch=mean / statistics.fmean(base),
-            gc_per_step="/".join(f"{c / steps:.2f}" for c in collections[name])))
-    return rows
 
 
 def run(quick: bool = True) -> dict:
@@ -137,6 +167,9 @@ def run(quick: bool = True) -> dict:
                 for r in rows if "collector on" not in r["optimizer"] and not r["optimizer"].startswith("torch")]
     notes = ["K parameters of one shape, plain tensors, one intra-op thread; the optimizers in alternating "
              "order; us_per_param from the mean step",
+             "half the steps with the runners (parameters and moments) built in one order, half in the reverse "
+             "order: where a case outgrows the caches, the build order alone moves a step by up to ~10% "
+             "([Note: build order])",
              "gc_per_step: the cyclic collector's collections per step, generations 0/1/2",
              "'collector on': the same optimizer with the collector left on during its step ([Note: no "
              "collection during a step] undone, the rest of the library as it is)"]
