@@ -207,7 +207,7 @@ class _Adam8bitBase(BlockOptimizer):
             [p for p, _, _, _ in work], [g for _, g, _, _ in work],
             [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
              for _, _, st, _ in work],
-            steps=[int(c) for c in torch.stack(step_tensors).tolist()], lr=group["lr"], beta1=beta1, beta2=beta2,
+            steps=[int(t.item()) for t in step_tensors], lr=group["lr"], beta1=beta1, beta2=beta2,
             eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
             block_size=bs, signed_code=signed, unsigned_code=unsigned,
             quantizers=self._table_quantizers(device), maximize=group["maximize"], fused=self.fused)
