@@ -220,6 +220,39 @@ def test_capturable_copies_step_with_the_eager_ops(monkeypatch):
         assert _equal(a, b)
 
 
+def test_address_tables_under_capture(monkeypatch):
+    """The kernel's address tables ([Note: one launch for many tensors]) with a capture
+    under way (``_capturing`` patched: no CUDA graphs here): a table the warm-up built is
+    kept for good once a capture reads it, even when the cache then drops its oldest; a
+    table missing at the capture is a RuntimeError naming the warm-up, not a copy into a
+    graph that would replay a freed buffer."""
+    from vefsdp_optim._kernels import _quant8_triton as qt
+
+    monkeypatch.setattr(qt, "_tables", {})
+    monkeypatch.setattr(qt, "_captured", {})
+    capturing = [False]
+    monkeypatch.setattr(qt, "_capturing", lambda device: capturing[0])
+
+    def tensors(n):
+        return [tuple(torch.zeros(n, dtype=dt) for dt in (torch.float32, torch.float32, torch.uint8, torch.float32,
+                                                          torch.uint8, torch.float32))]
+
+    kept = tensors(64)
+    first = qt._tensor_table(kept)  # the warm-up builds it
+    capturing[0] = True
+    assert qt._tensor_table(kept)[0] is first[0]  # the capture reads the same table
+    capturing[0] = False
+    others = [tensors(16 * (i + 1)) for i in range(qt._MAX_TABLES + 2)]  # kept alive: distinct addresses
+    for ts in others:
+        qt._tensor_table(ts)
+    assert len(qt._tables) <= qt._MAX_TABLES
+    assert qt._tensor_table(kept)[0] is first[0]  # dropped from the cache, kept for the graph
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="was not built before this CUDA graph capture: capture the step after "
+                                           "eager warm-up steps"):
+        qt._tensor_table(tensors(8))
+
+
 def _sharded_capturable_triton_vs_one_device(kind):
     """On each rank: AdamW8bit(capturable=True) on the Triton kernel on its shards against
     the one-device capturable run on the eager ops, fed the same full gradients."""

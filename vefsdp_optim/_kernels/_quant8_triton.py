@@ -325,6 +325,11 @@ def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor,
 # the PTX). The arithmetic, so the bits, are the same either way.
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool, bool]:
     """The device tables of one launch ([Note: one launch for many tensors]): the
     addresses (6 * T int64: every p, then every g, mc, ma, vc, va), the first joint block
@@ -339,7 +344,7 @@ def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Te
     big = max(numel) >= _OFF32_LIMIT
     aligned = all(a % 16 == 0 for a in addresses) and all(n % 16 == 0 for n in numel)
     device = tensors[0][0].device
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(device)
     hit = _captured.get(key) or _tables.get(key)
     if hit is not None:
         if capturing:  # a graph reads this table at every replay: keep it
