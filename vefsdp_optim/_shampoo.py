@@ -108,6 +108,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
     which the recomputations follow ``step()`` calls.
     """
 
+    step_count_keys = ("step",)  # float32 0-d tensors, on the device when capturable
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -201,19 +203,10 @@ class Shampoo(ReplayCounting, BlockOptimizer):
                 live.copy_(v)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """:meth:`BlockOptimizer.load_state_dict`; then each step count goes where its
-        group's ``capturable`` (saved with the groups, as torch.optim's) keeps it: the
-        parameter's device, or the host, and the host counts are read from it."""
+        """:meth:`BlockOptimizer.load_state_dict` (each step count goes where its group's
+        ``capturable``, saved with the groups as torch.optim's, keeps it: ``step_count_keys``);
+        then the host counts are read from them."""
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state or "step" not in state:
-                    continue
-                device = state["exp_avg"].device if group["capturable"] else torch.device("cpu")
-                step = state["step"]
-                if not isinstance(step, torch.Tensor) or step.device != device or step.dtype != torch.float32:
-                    state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
         self._host_steps.rederive(st.get("step") for st in self.state.values())
 
     # -- state ------------------------------------------------------------------------
