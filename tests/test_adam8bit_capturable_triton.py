@@ -293,8 +293,10 @@ def _sharded_capturable_triton_vs_one_device(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("kind", ["fsdp2", "fully_shard"])
-def test_sharded_capturable_triton_bit_identical_to_one_device(kind):
-    """Sharded at W = 2 on the Triton kernel: bit for bit the one-device eager capturable run."""
-    launches = run_distributed(_sharded_capturable_triton_vs_one_device, 2, kind)
+def test_sharded_capturable_triton_bit_identical_to_one_device(kind, world_size):
+    """Sharded at W = 2 and 3 on the Triton kernel: bit for bit the one-device eager
+    capturable run."""
+    launches = run_distributed(_sharded_capturable_triton_vs_one_device, world_size, kind)
     assert all(n >= 3 for n in launches), launches  # the Triton kernel ran on each rank's shards
