@@ -9,7 +9,13 @@ from ._collectives import (
     reduce_scatter_flat,
 )
 from ._owners import OwnerAssignment, assign_owners
-from ._redistribute import RedistributeHandle, check_same_on_all_ranks, redistribute, transfer_sizes
+from ._redistribute import (
+    RedistributeHandle,
+    Route,
+    check_same_on_all_ranks,
+    redistribute,
+    transfer_sizes,
+)
 from ._views import ShardedView, dtensor_boxes, sharded_view
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "FlatWork",
     "OwnerAssignment",
     "RedistributeHandle",
+    "Route",
     "ShardedView",
     "all_gather_flat",
     "all_reduce_avg",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
-__all__ = ["RedistributeHandle", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
+__all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
 
 # [Note: one exchange per bucket]
 # Tensor i lives on this rank as the slice [a_i, b_i) of its flat storage under src[i]
@@ -236,7 +236,12 @@ def redistribute(
     if boxes:
         return _redistribute_boxes(locals, src, dst, process_group, rank, w, async_op)
 
-    plan = _ragged_plan(src, dst, rank)
+    return _launch_ragged(locals, _ragged_plan(src, dst, rank), process_group, async_op)
+
+
+def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group: dist.ProcessGroup,
+                   async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
+    """The exchange between RaggedShards of ``plan``, of checked ``locals``."""
     ref = locals[0]
     send_buf = torch.cat([locals[i][lo:hi] for i, lo, hi in plan.send]) if plan.send else ref.new_empty(0)
     recv_buf = ref.new_empty(plan.recv_numel)
@@ -257,6 +262,56 @@ def redistribute(
     if async_op:
         return RedistributeHandle(work, (send_buf, recv_buf), finish)
     return finish()
+
+
+class Route:
+    """:func:`redistribute` between fixed layouts, checked and planned once.
+
+    The step loop exchanges the same layouts every step ([Note: step plan]); a route
+    runs the layout checks and derives its plan when built, and :meth:`launch` then
+    checks only what the caller passes: each tensor's length and the batch's dtype and
+    device (the checks :func:`redistribute` makes of its locals, with its errors).
+    """
+
+    __slots__ = ("dst", "numels", "plan", "process_group", "rank", "src", "world")
+
+    def __init__(self, src: Sequence[RaggedShard | BoxShard], dst: Sequence[RaggedShard | BoxShard],
+                 process_group: dist.ProcessGroup | None) -> None:
+        src, dst = tuple(src), tuple(dst)
+        w, boxes = _checked(src, dst)
+        if process_group is None:
+            if w != 1:
+                raise ValueError(f"layouts over {w} ranks need a process group, got None")
+            rank = 0
+        else:
+            if process_group.size() != w:
+                raise ValueError(f"layouts have {w} ranks but the process group has {process_group.size()}")
+            rank = dist.get_rank(process_group)
+        self.src, self.dst, self.process_group, self.rank, self.world = src, dst, process_group, rank, w
+        self.numels = tuple(s.local_numel(rank) for s in src)
+        # None: the identity (one rank, or equal layouts), or boxes (redistribute's own path)
+        self.plan = None if w == 1 or src == dst or boxes else _ragged_plan(src, dst, rank)
+
+    def launch(self, locals: list[torch.Tensor], *, async_op: bool = False) -> list[torch.Tensor] | RedistributeHandle:
+        """:func:`redistribute` of ``locals`` (this rank's slices under ``src``) to ``dst``."""
+        numels = self.numels
+        if len(locals) != len(numels):
+            raise ValueError(f"got {len(locals)} local tensors for {len(numels)} layouts")
+        if not locals:
+            return RedistributeHandle(None, (), list) if async_op else []
+        ref = locals[0]
+        dtype, device = ref.dtype, ref.device
+        for t, n in zip(locals, numels, strict=True):
+            if not isinstance(t, torch.Tensor) or t.numel() != n or t.dim() != 1 or t.dtype is not dtype \
+                    or t.device != device:
+                _check_locals(locals, self.src, self.rank)  # raises, naming what is wrong
+        plan = self.plan
+        if plan is not None:
+            return _launch_ragged(locals, plan, self.process_group, async_op)
+        if self.world == 1 or self.src == self.dst:
+            out = [t[:] for t in locals]
+            return RedistributeHandle(None, (), lambda: out) if async_op else out
+        return redistribute(locals, self.src, self.dst, self.process_group, async_op=async_op)
 
 
 # [Note: box exchange]

@@ -20,6 +20,7 @@ from vefsdp_optim._math import muon_cost
 from vefsdp_optim.comm import (
     OwnerAssignment,
     RedistributeHandle,
+    Route,
     assign_owners,
     check_same_on_all_ranks,
     redistribute,
@@ -129,6 +130,12 @@ def _redistribute_cases(n_cases: int, seed: int) -> dict:
                 assert res[i]._is_view(), (case, i)
             elif len(srcs) > 1:
                 assert not res[i]._is_view(), (case, i)  # one copy (torch.cat), not a view
+        # a Route between the same layouts (built once, launched as often) gives the same
+        route = Route(src, dst, group)
+        for _ in range(2):
+            got = route.launch(locals_, async_op=use_async)
+            got = got.wait() if use_async else got
+            assert len(got) == k and all(torch.equal(a, b) for a, b in zip(got, res, strict=True)), case
         # round trip is exact
         with _CountA2A() as cnt2:
             back = redistribute(res, dst, src, group)
@@ -234,6 +241,22 @@ def test_bad_inputs() -> None:
         redistribute([torch.zeros(4)], [two], [two], None)
     with pytest.raises(ValueError, match="one world size"):
         transfer_sizes([lay], [RaggedShard.whole(4, 2, 0)], 0)
+    # a Route checks its layouts once, and what each launch passes as redistribute does
+    with pytest.raises(ValueError, match="src has 4 elements, dst has 5"):
+        Route([lay], [RaggedShard.whole(5, 1, 0)], None)
+    with pytest.raises(ValueError, match="need a process group"):
+        Route([RaggedShard.whole(4, 2, 0)], [RaggedShard.whole(4, 2, 0)], None)
+    route = Route([lay, lay], [lay, lay], None)
+    with pytest.raises(ValueError, match=r"torch.float16.*torch.float32|torch.float32.*torch.float16"):
+        route.launch([torch.zeros(4), torch.zeros(4, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="locals\\[1\\] has 3 elements"):
+        route.launch([torch.zeros(4), torch.zeros(3)])
+    with pytest.raises(ValueError, match="1-D"):
+        route.launch([torch.zeros(4), torch.zeros(2, 2)])
+    with pytest.raises(ValueError, match="got 1 local tensors for 2 layouts"):
+        route.launch([torch.zeros(4)])
+    x = torch.arange(4.0)
+    assert route.launch([x, x])[1].data_ptr() == x.data_ptr()
     with pytest.raises(ValueError, match="same tensors"):
         transfer_sizes([lay], [], 0)
     with pytest.raises(TypeError, match="RaggedShard"):

@@ -259,3 +259,115 @@ def test_step_keeps_no_fsdp2_gradient_alive() -> None:
     references as with torch.optim.AdamW (FSDP2's own), none of ours."""
     for rank, held in enumerate(run_distributed(_fsdp2_grads_held, 3)):
         assert all(h == held["torch"] for h in held.values()), (rank, held)
+
+
+# -- FSDP2 at W = 3: the identities of [Note: step plan identities] ----------------------------
+
+
+def _fsdp2_identities(name: str) -> dict[str, Any]:
+    """FSDP2 parameters stepped after real backwards (each gradient on its parameter's
+    spec object, as FSDP2 builds them) against one device fed the averaged gradients:
+    per step, the fresh views the plan asked for and whether it kept the plan. Step 3
+    gives every parameter a new local tensor over the same storage (kept, its identity
+    taken afresh); step 4 is steady again."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import vefsdp_optim._step_plan as step_plan
+    from vefsdp_optim._torch_compat import dtensor_local
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    model = _Bag()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    params = list(model.ps)
+    ref_params = [nn.Parameter(_init(i)) for i in range(len(SHAPES))]
+    opt, ref = _make(name, params), _make(name, ref_params)
+    views = [0]
+    real_view, real_grad_view = step_plan.sharded_view, step_plan.step_grad_view
+
+    def counted(fn):
+        def wrapper(t):
+            views[0] += 1
+            return fn(t)
+        return wrapper
+
+    step_plan.sharded_view, step_plan.step_grad_view = counted(real_view), counted(real_grad_view)
+    try:
+        counts, kept, last = [], [], None
+        for k in range(5):
+            used = [True, True, True, False]
+            if k == 3:
+                for p in params:
+                    local = dtensor_local(p)
+                    p._local_tensor = local.view(local.shape)  # a new object, the same storage
+            gs = [_grad(k, i, torch.Size(SHAPES[i])) if u else None for i, u in enumerate(used)]
+            model(gs).backward()
+            for p, g in zip(ref_params, gs, strict=True):
+                p.grad = None if g is None else average_like_ranks(g, world)
+            views[0] = 0
+            opt.step()
+            counts.append(views[0])
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+            if k:
+                kept.append(opt._step_plan is last)
+            last = opt._step_plan
+    finally:
+        step_plan.sharded_view, step_plan.step_grad_view = real_view, real_grad_view
+    full = [p.full_tensor() for p in params]
+    return dict(equal=[torch.equal(a, b.detach()) for a, b in zip(full, ref_params, strict=True)], kept=kept,
+                counts=counts)
+
+
+@pytest.mark.parametrize("name", ["Muon", "AdamW"])
+def test_plan_identities_on_fsdp2(name: str) -> None:
+    """On FSDP2 parameters a steady step takes no fresh view of a parameter or of its
+    gradient; a parameter's new local tensor over the same storage keeps the plan (one
+    step of fresh views), and the bits equal one device's throughout."""
+    for rank, res in enumerate(run_distributed(_fsdp2_identities, 3, name)):
+        assert all(res["equal"]), (name, rank, res)
+        assert res["kept"] == [True, True, True, True], (name, rank, res)
+        counts = res["counts"]
+        # step 0 builds (views of every parameter and gradient); step 1 views the
+        # gradients once more (their spec not yet known); then none, but at step 3
+        assert counts[2] == counts[4] == 0 and counts[1] > 0 and counts[3] > 0, (name, rank, counts)
+
+
+def _fsdp2_bad_grad() -> list[str]:
+    """A gradient on its parameter's own spec object but with a local tensor of another
+    shape, after the plan was built: the error of a first step, from both."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from vefsdp_optim._torch_compat import dtensor_local, dtensor_spec
+
+    model = _Bag()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    p = model.ps[0]
+    errors = []
+    for fresh in (False, True):
+        opt = vefsdp_optim.AdamW(model.parameters(), lr=1e-2)
+        gs = [_grad(0, i, torch.Size(SHAPES[i])) for i in range(len(SHAPES))]
+        if not fresh:
+            for _ in range(2):
+                model(gs).backward()
+                opt.step()
+        model(gs).backward()
+        local = dtensor_local(p.grad)
+        p.grad = DTensor(local.new_zeros(local.numel() + 1), dtensor_spec(p), requires_grad=False)
+        try:
+            opt.step()
+        except NotImplementedError as e:
+            errors.append(str(e))
+        opt.zero_grad()
+    return errors
+
+
+def test_plan_on_fsdp2_raises_a_bad_gradient_on_its_spec() -> None:
+    for rank, errors in enumerate(run_distributed(_fsdp2_bad_grad, 3)):
+        assert len(errors) == 2 and errors[0] == errors[1] and "padded local tensors" in errors[0], (rank, errors)

@@ -319,16 +319,16 @@ class BlockOptimizer(Optimizer):
         if not plan.validated:
             for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
                 state[it.param]
-        buckets, moving = plan.buckets, plan.moving
+        buckets, moving, routes = plan.buckets, plan.moving, plan.routes
         # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
         # are in flight while bucket k computes
-        pending = self._launch(buckets[0], moving[0]) if buckets else None
+        pending = self._launch(buckets[0], moving[0], routes[0]) if buckets else None
         returning: tuple[list[StepItem], PendingExchange] | None = None
         for k, bucket in enumerate(buckets):
             current = pending
-            pending = self._launch(buckets[k + 1], moving[k + 1]) if k + 1 < len(buckets) else None
+            pending = self._launch(buckets[k + 1], moving[k + 1], routes[k + 1]) if k + 1 < len(buckets) else None
             outputs = self.compute_bucket(bucket, current.wait())
-            back = exchange(bucket, outputs, forward=False, moving=moving[k])
+            back = exchange(bucket, outputs, forward=False, moving=moving[k], routes=routes[k])
             if returning is not None:
                 self._apply(*returning)
             returning = (bucket, back)
@@ -473,12 +473,12 @@ class BlockOptimizer(Optimizer):
         for it, outs in zip(bucket, outputs, strict=True):
             self.apply_results(it, outs)
 
-    def _launch(self, bucket: list[StepItem], moving: list[int]) -> PendingExchange:
+    def _launch(self, bucket: list[StepItem], moving: list[int], routes: dict[tuple, list]) -> PendingExchange:
         if type(self).gather_inputs is BlockOptimizer.gather_inputs:  # the default, inlined
             inputs = [[it.view.local, it.grad] for it in bucket]
         else:
             inputs = [self.gather_inputs(it) for it in bucket]
-        return exchange(bucket, inputs, forward=True, moving=moving)
+        return exchange(bucket, inputs, forward=True, moving=moving, routes=routes)
 
 
 # [Note: capturable steps]

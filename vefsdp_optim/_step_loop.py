@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.comm import ShardedView, all_gather_flat, assign_owners, redistribute
+from vefsdp_optim.comm import Route, ShardedView, all_gather_flat, assign_owners
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
@@ -257,35 +257,43 @@ def _layout_key(layout: RaggedShard | BoxShard) -> tuple:
 
 
 def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool,
-             moving: list[int] | None = None) -> PendingExchange:
+             moving: list[int] | None = None, routes: dict[tuple, list] | None = None) -> PendingExchange:
     """Send each moving item's ``tensors`` from its storage layout to its compute layout
     (``forward``) or back, in one ``all_to_all`` per dtype; returns at once. ``moving``:
-    the indices of the items that move, where the caller knows them ([Note: step plan])."""
+    the indices of the items that move, where the caller knows them; ``routes``: a cache
+    of the bucket's routes, kept by the caller for as long as the items' layouts stay
+    ([Note: step plan])."""
     if moving is None:
         moving = [i for i, it in enumerate(bucket) if it.moves]
     if not moving:
         return PendingExchange(tensors)
     out = [list(ts) for ts in tensors]
-    sends, src, dst, where = [], [], [], []
-    for i in moving:
-        it = bucket[i]
-        a, b = (it.view.layout, it.compute) if forward else (it.compute, it.view.layout)
-        for j, t in enumerate(tensors[i]):
-            sends.append(t)
-            src.append(a)
-            dst.append(b)
-            where.append((i, j))
     pending = PendingExchange(out)
+    sends = [t for i in moving for t in tensors[i]]
     if not sends:
         return pending
-    process_group = bucket[0].view.process_group
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for k, t in enumerate(sends):
-        by_dtype.setdefault(t.dtype, []).append(k)
-    for ks in by_dtype.values():  # one all_to_all per dtype (usually one)
-        handle = redistribute([sends[k] for k in ks], [src[k] for k in ks],
-                              [dst[k] for k in ks], process_group, async_op=True)
-        pending.handles.append((handle, [where[k] for k in ks]))
+    key = (forward, tuple(len(tensors[i]) for i in moving), tuple(t.dtype for t in sends))
+    groups = routes.get(key) if routes is not None else None
+    if groups is None:
+        src, dst, where = [], [], []
+        for i in moving:
+            it = bucket[i]
+            a, b = (it.view.layout, it.compute) if forward else (it.compute, it.view.layout)
+            for j in range(len(tensors[i])):
+                src.append(a)
+                dst.append(b)
+                where.append((i, j))
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k, t in enumerate(sends):
+            by_dtype.setdefault(t.dtype, []).append(k)
+        process_group = bucket[0].view.process_group
+        groups = [(Route([src[k] for k in ks], [dst[k] for k in ks], process_group), ks, [where[k] for k in ks])
+                  for ks in by_dtype.values()]  # one all_to_all per dtype (usually one)
+        if routes is not None:
+            routes[key] = groups
+    for route, ks, where in groups:
+        handle = route.launch(sends if len(ks) == len(sends) else [sends[k] for k in ks], async_op=True)
+        pending.handles.append((handle, where))
     return pending
 
 

@@ -3,20 +3,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from vefsdp_optim._torch_compat import storage_id
+from vefsdp_optim._torch_compat import dtensor_local, dtensor_spec, storage_id
 from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.comm._views import step_grad_view
 
-from ._fsdp import replaced_by_fully_shard
+from ._fsdp import ShardedParameter, replaced_by_fully_shard
 from ._step_loop import StepEntry, StepItem
 
-__all__ = ["GroupPlan", "StepPlan", "group_values", "param_key", "view_key"]
+__all__ = ["GroupPlan", "StepPlan", "group_values", "identity", "param_key", "same_identity", "view_key"]
 
 _TENSOR = torch.Tensor
 
@@ -41,7 +42,51 @@ _TENSOR = torch.Tensor
 # the same error as a first step; the items let go of their gradients when the step ends
 # (the plan keeps no gradient alive between steps: after zero_grad() the last step's are
 # freed, as with torch.optim). No key reads a device value: a step stays free of host
-# syncs.
+# syncs. A fresh view of a DTensor or a fully_shard parameter is skipped where its
+# identity is unchanged ([Note: step plan identities]).
+
+# [Note: step plan identities]
+# A DTensor's or a ShardedParameter's view is a pure function of a few objects: its local
+# tensor (with that tensor's address, shape and dtype) and its DTensorSpec (mesh,
+# placements, shape) or its layout, process group and rank. The plan keeps those objects
+# (the objects, not their ids: an id is never reused while the plan holds it) and a step
+# compares them by identity, ~1 us a parameter, where a fresh view and its key cost
+# ~10-15 us on a CPU (two per parameter: the parameter's and its gradient's). Where any
+# differs, the step takes the fresh view and its key as before and, where the key still
+# matches, keeps the new identity. A gradient likewise skips its fresh view when it is a
+# DTensor on the spec object of the last gradient accepted for its parameter (FSDP2
+# builds all gradients of a parameter on one spec object) with its parameter's local
+# shape, contiguous and outside autograd, or a ShardedParameter on its parameter's
+# layout, process group and rank (fully_shard's gradients): exactly the cases where the
+# fresh view would give the same layout and a local tensor of the same elements.
+
+_DT, _SP = 0, 1  # identity kinds
+
+
+def identity(t: Any) -> tuple | None:
+    """The identity of a DTensor or a ShardedParameter ([Note: step plan identities]);
+    None for other kinds (subclasses included: they may view themselves otherwise)."""
+    kind = type(t)
+    if kind is ShardedParameter:
+        local = t._local
+        return (_SP, local, local.data_ptr(), local.shape, local.dtype, t._layout, t._process_group, t._rank)
+    if kind is DTensor:
+        local = dtensor_local(t)
+        return (_DT, local, local.data_ptr(), local.shape, local.dtype, dtensor_spec(t))
+    return None
+
+
+def same_identity(t: Any, ident: tuple) -> bool:
+    """Whether ``t`` (the object ``ident`` was taken from) still has identity ``ident``."""
+    local = ident[1]
+    if ident[0] == _SP:
+        if (t._local is not local or t._layout is not ident[5] or t._process_group is not ident[6]
+                or t._rank != ident[7]):
+            return False
+    elif dtensor_local(t) is not local or dtensor_spec(t) is not ident[5]:
+        return False
+    return (local.data_ptr() == ident[2] and local.shape == ident[3] and local.dtype is ident[4]
+            and local.is_contiguous())
 
 
 def param_key(p: Any) -> tuple | None:
@@ -79,13 +124,22 @@ class GroupPlan:
     items: list[StepItem]  # the items, in parameter order
     entries: list[StepEntry]  # [Note: consistent steps]
     structure: list[tuple]  # [Note: consistent steps]
+    # per row: identity() of a DTensor or ShardedParameter, else None; and the spec of the
+    # last DTensor gradient accepted ([Note: step plan identities])
+    idents: list[tuple | None] = field(init=False)
+    grad_specs: list[Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.idents = [identity(p) if key is None else None for p, key, _, _ in self.rows]
+        self.grad_specs = [None] * len(self.rows)
 
     def refresh(self, group: dict[str, Any], claimed: list[Any], values: tuple) -> bool:
         """Give each item this step's gradient; False (items unusable) where any input of
         the plan changed."""
         if group is not self.group or values != self.values or len(claimed) != len(self.rows):
             return False
-        for p, (q, key, vkey, item) in zip(claimed, self.rows, strict=True):
+        idents, grad_specs = self.idents, self.grad_specs
+        for i, (p, (q, key, vkey, item)) in enumerate(zip(claimed, self.rows, strict=True)):
             if p is not q:
                 return False
             g = p.grad
@@ -96,8 +150,23 @@ class GroupPlan:
                 if item is not None and type(g) is _TENSOR and g.shape == shape and g.is_contiguous():
                     item.grad = g if len(shape) == 1 else g.ravel()  # a view: contiguous (sparse is not)
                     continue
+            elif (ident := idents[i]) is not None and same_identity(p, ident):
+                if item is not None and g is not None:  # [Note: step plan identities]
+                    if ident[0] == _SP:
+                        if (type(g) is ShardedParameter and g._layout is ident[5]
+                                and g._process_group is ident[6] and g._rank == ident[7]):
+                            gl = g._local
+                            item.grad = gl.detach() if gl.requires_grad else gl
+                            continue
+                    elif type(g) is DTensor and dtensor_spec(g) is grad_specs[i]:
+                        gl = dtensor_local(g)
+                        if gl.shape == ident[3] and not gl.requires_grad and gl.is_contiguous():
+                            item.grad = gl if gl.dim() == 1 else gl.view(-1)
+                            continue
             elif view_key(sharded_view(p)) != vkey:
                 return False
+            else:
+                idents[i] = identity(p)
             if item is None:
                 if g is not None:
                     return False
@@ -110,6 +179,8 @@ class GroupPlan:
             if gview.layout is not item.view.layout and gview.layout != item.view.layout:
                 return False  # the rebuild raises
             item.grad = gview.local
+            if type(g) is DTensor:
+                grad_specs[i] = dtensor_spec(g)
         return True
 
 
@@ -123,3 +194,8 @@ class StepPlan:
     moving: list[list[int]]  # per bucket: the indices of its items that move
     sizes: tuple[int, int]  # (bucket_numel, min_round_numel) at build
     validated: bool = False  # every item's state has been validated
+    # per bucket: its exchanges' routes, by direction and tensors (exchange()'s cache)
+    routes: list[dict[tuple, list]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.routes = [{} for _ in self.buckets]

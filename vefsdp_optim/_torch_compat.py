@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "TORCH_RANGE", "TESTED", "CHECKED", "PRIVATE_NAMES", "OVERRIDES",
     "flatten_state_dict", "set_element", "StorageInfo", "MEM_FORMAT_ENCODING", "get_layout",
-    "StridedShard", "dtensor_local", "mesh_flatten", "mesh_concatenate",
+    "StridedShard", "dtensor_local", "dtensor_spec", "mesh_flatten", "mesh_concatenate",
     "device_dtype_check_for_fused", "to_scalar",
     "tree_flatten", "tree_map", "tree_unflatten", "FakeTensor",
     "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
@@ -90,6 +90,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # DTensor and DeviceMesh (comm._views, _fsdp._fully_shard)
     "torch.distributed.tensor.placement_types._StridedShard": CHECKED,
     "torch.distributed.tensor.DTensor._local_tensor": CHECKED,
+    # the step plan's identity of a DTensor (_step_plan, [Note: step plan identities])
+    "torch.distributed.tensor.DTensor._spec": CHECKED,
     "torch.distributed.device_mesh.DeviceMesh._flatten": CHECKED,
     "torch.distributed.device_mesh.DeviceMesh._concatenate": CHECKED,
     # torch.optim's argument checks (_adamw: AdamW's signature and errors)
@@ -182,6 +184,12 @@ def capturable_devices() -> list[str]:
 def dtensor_local(dt: Any) -> torch.Tensor:
     """A DTensor's local tensor, without to_local()'s autograd node."""
     return dt._local_tensor
+
+
+def dtensor_spec(dt: Any) -> Any:
+    """A DTensor's ``DTensorSpec`` (mesh, placements, global shape and dtype), the object
+    itself: FSDP2 builds each gradient of a parameter on one spec object (one per dtype)."""
+    return dt._spec
 
 
 def mesh_flatten(mesh: DeviceMesh, name: str | None = None) -> DeviceMesh:
