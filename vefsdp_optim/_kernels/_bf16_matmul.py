@@ -147,11 +147,14 @@ def fast_mm_nt_available() -> tuple[bool, str | None]:
     return _op("bf16_mm_nt_out_") is not None, _state.get("why:bf16_mm_nt_out_")  # type: ignore[return-value]
 
 
+_UNDECIDED = object()  # a kernel not probed yet
+
+
 def _plain(*ts: Tensor) -> bool:
     """CPU bfloat16, row-major, no autograd, not under torch.compile (the kernels have
     no fake implementation to trace; torch's ops compile)."""
-    return (not torch.compiler.is_compiling()
-            and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts)
+    return (all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in ts)
+            and not torch.compiler.is_compiling()
             and all(t.is_contiguous() for t in ts[:2])
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
@@ -159,7 +162,8 @@ def _plain(*ts: Tensor) -> bool:
 def mm_nt(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b.mT`` (2-D, or 3-D batches), bit for bit; the kernel of [Note: fast bfloat16
     addmm] where it applies (``a`` and ``b`` row-major, as ``X`` in ``X @ X.T``)."""
-    if (a.dim() in (2, 3) and b.dim() == a.dim() and a.shape[:-2] == b.shape[:-2]
+    if (_state.get("bf16_mm_nt_out_", _UNDECIDED) is not None  # off: decided once, checked first
+            and a.dim() in (2, 3) and b.dim() == a.dim() and a.shape[:-2] == b.shape[:-2]
             and a.shape[-1] == b.shape[-1] and min(a.shape[-2], b.shape[-2], a.shape[-1]) >= 2
             and a.shape[-2] * b.shape[-2] * a.shape[-1] >= MIN_WORK and _plain(a, b)):
         op = _op("bf16_mm_nt_out_")
@@ -174,7 +178,8 @@ def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 
     """``torch.addmm(c, a, b, beta=beta, alpha=alpha)`` (2-D) or ``torch.baddbmm`` (3-D),
     bit for bit; the kernel of [Note: fast bfloat16 addmm] where it applies."""
     batched = a.dim() == 3
-    if (a.dim() in (2, 3) and b.dim() == a.dim() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
+    if (_state.get("bf16_addmm_out_", _UNDECIDED) is not None  # off: decided once, checked first
+            and a.dim() in (2, 3) and b.dim() == a.dim() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
             and a.shape[-2] * a.shape[-1] * b.shape[-1] >= MIN_WORK
             and c.shape == (*a.shape[:-1], b.shape[-1]) and (not batched or a.shape[0] == b.shape[0])
             and _plain(a, b, c)):
