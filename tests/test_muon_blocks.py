@@ -299,3 +299,69 @@ def test_flat_copy_gives_row_major_order(tall, into):
         out = _flat_copy(batch)
     assert torch.equal(out, want)
     assert out.is_contiguous()
+
+
+# -- balanced compute cuts on FSDP2 ([Note: balanced compute cuts]) ----------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_balanced_compute_cuts(world):
+    """Each boundary at one of its two nearest legal cuts, legal and in order; layers that
+    tie alike (3 row blocks over 2 ranks) alternate, so the ranks compute even shares."""
+    from vefsdp_optim._step_loop import balanced_compute
+    from vefsdp_optim.sharding import RaggedShard, RowBlocks
+
+    shape, req = torch.Size((12, 5)), RowBlocks(4)
+    unit, n = 20, 60
+    storage = RaggedShard.from_boundaries([round(k * n / world) for k in range(world + 1)])
+    load = [0] * world
+    for _ in range(6):
+        before = list(load)
+        got = balanced_compute(storage, req, shape, load)
+        assert got.satisfies(req, shape) and got.numel == n
+        for b, c in zip(storage.boundaries, got.boundaries, strict=True):
+            assert c % unit == 0 and abs(c - b) < unit, (storage, got)
+        assert [a - x for a, x in zip(load, before, strict=True)] == [m for _, m in got.extents]
+    assert max(load) - min(load) <= unit * (1 if world == 2 else 2), load  # even within a block or two
+    if world == 2:  # 30 | 30 ties: the snapped layout gives rank 1 two blocks of every layer
+        assert load == [180, 180], load
+
+
+def _balanced_fsdp2(kind):
+    """Two fused QKV matrices (3 row blocks of 16 x 16, one 8-bit momentum block each) on
+    FSDP2 at W = 2: the compute cuts of each, and the bits against one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.set_num_threads(1)
+    init = {f"qkv{i}": torch.randn(48, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)}
+    model = Bag(init)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    ref = Bag(init)
+    cls = vefsdp_optim.NorMuon if kind == "normuon" else vefsdp_optim.Muon
+    extra = dict(momentum_dtype=torch.int8) if kind == "int8" else {}
+    opts = [cls([{"params": list(m.parameters()), "split_sizes": [16, 16, 16]}], lr=0.02, **extra)
+            for m in (model, ref)]
+    for k in range(3):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            g = torch.randn(48, 16, generator=torch.Generator().manual_seed(10 * k + int(name[-1])))
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            q.grad = g
+        for o in opts:
+            o.step()
+    cuts = [list(it.compute.boundaries) for it in opts[0]._step_plan.items]
+    equal = all(torch.equal(p.full_tensor(), q.detach()) for p, q in zip(model.parameters(), ref.parameters(),
+                                                                           strict=True))
+    return cuts, equal
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "normuon"])
+def test_fsdp2_split_blocks_balanced_across_layers(kind):
+    """Muon's float momentum (kept with the storage): the two layers' cuts alternate, each
+    rank three blocks. 8-bit momentum (kept on the compute slices) and NorMuon (its row
+    moments where a block is computed): the nearest cuts, stable. All equal one device
+    bit for bit."""
+    for cuts, equal in run_distributed(_balanced_fsdp2, 2, kind):
+        assert equal
+        assert cuts == ([[0, 256, 768], [0, 512, 768]] if kind == "float" else [[0, 256, 768]] * 2), cuts

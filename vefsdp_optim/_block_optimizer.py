@@ -22,6 +22,7 @@ from ._step_loop import (
     StepEntry,
     StepItem,
     aligned,
+    balanced_compute,
     check_consistent,
     check_every_step,
     exchange,
@@ -105,6 +106,11 @@ class BlockOptimizer(Optimizer):
     #: step is planned; False leaves the error to torch at the first step (AdamW, as
     #: torch.optim.AdamW raises it)
     checks_capturable: bool = True
+    #: True where the optimizer keeps no state on the compute layout of a block
+    #: requirement its storage cuts (where state_layout() is the storage), so that its
+    #: cuts may differ between plans: they then balance the ranks' shares ([Note: balanced
+    #: compute cuts]); False keeps the nearest cuts, a function of the parameter alone
+    balance_compute_cuts: bool = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -396,6 +402,7 @@ class BlockOptimizer(Optimizer):
         structure: list[tuple] = []
         rows: list[tuple[Any, tuple | None, tuple | None, StepItem | None]] = []
         whole: list[int] = []
+        loads: dict[int, list[int]] = {}  # per process group: elements computed per rank
         position = ({id(p): i for i, p in enumerate(group["params"])}
                     if claimed is not group["params"] else None)
         for pi, p in enumerate(claimed):
@@ -431,6 +438,12 @@ class BlockOptimizer(Optimizer):
                 check_capturable(type(self).__name__, group, view.local.device)
             req = self.requirement(view.shape, group)
             compute = self._compute_layout(req, view)
+            if (self.balance_compute_cuts and compute is not None and compute != view.layout
+                    and isinstance(view.layout, RaggedShard)
+                    and self.state_layout(view, group) == view.layout):  # [Note: balanced compute cuts]
+                w = view.layout.world_size
+                compute = balanced_compute(view.layout, req, view.shape,
+                                           loads.setdefault(id(view.process_group), [0] * w))
             may_move = compute is None or compute != view.layout
             if view.process_group is not None:
                 structure.append((pos, id(p), id(view.process_group), view.layout, compute))

@@ -182,6 +182,9 @@ class Muon(QKClip, BlockOptimizer):
             return FlatBlocks(math.lcm(req.unit(tuple(shape)), MOMENTUM_BLOCK))
         return req
 
+    # the float momentum stays with the storage: the cuts of split blocks may balance
+    # ([Note: balanced compute cuts]); 8-bit momentum lives on them (its state_layout)
+    balance_compute_cuts = True
     structural_keys = ("use_muon", "momentum_dtype")
     step_count_keys = ("step", "momentum_step")  # the 1-D AdamW path's, the 8-bit momentum's
     plan_keys = ("flatten", "split_sizes", "num_heads")  # _plan() reads them ([Note: step plan])

@@ -79,6 +79,10 @@ class NorMuon(Muon):
     adjust_lr_fns = Muon.adjust_lr_fns + ("spectral_norm", "rms_norm")
     extra_state_prefixes = (_VARIANCE,)
 
+    # the row second moments live where a block is orthogonalized ([Note: NorMuon state]):
+    # the nearest cuts, a function of the parameter alone
+    balance_compute_cuts = False
+
     def __init__(
         self,
         params: Iterable[Any],

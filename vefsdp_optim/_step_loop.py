@@ -375,6 +375,41 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+# [Note: balanced compute cuts]
+# A block requirement that the storage layout cuts (Muon's row blocks of a fused QKV on
+# FSDP2's row shards) computes on the snapped layout: each boundary at its nearest legal
+# cut, ties down. Where every parameter ties alike (MHA's 3 blocks over 2 ranks: rank 0
+# one block, rank 1 two), one rank computes twice the other's blocks in every layer. So
+# where the optimizer keeps no state on the compute layout (BlockOptimizer's
+# balance_compute_cuts, and state_layout() the storage: Muon's float momentum, not its
+# 8-bit one nor NorMuon's row moments), whose cuts may then differ between plans (a
+# gradient fewer moves the later ones), each boundary instead takes whichever of its two
+# nearest legal cuts brings the rank before it closer to an even share of the elements
+# the param group's moving parameters computed so far, ties to the nearer cut (then
+# down). Every rank derives the same cuts from the same items in the same order. The
+# bits do not change: each block is computed whole, wherever.
+def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, load: list[int]) -> RaggedShard:
+    """The snapped compute layout of ``layout`` under ``req``, balanced against ``load``
+    (elements computed so far per rank, updated) ([Note: balanced compute cuts])."""
+    unit, n, w = req.unit(shape), layout.numel, layout.world_size
+    target = (sum(load) + n) / w
+    out, prev = [0], 0
+    for k in range(1, w):
+        b = layout.boundaries[k]
+        if b % unit:
+            lo = (b // unit) * unit
+            options = (max(lo, prev), max(min(lo + unit, n), prev))
+            c = min(options, key=lambda c: (abs(load[k - 1] + c - prev - target), abs(c - b), c))
+        else:
+            c = max(b, prev)
+        load[k - 1] += c - prev
+        out.append(c)
+        prev = c
+    load[w - 1] += n - prev
+    out.append(n)
+    return RaggedShard.from_boundaries(out)
+
+
 def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:
     """The compute layout of a block requirement that ``layout`` cuts: its boundaries
     snapped to legal cuts; for a BoxShard (tensor parallel, [Note: boxes in flat
