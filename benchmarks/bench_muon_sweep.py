@@ -474,11 +474,11 @@ def sweep(cases: list[Case], quick: bool, what: str | None = None, plot: Path = 
                                       "(the cases ran on different code: run again from a snapshot)"))
     notes.append("warm-up (s, Dion's compilation included) per case: "
                  + ", ".join(f"{r['case'].spec()}: {r['warmup_s']:.1f}" for r in raw if "warmup_s" in r))
-    headline = [{"comparison": f"Muon on {'fully_shard' if s['ratio'].startswith('fs') else 'FSDP2'} / "
+    headline = [{"comparison": f"Muon on {'fully_shard' if s['ratio'].startswith('fs_') else 'FSDP2'} / "
                                f"fastest Dion Muon, geomean over {s['shapes']} shapes; worst {s['worst']} "
                                f"({s['above_1']} above 1)", "ratio": s["geomean"]}
                 for s in summary if s["W"] == "all" and s["ratio"] in ("fs_vs_fastest", "fsdp2_vs_fastest")]
-    headline += [{"comparison": f"Muon (Polar Express) on {'fully_shard' if s['ratio'].startswith('fs') else 'FSDP2'}"
+    headline += [{"comparison": f"Muon (Polar Express) on {'fully_shard' if s['ratio'].startswith('fs_') else 'FSDP2'}"
                                 f" / Dion Muon (Polar Express), geomean over {s['shapes']} shapes; worst {s['worst']}",
                   "ratio": s["geomean"]} for s in summary if s["W"] == "all" and s["ratio"].endswith("_pe_vs_dion_pe")]
     return result(NAME, rows, notes, headline=headline, summary=summary, cpu_flags=flags,
