@@ -195,6 +195,17 @@ class RedistributeHandle:
         return self._result is not None or self._work is None or self._work.is_completed()
 
 
+def _group_rank(process_group: dist.ProcessGroup | None, w: int) -> int:
+    """This rank's index in ``process_group`` for layouts over ``w`` ranks (None: one rank)."""
+    if process_group is None:
+        if w != 1:
+            raise ValueError(f"layouts over {w} ranks need a process group, got None")
+        return 0
+    if process_group.size() != w:
+        raise ValueError(f"layouts have {w} ranks but the process group has {process_group.size()}")
+    return dist.get_rank(process_group)
+
+
 def redistribute(
     locals: Sequence[torch.Tensor],
     src: Sequence[RaggedShard],
@@ -220,14 +231,7 @@ def redistribute(
         raise ValueError(f"got {len(locals)} local tensors for {len(src)} layouts")
     if not locals:
         return RedistributeHandle(None, (), list) if async_op else []
-    if process_group is None:
-        if w != 1:
-            raise ValueError(f"layouts over {w} ranks need a process group, got None")
-        rank = 0
-    else:
-        if process_group.size() != w:
-            raise ValueError(f"layouts have {w} ranks but the process group has {process_group.size()}")
-        rank = dist.get_rank(process_group)
+    rank = _group_rank(process_group, w)
     _check_locals(locals, src, rank)
 
     if w == 1 or src == dst:
@@ -279,14 +283,7 @@ class Route:
                  process_group: dist.ProcessGroup | None) -> None:
         src, dst = tuple(src), tuple(dst)
         w, boxes = _checked(src, dst)
-        if process_group is None:
-            if w != 1:
-                raise ValueError(f"layouts over {w} ranks need a process group, got None")
-            rank = 0
-        else:
-            if process_group.size() != w:
-                raise ValueError(f"layouts have {w} ranks but the process group has {process_group.size()}")
-            rank = dist.get_rank(process_group)
+        rank = _group_rank(process_group, w)
         self.src, self.dst, self.process_group, self.rank, self.world = src, dst, process_group, rank, w
         self.numels = tuple(s.local_numel(rank) for s in src)
         # None: the identity (one rank, or equal layouts), or boxes (redistribute's own path)
