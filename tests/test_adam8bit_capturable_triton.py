@@ -222,7 +222,7 @@ def test_capturable_copies_step_with_the_eager_ops(monkeypatch):
 
 def test_address_tables_under_capture(monkeypatch):
     """The kernel's address tables ([Note: one launch for many tensors]) with a capture
-    under way (``_capturing`` patched: no CUDA graphs here): a table the warm-up built is
+    under way (``stream_capturing`` patched: no CUDA graphs here): a table the warm-up built is
     kept for good once a capture reads it, even when the cache then drops its oldest; a
     table missing at the capture is a RuntimeError naming the warm-up, not a copy into a
     graph that would replay a freed buffer."""
@@ -231,7 +231,7 @@ def test_address_tables_under_capture(monkeypatch):
     monkeypatch.setattr(qt, "_tables", {})
     monkeypatch.setattr(qt, "_captured", {})
     capturing = [False]
-    monkeypatch.setattr(qt, "_capturing", lambda device: capturing[0])
+    monkeypatch.setattr(qt, "stream_capturing", lambda device: capturing[0])
 
     def tensors(n):
         return [tuple(torch.zeros(n, dtype=dt) for dt in (torch.float32, torch.float32, torch.uint8, torch.float32,

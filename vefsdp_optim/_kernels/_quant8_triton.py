@@ -54,6 +54,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vefsdp_optim._math._batch_probe import stream_capturing
+
 try:  # the kernel's body reads ``tl`` as a global, as Triton requires
     import triton.language as tl
 except Exception:  # noqa: BLE001 - reported by triton_unavailable_reason
@@ -325,11 +327,6 @@ def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor,
 # the PTX). The arithmetic, so the bits, are the same either way.
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool, bool]:
     """The device tables of one launch ([Note: one launch for many tensors]): the
     addresses (6 * T int64: every p, then every g, mc, ma, vc, va), the first joint block
@@ -344,7 +341,7 @@ def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Te
     big = max(numel) >= _OFF32_LIMIT
     aligned = all(a % 16 == 0 for a in addresses) and all(n % 16 == 0 for n in numel)
     device = tensors[0][0].device
-    capturing = _capturing(device)
+    capturing = stream_capturing(device)
     hit = _captured.get(key) or _tables.get(key)
     if hit is not None:
         if capturing:  # a graph reads this table at every replay: keep it

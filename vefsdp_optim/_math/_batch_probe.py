@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .._torch_compat import FakeTensor
 
-__all__ = ["batch_probe"]
+__all__ = ["batch_probe", "stream_capturing"]
 
 _lock = threading.Lock()
 _answers: dict[Hashable, bool] = {}  # key -> the probe's verdict
@@ -53,12 +53,12 @@ def batch_probe(key: Hashable, device: torch.device, run: Callable[[], Tensor]) 
         pend = _pending.get(key)
         if pend is not None:
             event, flag = pend
-            if _capturing(device) or not event.query():
+            if stream_capturing(device) or not event.query():
                 return False
             del _pending[key]
             ans = _answers[key] = bool(flag)  # host memory the device has written
             return ans
-        if _fake(device) or _capturing(device):
+        if _fake(device) or stream_capturing(device):
             return False
         try:
             verdict = run()
@@ -78,7 +78,8 @@ def _fake(device: torch.device) -> bool:
     return isinstance(torch.empty(0, device=device), FakeTensor)
 
 
-def _capturing(device: torch.device) -> bool:
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
