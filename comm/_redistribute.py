@@ -277,16 +277,16 @@ class Route:
     device (the checks :func:`redistribute` makes of its locals, with its errors).
     """
 
-    __slots__ = ("dst", "numels", "plan", "process_group", "rank", "src", "world")
+    __slots__ = ("dst", "numels", "plan", "process_group", "rank", "src")
 
     def __init__(self, src: Sequence[RaggedShard | BoxShard], dst: Sequence[RaggedShard | BoxShard],
                  process_group: dist.ProcessGroup | None) -> None:
         src, dst = tuple(src), tuple(dst)
         w, boxes = _checked(src, dst)
         rank = _group_rank(process_group, w)
-        self.src, self.dst, self.process_group, self.rank, self.world = src, dst, process_group, rank, w
+        self.src, self.dst, self.process_group, self.rank = src, dst, process_group, rank
         self.numels = tuple(s.local_numel(rank) for s in src)
-        # None: the identity (one rank, or equal layouts), or boxes (redistribute's own path)
+        # None: no collective (one rank, or equal layouts), or boxes (redistribute's paths)
         self.plan = None if w == 1 or src == dst or boxes else _ragged_plan(src, dst, rank)
 
     def launch(self, locals: list[torch.Tensor], *, async_op: bool = False) -> list[torch.Tensor] | RedistributeHandle:
@@ -302,12 +302,9 @@ class Route:
             if not isinstance(t, torch.Tensor) or t.numel() != n or t.dim() != 1 or t.dtype is not dtype \
                     or t.device != device:
                 _check_locals(locals, self.src, self.rank)  # raises, naming what is wrong
-        plan = self.plan
-        if plan is not None:
-            return _launch_ragged(locals, plan, self.process_group, async_op)
-        if self.world == 1 or self.src == self.dst:
-            out = [t[:] for t in locals]
-            return RedistributeHandle(None, (), lambda: out) if async_op else out
+        if self.plan is not None:
+            return _launch_ragged(locals, self.plan, self.process_group, async_op)
+        # no collective, or boxes: redistribute's own paths
         return redistribute(locals, self.src, self.dst, self.process_group, async_op=async_op)
 
 
