@@ -328,24 +328,25 @@ def test_balanced_compute_cuts(world):
 
 
 def _balanced_fsdp2(kind):
-    """Two fused QKV matrices (3 row blocks of 16 x 16, one 8-bit momentum block each) on
-    FSDP2 at W = 2: the compute cuts of each, and the bits against one device."""
+    """Two fused matrices of W + 1 row blocks of 16 x 16 (one 8-bit momentum block each) on
+    FSDP2: the compute cuts of each, and the bits against one device."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     torch.set_num_threads(1)
-    init = {f"qkv{i}": torch.randn(48, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)}
+    rows = 16 * (dist.get_world_size() + 1)
+    init = {f"qkv{i}": torch.randn(rows, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)}
     model = Bag(init)
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     ref = Bag(init)
     cls = vefsdp_optim.NorMuon if kind == "normuon" else vefsdp_optim.Muon
     extra = dict(momentum_dtype=torch.int8) if kind == "int8" else {}
-    opts = [cls([{"params": list(m.parameters()), "split_sizes": [16, 16, 16]}], lr=0.02, **extra)
+    opts = [cls([{"params": list(m.parameters()), "split_sizes": [16] * (rows // 16)}], lr=0.02, **extra)
             for m in (model, ref)]
     for k in range(3):
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            g = torch.randn(48, 16, generator=torch.Generator().manual_seed(10 * k + int(name[-1])))
+            g = torch.randn(rows, 16, generator=torch.Generator().manual_seed(10 * k + int(name[-1])))
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
             q.grad = g
         for o in opts:
@@ -356,12 +357,21 @@ def _balanced_fsdp2(kind):
     return cuts, equal
 
 
+# world -> (the nearest cuts, the balanced cuts of the two layers), in elements (16 x 16 = 256
+# a block): at W = 2 (3 blocks, FSDP2 rows 24 | 24) the nearest give rank 1 two blocks of
+# each layer, balanced 3 | 3 in all; at W = 3 (4 blocks, rows 22 | 22 | 20) the nearest give
+# 1 | 2 | 1 of each, balanced 3 | 2 | 3 in all
+BALANCED_CUTS = {2: ([0, 256, 768], [[0, 256, 768], [0, 512, 768]]),
+                 3: ([0, 256, 768, 1024], [[0, 256, 512, 1024], [0, 512, 768, 1024]])}
+
+
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("kind", ["float", "int8", "normuon"])
-def test_fsdp2_split_blocks_balanced_across_layers(kind):
-    """Muon's float momentum (kept with the storage): the two layers' cuts alternate, each
-    rank three blocks. 8-bit momentum (kept on the compute slices) and NorMuon (its row
-    moments where a block is computed): the nearest cuts, stable. All equal one device
-    bit for bit."""
-    for cuts, equal in run_distributed(_balanced_fsdp2, 2, kind):
+def test_fsdp2_split_blocks_balanced_across_layers(kind, world):
+    """Muon's float momentum (kept with the storage): the layers' cuts balance the ranks'
+    blocks. 8-bit momentum (kept on the compute slices) and NorMuon (its row moments where
+    a block is computed): the nearest cuts, stable. All equal one device bit for bit."""
+    nearest, balanced = BALANCED_CUTS[world]
+    for cuts, equal in run_distributed(_balanced_fsdp2, world, kind):
         assert equal
-        assert cuts == ([[0, 256, 768], [0, 512, 768]] if kind == "float" else [[0, 256, 768]] * 2), cuts
+        assert cuts == (balanced if kind == "float" else [nearest] * 2), cuts
