@@ -481,6 +481,37 @@ def test_normuon_step_equals_reference() -> None:
             torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_bucket_ops_equal_the_per_matrix_functions(nesterov: bool) -> None:
+    """The step loop's foreach forms of Muon's momentum and apply over a bucket
+    (muon_momentum_foreach_, muon_apply_foreach_) are muon_momentum_ and muon_apply_ on
+    each tensor, bit for bit: tensors of several sizes (an empty shard, one above the
+    pieces of the mixed-dtype add), several adjusted learning rates, bfloat16 and float32
+    updates (Muon's and NorMuon's), three steps."""
+    from vefsdp_optim._math import muon_apply_, muon_apply_foreach_, muon_momentum_, muon_momentum_foreach_
+    from vefsdp_optim._math._muon import _ADD_PIECE
+
+    gen = torch.Generator().manual_seed(12)
+    sizes = [2048, 0, 1536, 2048, _ADD_PIECE + 4097, 96]
+    lrs = [0.02 * 0.2 * 64, 0.0, 0.02 * 0.2 * 48, 0.02 * 0.2 * 64, 0.5, 0.02]
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    ref_params = [p.clone() for p in params]
+    bufs = [torch.randn(n, generator=gen) for n in sizes]
+    ref_bufs = [b.clone() for b in bufs]
+    for step in range(3):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        xs = muon_momentum_foreach_(grads, bufs, momentum=0.95, nesterov=nesterov)
+        refs = [muon_momentum_(g, b, momentum=0.95, nesterov=nesterov) for g, b in zip(grads, ref_bufs)]
+        for x, r, b, rb in zip(xs, refs, bufs, ref_bufs, strict=True):
+            assert x.dtype == r.dtype == torch.bfloat16 and torch.equal(x, r) and torch.equal(b, rb)
+        updates = [x if step != 1 else x.float() * 1.5 for x in xs]  # NorMuon's float32 updates
+        muon_apply_foreach_(params, updates, lrs, lr=0.02, weight_decay=0.1)
+        for p, u, a_lr in zip(ref_params, updates, lrs, strict=True):
+            muon_apply_(p, u, lr=0.02, weight_decay=0.1, adjusted_lr=a_lr)
+        for p, rp in zip(params, ref_params, strict=True):
+            assert torch.equal(p, rp), p.numel()
+
+
 def test_muon_orthogonalize_batched_equals_per_block() -> None:
     """The step loop's batched Newton-Schulz over a bucket (vefsdp_optim._math.
     muon_orthogonalize_batched) is muon_orthogonalize on each input, bit for bit: inputs

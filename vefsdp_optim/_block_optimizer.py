@@ -477,7 +477,11 @@ class BlockOptimizer(Optimizer):
         return compute
 
     def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:
-        outputs = back.wait()
+        self._apply_bucket(bucket, back.wait())
+
+    def _apply_bucket(self, bucket: list[StepItem], outputs: list[list[torch.Tensor]]) -> None:
+        """apply_results over a bucket (one param group); the library's optimizers may
+        batch it across parameters (Muon's foreach ops, [Note: Muon's bucket ops])."""
         if type(self).apply_results is BlockOptimizer.apply_results:  # the default, inlined
             for it, (p,) in zip(bucket, outputs, strict=True):
                 if p is not it.view.local and p.numel():
@@ -486,12 +490,14 @@ class BlockOptimizer(Optimizer):
         for it, outs in zip(bucket, outputs, strict=True):
             self.apply_results(it, outs)
 
-    def _launch(self, bucket: list[StepItem], moving: list[int], routes: dict[tuple, list]) -> PendingExchange:
+    def _gather_bucket(self, bucket: list[StepItem]) -> list[list[torch.Tensor]]:
+        """gather_inputs over a bucket (one param group); may batch, as _apply_bucket."""
         if type(self).gather_inputs is BlockOptimizer.gather_inputs:  # the default, inlined
-            inputs = [[it.view.local, it.grad] for it in bucket]
-        else:
-            inputs = [self.gather_inputs(it) for it in bucket]
-        return exchange(bucket, inputs, forward=True, moving=moving, routes=routes)
+            return [[it.view.local, it.grad] for it in bucket]
+        return [self.gather_inputs(it) for it in bucket]
+
+    def _launch(self, bucket: list[StepItem], moving: list[int], routes: dict[tuple, list]) -> PendingExchange:
+        return exchange(bucket, self._gather_bucket(bucket), forward=True, moving=moving, routes=routes)
 
 
 # [Note: capturable steps]

@@ -16,7 +16,9 @@ from vefsdp_optim._math import (
     check_ns_coefficients,
     muon_adjust_lr,
     muon_apply_,
+    muon_apply_foreach_,
     muon_momentum_,
+    muon_momentum_foreach_,
     muon_orthogonalize_batched,
 )
 from vefsdp_optim._math._muon_int8 import MOMENTUM_BLOCK, empty_momentum
@@ -225,6 +227,65 @@ class Muon(QKClip, BlockOptimizer):
             buf = state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
         # Newton-Schulz's bfloat16 input, cast before the exchange ([Note: Muon's phases])
         return [muon_momentum_(g, buf, momentum=group["momentum"], nesterov=group["nesterov"])]
+
+    # [Note: Muon's bucket ops]
+    # The momentum and the apply are elementwise, the same ops on every matrix of a
+    # bucket (one param group, dtype and device): the step runs them over the bucket's
+    # lists with torch's foreach ops, one launch per op on CUDA (per tensor on the CPU,
+    # without the Python per matrix) instead of one per matrix and op. The bits are the
+    # per-matrix functions' (muon_momentum_, muon_apply_): torch's foreach lerp, mul and
+    # add apply the pointwise ops' own formulas (the CPU runs those ops themselves), in the
+    # same order on each element: every lerp_ of the momentum, then each input; every
+    # decay, then each step. What this does not cover takes the per-item hooks: 8-bit
+    # momentum, capturable steps, a Tensor lr, matrices of several block shapes (per-run
+    # learning rates) and a subclass's own gather_inputs / apply_results.
+
+    def _gather_bucket(self, bucket: list[StepItem]) -> list[list[torch.Tensor]]:
+        group = bucket[0].group
+        if (type(self).gather_inputs is not Muon.gather_inputs or group.get("momentum_dtype") is torch.int8
+                or not group["use_muon"]):
+            return super()._gather_bucket(bucket)
+        inputs: list[list[torch.Tensor]] = [[] for _ in bucket]
+        where, grads, bufs = [], [], []
+        for i, it in enumerate(bucket):
+            if len(it.view.shape) < 2:  # AdamW's (param, grad)
+                inputs[i] = [it.view.local, it.grad]
+                continue
+            state = self.state[it.param]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.zeros_like(it.grad, memory_format=torch.preserve_format)
+            where.append(i)
+            grads.append(it.grad)
+            bufs.append(buf)
+        if where:
+            xs = muon_momentum_foreach_(grads, bufs, momentum=group["momentum"], nesterov=group["nesterov"])
+            for i, x in zip(where, xs, strict=True):
+                inputs[i] = [x]
+        return inputs
+
+    def _apply_bucket(self, bucket: list[StepItem], outputs: list[list[torch.Tensor]]) -> None:
+        group = bucket[0].group
+        lr = group["lr"]
+        if (type(self).apply_results is not Muon.apply_results or group.get("capturable")
+                or isinstance(lr, torch.Tensor) or not group["use_muon"]):
+            super()._apply_bucket(bucket, outputs)
+            return
+        params, updates, lrs = [], [], []
+        fn = group["adjust_lr_fn"]
+        for it, outs in zip(bucket, outputs, strict=True):
+            if len(it.view.shape) < 2:
+                BlockOptimizer.apply_results(self, it, outs)
+                continue
+            plan = self._plan(it.view.shape, group)
+            if not plan.uniform:
+                self.apply_results(it, outs)
+                continue
+            params.append(it.view.local)
+            updates.append(outs[0])
+            lrs.append(muon_adjust_lr(lr, fn, plan.blocks[0]))
+        if params:
+            muon_apply_foreach_(params, updates, lrs, lr=lr, weight_decay=group["weight_decay"])
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]

@@ -154,8 +154,10 @@ class NorMuon(Muon):
 
     # hooks: Muon's, plus the normalization on the owner ([Note: NorMuon state])
 
-    def gather_inputs(self, item: StepItem) -> list[torch.Tensor]:
-        if self._is_muon(item.view.shape, item.group):
+    def _gather_bucket(self, bucket: list[StepItem]) -> list[list[torch.Tensor]]:
+        for item in bucket:
+            if not self._is_muon(item.view.shape, item.group):
+                continue
             state = self.state[item.param]
             last = state.get("compute")
             if last is not None and last != item.compute:
@@ -166,7 +168,7 @@ class NorMuon(Muon):
                     "gradient and moved the owners ([Note: NorMuon state]); give every parameter "
                     "of a NorMuon group a gradient at every step (zeros rather than None)")
             state["compute"] = item.compute
-        return super().gather_inputs(item)
+        return super()._gather_bucket(bucket)  # Muon's momentum ([Note: Muon's bucket ops])
 
     def _update_dtype(self, item: StepItem) -> torch.dtype:
         return torch.promote_types(item.view.local.dtype, torch.float32)

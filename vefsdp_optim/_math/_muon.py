@@ -55,8 +55,10 @@ __all__ = [
     "Int8Momentum",
     "MuonBlock",
     "muon_apply_",
+    "muon_apply_foreach_",
     "muon_lr_runs",
     "muon_momentum_",
+    "muon_momentum_foreach_",
     "muon_orthogonalize",
     "muon_orthogonalize_batched",
     "muon_step_",
@@ -105,6 +107,18 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
         return momentum_buffer.to(torch.bfloat16)
     return torch.lerp(grad, momentum_buffer, momentum,
                       out=torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device))
+
+
+def muon_momentum_foreach_(grads: list[Tensor], momentum_buffers: list[Tensor], *, momentum: float,
+                           nesterov: bool) -> list[Tensor]:
+    """:func:`muon_momentum_` of float momentum buffers, over lists ([Note: Muon's bucket
+    ops]): the buffers' ``lerp_`` in one foreach op, then each Newton-Schulz input; the
+    bits of :func:`muon_momentum_` on each pair."""
+    torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
+    if not nesterov:
+        return [b.to(torch.bfloat16) for b in momentum_buffers]
+    return [torch.lerp(g, b, momentum, out=torch.empty(g.shape, dtype=torch.bfloat16, device=g.device))
+            for g, b in zip(grads, momentum_buffers, strict=True)]
 
 
 def muon_orthogonalize(
@@ -162,6 +176,24 @@ def muon_apply_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float
         return
     for lo, hi, a_lr in adjusted_lr:
         _add_(param[lo:hi], update[lo:hi], -a_lr)
+
+
+def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor], adjusted_lrs: list[float], *, lr: float,
+                        weight_decay: float) -> None:
+    """:func:`muon_apply_` over lists, one adjusted learning rate per parameter ([Note:
+    Muon's bucket ops]): the decay of every parameter in one foreach op, then the steps,
+    one foreach op per adjusted learning rate; the bits of :func:`muon_apply_` on each."""
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    runs: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    for p, u, a_lr in zip(params, updates, adjusted_lrs, strict=True):
+        if u.dtype != p.dtype and p.numel() > _ADD_PIECE and p.device.type == "cpu":
+            _add_(p, u, -a_lr)  # in pieces (see _add_)
+            continue
+        ps, us = runs.setdefault(a_lr, ([], []))
+        ps.append(p)
+        us.append(u)
+    for a_lr, (ps, us) in runs.items():
+        torch._foreach_add_(ps, us, alpha=-a_lr)
 
 
 def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float, adjust_lr_fn: str | None) -> list[tuple[int, int, float]]:
