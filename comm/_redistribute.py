@@ -124,6 +124,13 @@ class _RaggedPlan(NamedTuple):
     # per output, its pieces in flat order: (tensor, lo, hi) of a local input that
     # stays, or (-1, lo, hi) of the receive buffer
     assemble: tuple[tuple[tuple[int, int, int], ...], ...]
+    # the outputs of two or more pieces, copied into one buffer ([Note: joined outputs]):
+    # (output, offset, numel) in output order; all their pieces in that order, each with
+    # its destination (lo, hi) in the buffer; the buffer's numel
+    joined: tuple[tuple[int, int, int], ...]
+    joined_pieces: tuple[tuple[int, int, int], ...]
+    joined_dst: tuple[tuple[int, int], ...]
+    joined_numel: int
 
 
 @functools.lru_cache(maxsize=1024)
@@ -152,7 +159,29 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
         got, n = sum(hi - lo for _, lo, hi in pieces), dst[i].local(rank)[1]
         if got != n:
             raise AssertionError(f"tensor {i}: assembled {got} elements, dst gives {n}")
-    return _RaggedPlan(tuple(sends), send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble))
+    joined, joined_pieces, joined_dst, at = [], [], [], 0
+    for i, pieces in enumerate(assemble):
+        if len(pieces) > 1:
+            at = -(-at // _JOIN_ALIGN) * _JOIN_ALIGN
+            n = sum(hi - lo for _, lo, hi in pieces)
+            joined.append((i, at, n))
+            for piece in pieces:
+                joined_pieces.append(piece)
+                joined_dst.append((at, at + piece[2] - piece[1]))
+                at += piece[2] - piece[1]
+    return _RaggedPlan(tuple(sends), send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble),
+                       tuple(joined), tuple(joined_pieces), tuple(joined_dst), at)
+
+
+# [Note: joined outputs]
+# An output of one piece is a view of it (of the receive buffer, or of the local input
+# that stays). Those of several pieces are assembled in ONE buffer by one
+# torch._foreach_copy_ (one launch on CUDA, where a cat per output took one each), in
+# output order, each starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned
+# like a fresh tensor ([Note: aligned gradients]: CPU kernels round by the address of
+# their operands), and consecutive where an output's length is a multiple of it, so that
+# a batch of equal outputs is a view of the buffer (muon_orthogonalize_batched's).
+_JOIN_ALIGN = 64  # elements: 64 bytes or more for every dtype
 
 
 @functools.lru_cache(maxsize=1024)
@@ -254,14 +283,15 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
     )
 
     def finish() -> list[torch.Tensor]:
-        result = []
-        for pieces in plan.assemble:
-            parts = [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in pieces]
-            if not parts:
-                result.append(ref.new_empty(0))
-            else:
-                result.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-        return result
+        result = [(recv_buf[ps[0][1]:ps[0][2]] if ps[0][0] < 0 else locals[ps[0][0]][ps[0][1]:ps[0][2]])
+                  if len(ps) == 1 else None for ps in plan.assemble]
+        if plan.joined:  # [Note: joined outputs]
+            flat = ref.new_empty(plan.joined_numel)
+            torch._foreach_copy_([flat[lo:hi] for lo, hi in plan.joined_dst],
+                                 [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in plan.joined_pieces])
+            for k, a, n in plan.joined:
+                result[k] = flat[a:a + n]
+        return [ref.new_empty(0) if r is None else r for r in result]
 
     if async_op:
         return RedistributeHandle(work, (send_buf, recv_buf), finish)

@@ -538,6 +538,41 @@ def test_muon_orthogonalize_batched_equals_per_block() -> None:
             assert torch.equal(o, muon_orthogonalize(x, b, *ns)), b
 
 
+def test_muon_orthogonalize_batched_takes_joined_outputs_as_a_view() -> None:
+    """Equal whole-block inputs that are consecutive views of one buffer from an aligned
+    start (the exchange's joined outputs, [Note: joined outputs]) are batched as a view of
+    that buffer, with no stack; anything else (an unaligned start, a gap) is stacked. The
+    bits are muon_orthogonalize's on each input either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vefsdp_optim._math import muon_orthogonalize_batched
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stacks = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.stacks += func.overloadpacket is torch.ops.aten.stack
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(13)
+    n, k = 32 * 40, 4
+    flat = torch.randn(k * n + 2 * n + 64, generator=gen).bfloat16()
+    cases = {"joined": ([flat[j * n:(j + 1) * n] for j in range(k)], 0),
+             "unaligned": ([flat[1 + j * n:1 + (j + 1) * n] for j in range(k)], 1),
+             "gap": ([flat[j * n:(j + 1) * n] for j in (0, 1, 3, 4)], 1),
+             "fresh": ([flat[j * n:(j + 1) * n].clone() for j in range(k)], 1)}
+    blocks = [[(0, 32, 40)]] * k
+    muon_orthogonalize_batched(cases["fresh"][0], blocks)  # the batch probe's own ops, once
+    for name, (updates, stacks) in cases.items():
+        with Count() as count:
+            got = muon_orthogonalize_batched(updates, blocks)
+        assert count.stacks == stacks, name
+        for x, o in zip(updates, got, strict=True):
+            assert torch.equal(o, muon_orthogonalize(x, [(0, 32, 40)])), name
+
+
 def test_normuon_orthogonalize_batched_equals_per_block() -> None:
     """NorMuon's batched orthogonalization of a bucket (vefsdp_optim._math.
     normuon_orthogonalize_batched: Newton-Schulz and the normalization, each batched per

@@ -116,6 +116,7 @@ def _redistribute_cases(n_cases: int, seed: int) -> dict:
         moves = any(s != d for s, d in zip(src, dst, strict=True)) and w > 1
         assert cnt.calls == (1 if moves else 0), (case, cnt.calls, moves)
         assert len(res) == k
+        joined_at: dict[str, int] = {}
         for i, (f, d) in enumerate(zip(fulls, dst, strict=True)):
             a, n = d.local(rank)
             assert res[i].dtype == dtype and res[i].shape == (n,), (case, i, res[i].shape, n)
@@ -128,8 +129,11 @@ def _redistribute_cases(n_cases: int, seed: int) -> dict:
             srcs = {r for r, (x, m) in enumerate(src[i].extents) if m and x < a + n and a < x + m}
             if n > 0 and len(srcs) == 1 and srcs != {rank}:
                 assert res[i]._is_view(), (case, i)
-            elif len(srcs) > 1:
-                assert not res[i]._is_view(), (case, i)  # one copy (torch.cat), not a view
+            elif len(srcs) > 1:  # copied into the one buffer of joined outputs, aligned
+                joined = res[i].untyped_storage().data_ptr()
+                assert joined not in {t.untyped_storage().data_ptr() for t in locals_}, (case, i)
+                assert (res[i].storage_offset() * res[i].element_size()) % 64 == 0, (case, i)
+                assert joined_at.setdefault("ptr", joined) == joined, (case, i)  # one buffer for all
         # a Route between the same layouts (built once, launched as often) gives the same
         route = Route(src, dst, group)
         for _ in range(2):

@@ -289,6 +289,20 @@ class _ShapeBatch(NamedTuple):
     covers: str  # "input": the blocks are one input, in order; "each": each block a whole input; ""
 
 
+def _consecutive(ts: list[torch.Tensor]) -> bool:
+    """Whether the 1-D tensors ``ts``, of one length, are views of one base lying one
+    after the other from a 64-byte aligned start (the step loop's exchange assembles equal
+    blocks so, [Note: joined outputs] in comm/_redistribute.py): then their stack is a
+    view, as aligned as a fresh tensor ([Note: aligned gradients] in _step_loop.py)."""
+    first = ts[0]
+    base, start, n = first._base, first.storage_offset(), first.numel()
+    if base is None or (start * first.element_size()) % 64:
+        return False
+    # metadata only (views of one base, their offsets): a fake tensor has no addresses
+    return all(t._base is base and t.dim() == 1 and t.stride(0) == 1 and t.storage_offset() == start + j * n
+               for j, t in enumerate(ts))
+
+
 def _newton_schulz_by_shape(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
     ns_coefficients: NsCoefficients, ns_steps: int, eps: float,
@@ -320,6 +334,8 @@ def _newton_schulz_by_shape(
             continue
         if prefix:  # the first blocks of one input: a view
             batch = first[:k * n].view(k, rows, cols)
+        elif covers == "each" and _consecutive([updates[i] for i, _, _ in members]):
+            batch = first.as_strided((k, rows, cols), (n, cols, 1))  # the exchange's joined outputs
         else:
             batch = torch.stack([updates[i][a:a + n].view(rows, cols) for i, _, a in members])
         out.append(_ShapeBatch(rows, cols, members,
