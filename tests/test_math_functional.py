@@ -488,7 +488,12 @@ def test_muon_bucket_ops_equal_the_per_matrix_functions(nesterov: bool) -> None:
     each tensor, bit for bit: tensors of several sizes (an empty shard, one above the
     pieces of the mixed-dtype add), several adjusted learning rates, bfloat16 and float32
     updates (Muon's and NorMuon's), three steps."""
-    from vefsdp_optim._math import muon_apply_, muon_apply_foreach_, muon_momentum_, muon_momentum_foreach_
+    from vefsdp_optim._math import (
+        muon_apply_,
+        muon_apply_foreach_,
+        muon_momentum_,
+        muon_momentum_foreach_,
+    )
     from vefsdp_optim._math._muon import _ADD_PIECE
 
     gen = torch.Generator().manual_seed(12)
@@ -501,7 +506,7 @@ def test_muon_bucket_ops_equal_the_per_matrix_functions(nesterov: bool) -> None:
     for step in range(3):
         grads = [torch.randn(n, generator=gen) for n in sizes]
         xs = muon_momentum_foreach_(grads, bufs, momentum=0.95, nesterov=nesterov)
-        refs = [muon_momentum_(g, b, momentum=0.95, nesterov=nesterov) for g, b in zip(grads, ref_bufs)]
+        refs = [muon_momentum_(g, b, momentum=0.95, nesterov=nesterov) for g, b in zip(grads, ref_bufs, strict=True)]
         for x, r, b, rb in zip(xs, refs, bufs, ref_bufs, strict=True):
             assert x.dtype == r.dtype == torch.bfloat16 and torch.equal(x, r) and torch.equal(b, rb)
         updates = [x if step != 1 else x.float() * 1.5 for x in xs]  # NorMuon's float32 updates
