@@ -487,7 +487,8 @@ def test_muon_bucket_ops_equal_the_per_matrix_functions(nesterov: bool) -> None:
     (muon_momentum_foreach_, muon_apply_foreach_) are muon_momentum_ and muon_apply_ on
     each tensor, bit for bit: tensors of several sizes (an empty shard, one above the
     pieces of the mixed-dtype add), several adjusted learning rates, bfloat16 and float32
-    updates (Muon's and NorMuon's), three steps."""
+    updates (Muon's and NorMuon's), runs of several learning rates in one tensor, three
+    steps."""
     from vefsdp_optim._math import (
         muon_apply_,
         muon_apply_foreach_,
@@ -497,8 +498,11 @@ def test_muon_bucket_ops_equal_the_per_matrix_functions(nesterov: bool) -> None:
     from vefsdp_optim._math._muon import _ADD_PIECE
 
     gen = torch.Generator().manual_seed(12)
-    sizes = [2048, 0, 1536, 2048, _ADD_PIECE + 4097, 96]
-    lrs = [0.02 * 0.2 * 64, 0.0, 0.02 * 0.2 * 48, 0.02 * 0.2 * 64, 0.5, 0.02]
+    sizes = [2048, 0, 1536, 2048, _ADD_PIECE + 4097, 96, 2048, _ADD_PIECE + 4097]
+    # one lr, or runs (lo, hi, lr) of blocks of several shapes (muon_apply_'s adjusted_lr)
+    lrs = [0.02 * 0.2 * 64, 0.0, 0.02 * 0.2 * 48, 0.02 * 0.2 * 64, 0.5, 0.02,
+           [(0, 100, 0.3), (100, 1000, 0.02 * 0.2 * 64), (1000, 2048, 0.3)],
+           [(0, 7, 0.1), (7, _ADD_PIECE + 4097, 0.2)]]
     params = [torch.randn(n, generator=gen) for n in sizes]
     ref_params = [p.clone() for p in params]
     bufs = [torch.randn(n, generator=gen) for n in sizes]

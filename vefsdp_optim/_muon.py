@@ -236,9 +236,10 @@ class Muon(QKClip, BlockOptimizer):
     # per-matrix functions' (muon_momentum_, muon_apply_): torch's foreach lerp, mul and
     # add apply the pointwise ops' own formulas (the CPU runs those ops themselves), in the
     # same order on each element: every lerp_ of the momentum, then each input; every
-    # decay, then each step. What this does not cover takes the per-item hooks: 8-bit
-    # momentum, capturable steps, a Tensor lr, matrices of several block shapes (per-run
-    # learning rates) and a subclass's own gather_inputs / apply_results.
+    # decay, then each step (a matrix of blocks of several shapes: each run of blocks
+    # with one adjusted lr as its own pair of slices). What this does not cover takes the
+    # per-item hooks: 8-bit momentum (the gather), capturable steps and a Tensor lr (the
+    # apply), and a subclass's own gather_inputs / apply_results.
 
     def _gather_bucket(self, bucket: list[StepItem]) -> list[list[torch.Tensor]]:
         group = bucket[0].group
@@ -271,21 +272,48 @@ class Muon(QKClip, BlockOptimizer):
                 or isinstance(lr, torch.Tensor) or not group["use_muon"]):
             super()._apply_bucket(bucket, outputs)
             return
-        params, updates, lrs = [], [], []
+        params, updates = [], []
+        lrs: list[float | list[tuple[int, int, float]]] = []
         fn = group["adjust_lr_fn"]
+        adjusted: dict[tuple[int, int], float] = {}  # block shape -> its adjusted lr, this step
         for it, outs in zip(bucket, outputs, strict=True):
             if len(it.view.shape) < 2:
                 BlockOptimizer.apply_results(self, it, outs)
                 continue
             plan = self._plan(it.view.shape, group)
-            if not plan.uniform:
-                self.apply_results(it, outs)
-                continue
             params.append(it.view.local)
             updates.append(outs[0])
-            lrs.append(muon_adjust_lr(lr, fn, plan.blocks[0]))
+            if plan.uniform:
+                rc = plan.blocks[0]
+                a_lr = adjusted.get(rc)
+                if a_lr is None:
+                    a_lr = adjusted[rc] = muon_adjust_lr(lr, fn, rc)
+                lrs.append(a_lr)
+                continue
+            # blocks of several shapes: each block's own lr, on its runs of this slice
+            runs: list[tuple[int, int, float]] = []
+            for lo, hi, rc in self._block_runs(it, plan):
+                a_lr = adjusted.get(rc)
+                if a_lr is None:
+                    a_lr = adjusted[rc] = muon_adjust_lr(lr, fn, rc)
+                if runs and a_lr == runs[-1][2] and lo == runs[-1][1]:
+                    runs[-1] = (runs[-1][0], hi, a_lr)
+                else:
+                    runs.append((lo, hi, a_lr))
+            lrs.append(runs)
         if params:
             muon_apply_foreach_(params, updates, lrs, lr=lr, weight_decay=group["weight_decay"])
+
+    def _block_runs(self, item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
+        """:func:`_block_runs`, kept per (plan, storage layout, rank): the same every step."""
+        cache = self.__dict__.setdefault("_block_runs_cache", {})
+        key = (id(plan), item.view.layout, item.view.rank)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not plan:
+            if len(cache) > 4096:
+                cache.clear()
+            hit = cache[key] = (plan, _block_runs(item, plan))
+        return hit[1]
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[] for _ in items]

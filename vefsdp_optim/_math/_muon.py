@@ -178,21 +178,31 @@ def muon_apply_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float
         _add_(param[lo:hi], update[lo:hi], -a_lr)
 
 
-def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor], adjusted_lrs: list[float], *, lr: float,
+def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
+                        adjusted_lrs: Sequence[float | Sequence[tuple[int, int, float]]], *, lr: float,
                         weight_decay: float) -> None:
-    """:func:`muon_apply_` over lists, one adjusted learning rate per parameter ([Note:
-    Muon's bucket ops]): the decay of every parameter in one foreach op, then the steps,
-    one foreach op per adjusted learning rate; the bits of :func:`muon_apply_` on each."""
+    """:func:`muon_apply_` over lists ([Note: Muon's bucket ops]), ``adjusted_lrs[i]``
+    each parameter's ``adjusted_lr`` (one learning rate, or its runs ``(lo, hi, lr)``):
+    the decay of every parameter in one foreach op, then the steps, one foreach op per
+    adjusted learning rate; the bits of :func:`muon_apply_` on each."""
     torch._foreach_mul_(params, 1 - lr * weight_decay)
-    runs: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-    for p, u, a_lr in zip(params, updates, adjusted_lrs, strict=True):
+    by_lr: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+
+    def add(p: Tensor, u: Tensor, a_lr: float) -> None:
         if u.dtype != p.dtype and p.numel() > _ADD_PIECE and p.device.type == "cpu":
             _add_(p, u, -a_lr)  # in pieces (see _add_)
-            continue
-        ps, us = runs.setdefault(a_lr, ([], []))
+            return
+        ps, us = by_lr.setdefault(a_lr, ([], []))
         ps.append(p)
         us.append(u)
-    for a_lr, (ps, us) in runs.items():
+
+    for p, u, a_lr in zip(params, updates, adjusted_lrs, strict=True):
+        if isinstance(a_lr, (list, tuple)):
+            for lo, hi, run_lr in a_lr:
+                add(p[lo:hi], u[lo:hi], run_lr)
+        else:
+            add(p, u, a_lr)
+    for a_lr, (ps, us) in by_lr.items():
         torch._foreach_add_(ps, us, alpha=-a_lr)
 
 
