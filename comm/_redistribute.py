@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from vefsdp_optim._torch_compat import foreach_copy_
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
@@ -176,7 +177,7 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 # [Note: joined outputs]
 # An output of one piece is a view of it (of the receive buffer, or of the local input
 # that stays). Those of several pieces are assembled in ONE buffer by one
-# torch._foreach_copy_ (one launch on CUDA, where a cat per output took one each), in
+# torch's foreach copy (one launch on CUDA, where a cat per output took one each), in
 # output order, each starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned
 # like a fresh tensor ([Note: aligned gradients]: CPU kernels round by the address of
 # their operands), and consecutive where an output's length is a multiple of it, so that
@@ -287,7 +288,7 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
                   if len(ps) == 1 else None for ps in plan.assemble]
         if plan.joined:  # [Note: joined outputs]
             flat = ref.new_empty(plan.joined_numel)
-            torch._foreach_copy_([flat[lo:hi] for lo, hi in plan.joined_dst],
+            foreach_copy_([flat[lo:hi] for lo, hi in plan.joined_dst],
                                  [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in plan.joined_pieces])
             for k, a, n in plan.joined:
                 result[k] = flat[a:a + n]

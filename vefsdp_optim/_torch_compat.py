@@ -57,7 +57,7 @@ __all__ = [
     "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
     "foreach_lerp_", "foreach_add_", "foreach_add", "foreach_neg", "foreach_mul_", "foreach_addcmul_",
     "foreach_maximum_", "foreach_sqrt", "foreach_div_", "foreach_addcdiv_",
-    "storage_id", "storage_use_count", "tensor_version", "unsafe_preserve_version_counter",
+    "storage_id", "storage_use_count", "tensor_version", "view_base", "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
@@ -112,6 +112,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._C._storage_Use_Count": CHECKED,
     "torch.UntypedStorage._cdata": CHECKED,
     "torch.Tensor._version": CHECKED,
+    # the tensor a view was taken of (_math._muon: the exchange's joined outputs)
+    "torch.Tensor._base": CHECKED,
     "torch.autograd._unsafe_preserve_version_counter": CHECKED,
     "torch._C._autograd._unsafe_set_version_counter": CHECKED,
     "torch.autograd.Variable._execution_engine": CHECKED,
@@ -216,6 +218,12 @@ def storage_id(t: torch.Tensor) -> int:
 def storage_use_count(t: torch.Tensor) -> int:
     """References to ``t``'s storage (tensors sharing it, and the storage object)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (None for a tensor that is no view): metadata, so a
+    fake tensor has it too."""
+    return t._base
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from vefsdp_optim._torch_compat import foreach_add_, foreach_lerp_, foreach_mul_, view_base
+
 from ._muon_blocks import muon_adjust_lr, muon_blocks
 from ._muon_int8 import muon_momentum_int8_
 from ._newton_schulz import (
@@ -114,7 +116,7 @@ def muon_momentum_foreach_(grads: list[Tensor], momentum_buffers: list[Tensor], 
     """:func:`muon_momentum_` of float momentum buffers, over lists ([Note: Muon's bucket
     ops]): the buffers' ``lerp_`` in one foreach op, then each Newton-Schulz input; the
     bits of :func:`muon_momentum_` on each pair."""
-    torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
+    foreach_lerp_(momentum_buffers, grads, 1 - momentum)
     if not nesterov:
         return [b.to(torch.bfloat16) for b in momentum_buffers]
     return [torch.lerp(g, b, momentum, out=torch.empty(g.shape, dtype=torch.bfloat16, device=g.device))
@@ -185,7 +187,7 @@ def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
     each parameter's ``adjusted_lr`` (one learning rate, or its runs ``(lo, hi, lr)``):
     the decay of every parameter in one foreach op, then the steps, one foreach op per
     adjusted learning rate; the bits of :func:`muon_apply_` on each."""
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    foreach_mul_(params, 1 - lr * weight_decay)
     by_lr: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
 
     def add(p: Tensor, u: Tensor, a_lr: float) -> None:
@@ -203,7 +205,7 @@ def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
         else:
             add(p, u, a_lr)
     for a_lr, (ps, us) in by_lr.items():
-        torch._foreach_add_(ps, us, alpha=-a_lr)
+        foreach_add_(ps, us, alpha=-a_lr)
 
 
 def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float, adjust_lr_fn: str | None) -> list[tuple[int, int, float]]:
@@ -305,11 +307,11 @@ def _consecutive(ts: list[torch.Tensor]) -> bool:
     blocks so, [Note: joined outputs] in comm/_redistribute.py): then their stack is a
     view, as aligned as a fresh tensor ([Note: aligned gradients] in _step_loop.py)."""
     first = ts[0]
-    base, start, n = first._base, first.storage_offset(), first.numel()
+    base, start, n = view_base(first), first.storage_offset(), first.numel()
     if base is None or (start * first.element_size()) % 64:
         return False
     # metadata only (views of one base, their offsets): a fake tensor has no addresses
-    return all(t._base is base and t.dim() == 1 and t.stride(0) == 1 and t.storage_offset() == start + j * n
+    return all(view_base(t) is base and t.dim() == 1 and t.stride(0) == 1 and t.storage_offset() == start + j * n
                for j, t in enumerate(ts))
 
 
