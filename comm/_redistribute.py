@@ -176,9 +176,8 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 
 # [Note: joined outputs]
 # An output of one piece is a view of it (of the receive buffer, or of the local input
-# that stays). Those of several pieces are assembled in ONE buffer by one
-# torch's foreach copy (one launch on CUDA, where a cat per output took one each), in
-# output order, each starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned
+# that stays). Those of several pieces are assembled in ONE buffer by one foreach copy
+# (one launch on CUDA, where a cat per output took one each), in output order, each starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned
 # like a fresh tensor ([Note: aligned gradients]: CPU kernels round by the address of
 # their operands), and consecutive where an output's length is a multiple of it, so that
 # a batch of equal outputs is a view of the buffer (muon_orthogonalize_batched's).
@@ -289,7 +288,7 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
         if plan.joined:  # [Note: joined outputs]
             flat = ref.new_empty(plan.joined_numel)
             foreach_copy_([flat[lo:hi] for lo, hi in plan.joined_dst],
-                                 [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in plan.joined_pieces])
+                          [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in plan.joined_pieces])
             for k, a, n in plan.joined:
                 result[k] = flat[a:a + n]
         return [ref.new_empty(0) if r is None else r for r in result]
