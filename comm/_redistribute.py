@@ -177,10 +177,11 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 # [Note: joined outputs]
 # An output of one piece is a view of it (of the receive buffer, or of the local input
 # that stays). Those of several pieces are assembled in ONE buffer by one foreach copy
-# (one launch on CUDA, where a cat per output took one each), in output order, each starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned
-# like a fresh tensor ([Note: aligned gradients]: CPU kernels round by the address of
-# their operands), and consecutive where an output's length is a multiple of it, so that
-# a batch of equal outputs is a view of the buffer (muon_orthogonalize_batched's).
+# (one launch on CUDA, where a cat per output took one each), in output order, each
+# starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned like a fresh tensor
+# ([Note: aligned gradients]: CPU kernels round by the address of their operands), and
+# consecutive where an output's length is a multiple of it, so that a batch of equal
+# outputs is a view of the buffer (muon_orthogonalize_batched's).
 _JOIN_ALIGN = 64  # elements: 64 bytes or more for every dtype
 
 
