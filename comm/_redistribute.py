@@ -30,7 +30,8 @@ __all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribu
 # sums. Pieces that stay on this rank never enter the send buffer. Incoming pieces
 # arrive peer-major too, and since src slices are in rank order, the pieces of one
 # output sorted by peer are also sorted by position: an output is a single view (of an
-# input or of the receive buffer) when one source covers it, else one torch.cat.
+# input or of the receive buffer) when one source covers it, else a view of the one
+# buffer that assembles every such output ([Note: joined outputs]).
 # Nothing crosses ranks iff src[i] == dst[i] for every i: if two boundary lists differ
 # at position k, say b_src[k] < b_dst[k], the element b_src[k] is held by a src rank
 # >= k and by a dst rank < k. So equal layouts are the only case without a collective.
@@ -250,8 +251,9 @@ def redistribute(
     entry i is its slice under ``dst[i]``. All tensors move in one
     ``all_to_all_single`` on ``process_group`` (none when nothing crosses ranks or the
     process group has one rank; it may be None only then). All locals share one dtype and
-    device. Outputs may be views of the inputs (pieces that stay on this rank) or of one
-    receive buffer, so write to them only when that is intended. Every rank must pass
+    device. Outputs may be views of the inputs (pieces that stay on this rank), of one
+    receive buffer, or of one buffer assembling the outputs of several pieces, so write
+    to them only when that is intended. Every rank must pass
     the same layouts: see :func:`check_same_on_all_ranks`. With ``async_op=True`` the
     exchange is launched and a :class:`RedistributeHandle` is returned.
     """
