@@ -272,37 +272,42 @@ class Muon(QKClip, BlockOptimizer):
                 or isinstance(lr, torch.Tensor) or not group["use_muon"]):
             super()._apply_bucket(bucket, outputs)
             return
-        params, updates = [], []
-        lrs: list[float | list[tuple[int, int, float]]] = []
-        fn = group["adjust_lr_fn"]
+        params, updates, lrs = [], [], []
         adjusted: dict[tuple[int, int], float] = {}  # block shape -> its adjusted lr, this step
         for it, outs in zip(bucket, outputs, strict=True):
             if len(it.view.shape) < 2:
                 BlockOptimizer.apply_results(self, it, outs)
                 continue
-            plan = self._plan(it.view.shape, group)
             params.append(it.view.local)
             updates.append(outs[0])
-            if plan.uniform:
-                rc = plan.blocks[0]
-                a_lr = adjusted.get(rc)
-                if a_lr is None:
-                    a_lr = adjusted[rc] = muon_adjust_lr(lr, fn, rc)
-                lrs.append(a_lr)
-                continue
-            # blocks of several shapes: each block's own lr, on its runs of this slice
-            runs: list[tuple[int, int, float]] = []
-            for lo, hi, rc in self._block_runs(it, plan):
-                a_lr = adjusted.get(rc)
-                if a_lr is None:
-                    a_lr = adjusted[rc] = muon_adjust_lr(lr, fn, rc)
-                if runs and a_lr == runs[-1][2] and lo == runs[-1][1]:
-                    runs[-1] = (runs[-1][0], hi, a_lr)
-                else:
-                    runs.append((lo, hi, a_lr))
-            lrs.append(runs)
+            lrs.append(self._adjusted_lr(it, self._plan(it.view.shape, group), lr, adjusted))
         if params:
             muon_apply_foreach_(params, updates, lrs, lr=lr, weight_decay=group["weight_decay"])
+
+    def _adjusted_lr(self, item: StepItem, plan: MuonPlan, lr: float | torch.Tensor,
+                     adjusted: dict[tuple[int, int], Any]) -> Any:
+        """muon_apply_'s ``adjusted_lr`` for this rank's slice of ``item``: one lr (blocks
+        of one shape), or the runs ``(lo, hi, lr)`` of its blocks (blocks of several
+        shapes: each block's own adjustment, consecutive equal ones merged). ``adjusted``:
+        block shape -> adjusted lr, filled as met."""
+        fn = item.group["adjust_lr_fn"]
+
+        def of(rc: tuple[int, int]) -> Any:
+            a_lr = adjusted.get(rc)
+            if a_lr is None:
+                a_lr = adjusted[rc] = muon_adjust_lr(lr, fn, rc)
+            return a_lr
+
+        if plan.uniform:
+            return of(plan.blocks[0])
+        runs: list[tuple[int, int, Any]] = []
+        for lo, hi, rc in self._block_runs(item, plan):
+            a_lr = of(rc)
+            if runs and a_lr == runs[-1][2] and lo == runs[-1][1]:
+                runs[-1] = (runs[-1][0], hi, a_lr)
+            else:
+                runs.append((lo, hi, a_lr))
+        return runs
 
     def _block_runs(self, item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
         """:func:`_block_runs`, kept per (plan, storage layout, rank): the same every step."""
@@ -403,22 +408,7 @@ class Muon(QKClip, BlockOptimizer):
         if group.get("capturable"):
             self._apply_capturable(item, plan, ortho)
             return
-        if plan.uniform:
-            muon_apply_(p, ortho, lr=lr, weight_decay=wd,
-                        adjusted_lr=muon_adjust_lr(lr, group["adjust_lr_fn"], plan.blocks[0]))
-            return
-        # blocks of several shapes: each block's own lr adjustment, on its part of this slice
-        if not p.numel():
-            p.mul_(1 - lr * wd)
-            return
-        adjusted = {rc: muon_adjust_lr(lr, group["adjust_lr_fn"], rc) for rc in set(plan.blocks)}
-        runs: list[tuple[int, int, float]] = []  # (lo, hi, adjusted lr) in this slice
-        for lo, hi, rc in _block_runs(item, plan):
-            if runs and adjusted[rc] == runs[-1][2] and lo == runs[-1][1]:
-                runs[-1] = (runs[-1][0], hi, adjusted[rc])
-            else:
-                runs.append((lo, hi, adjusted[rc]))
-        muon_apply_(p, ortho, lr=lr, weight_decay=wd, adjusted_lr=runs)
+        muon_apply_(p, ortho, lr=lr, weight_decay=wd, adjusted_lr=self._adjusted_lr(item, plan, lr, {}))
 
     def _apply_capturable(self, item: StepItem, plan: MuonPlan, ortho: torch.Tensor) -> None:
         """``apply_results`` under ``capturable`` ([Note: capturable steps]): the lr, its
@@ -433,7 +423,7 @@ class Muon(QKClip, BlockOptimizer):
         if plan.uniform:
             p.addcmul_(ortho, -muon_adjust_lr(lr, fn, plan.blocks[0]))
             return
-        runs = _block_runs(item, plan)
+        runs = self._block_runs(item, plan)
         adjusted = {rc: -muon_adjust_lr(lr, fn, rc) for rc in {r[2] for r in runs}}
         for lo, hi, rc in runs:
             p[lo:hi].addcmul_(ortho[lo:hi], adjusted[rc])

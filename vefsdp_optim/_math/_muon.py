@@ -105,6 +105,12 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
         step.add_(1)
         return out
     momentum_buffer.lerp_(grad, 1 - momentum)
+    return _ns_input(grad, momentum_buffer, momentum, nesterov)
+
+
+def _ns_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Newton-Schulz's bfloat16 input from a float momentum already stepped (see
+    :func:`muon_momentum_`)."""
     if not nesterov:
         return momentum_buffer.to(torch.bfloat16)
     return torch.lerp(grad, momentum_buffer, momentum,
@@ -117,10 +123,7 @@ def muon_momentum_foreach_(grads: list[Tensor], momentum_buffers: list[Tensor], 
     ops]): the buffers' ``lerp_`` in one foreach op, then each Newton-Schulz input; the
     bits of :func:`muon_momentum_` on each pair."""
     foreach_lerp_(momentum_buffers, grads, 1 - momentum)
-    if not nesterov:
-        return [b.to(torch.bfloat16) for b in momentum_buffers]
-    return [torch.lerp(g, b, momentum, out=torch.empty(g.shape, dtype=torch.bfloat16, device=g.device))
-            for g, b in zip(grads, momentum_buffers, strict=True)]
+    return [_ns_input(g, b, momentum, nesterov) for g, b in zip(grads, momentum_buffers, strict=True)]
 
 
 def muon_orthogonalize(
