@@ -12,7 +12,9 @@ Cases, on gloo CPU ranks, W = 2 and 4:
 
 Runners: ours on vefsdp_optim.fully_shard parameters (one group), ours on FSDP2
 parameters, Dion's Muon on the same FSDP2 parameters (``use_polar_express=False``: the
-quintic Newton-Schulz in bfloat16, 5 steps, as ours). The same gradients every step,
+quintic Newton-Schulz in bfloat16, 5 steps, as ours), and ours on one device: rank 0 steps
+the whole tensors (one thread) while the other ranks wait, the step the sharded runs
+scale from (with W ranks on W cores, 1/W is the bound). The same gradients every step,
 interleaved (alternating order), a step's time is the slowest rank's; ratios are the
 median and quartiles of the per-step ratios, pooled over fresh runs (``--full``: 3 runs
 of 20 steps per case; quick: one of 8), with each run's median to show the spread. Each
@@ -103,7 +105,14 @@ def _worker(world: int, steps: int, case: str, src: str) -> dict:
     ours_fsdp2 = vefsdp_optim.Muon([{"params": fsdp2(), **keys}], **hp)
     peer = dion.Muon(fsdp2(), distributed_mesh=mesh, mu=0.95, nesterov=True, flatten=False,
                      use_polar_express=False, **hp)
-    runners = {"ours_fully_shard": ours_fs.step, "ours_fsdp2": ours_fsdp2.step, "dion_fsdp2": peer.step}
+    one_device = lambda: None  # noqa: E731 - the ranks other than 0 wait at the barrier
+    if dist.get_rank() == 0:
+        whole = [torch.nn.Parameter(t.clone()) for t in init]
+        for p, gr in zip(whole, grads, strict=True):
+            p.grad = gr.clone()
+        one_device = vefsdp_optim.Muon([{"params": whole, **keys}], **hp).step
+    runners = {"ours_fully_shard": ours_fs.step, "ours_fsdp2": ours_fsdp2.step, "dion_fsdp2": peer.step,
+               "ours_one_device": one_device}
     times = interleave(runners, steps, warmup=2, group=dist.group.WORLD, device=device)
     share = {}
     for name, step in runners.items():
@@ -128,8 +137,11 @@ def _row(world: int, steps: int, case: str, src: str, repeats: int) -> dict:
         "ours_fully_shard_ms": stats(t["ours_fully_shard"], 1e3),
         "ours_fsdp2_ms": stats(t["ours_fsdp2"], 1e3),
         "dion_fsdp2_ms": stats(t["dion_fsdp2"], 1e3),
+        "ours_one_device_ms": stats(t["ours_one_device"], 1e3),
         "ratio_fully_shard_vs_dion": paired_ratio(t["ours_fully_shard"], t["dion_fsdp2"]),
         "ratio_fsdp2_vs_dion": paired_ratio(t["ours_fsdp2"], t["dion_fsdp2"]),
+        "ratio_fully_shard_vs_one_device": paired_ratio(t["ours_fully_shard"], t["ours_one_device"]),
+        "ratio_fsdp2_vs_one_device": paired_ratio(t["ours_fsdp2"], t["ours_one_device"]),
         "run_medians_fully_shard": [round(x, 3) for x in per_run["fully_shard"]],
         "run_medians_fsdp2": [round(x, 3) for x in per_run["fsdp2"]],
         "matmul_share": share,
@@ -145,9 +157,12 @@ def run(quick: bool = True) -> dict:
     have = [k for k, v in flags.items() if v]
     notes = [f"dense: 16 matrices of a 4-layer GPT, d={D}; moe: experts {_moe_shapes(2)} (W=4: "
              f"{_moe_shapes(4)}), flatten=False; fp32 parameters, bf16 Newton-Schulz (5 quintic "
-             "steps) in both; the three runners step in alternating order; a step time is the "
+             "steps) in both; the four runners step in alternating order; a step time is the "
              "slowest rank's; ratios: median (p25-p75) of the per-step ratios ours / Dion pooled "
-             "over runs; run_medians: each fresh run's median ratio (the spread between runs)",
+             "over runs; run_medians: each fresh run's median ratio (the spread between runs); "
+             "one device: ours on the whole tensors on rank 0 (one thread, the other ranks idle), "
+             "interleaved with the rest: the sharded steps' ratio to it is their scaling "
+             "(W ranks on W cores: 1/W at best; W=4 here shares fewer cores)",
              "CPU flags that set bf16 matmul speed (Newton-Schulz is most of the step: see "
              f"matmul_share): {', '.join(f'{k}={v}' for k, v in flags.items())}"
              + ("" if flags.get("avx512_bf16") or flags.get("amx_bf16") else
@@ -174,6 +189,10 @@ def run(quick: bool = True) -> dict:
                  "ratio": r["ratio_fully_shard_vs_dion"]},
                 {"comparison": f"Muon on FSDP2 / dion.Muon on FSDP2, {case}, W={w}",
                  "ratio": r["ratio_fsdp2_vs_dion"]},
+                {"comparison": f"Muon on fully_shard at W={w} / Muon on one device (one thread), {case}",
+                 "ratio": r["ratio_fully_shard_vs_one_device"]},
+                {"comparison": f"Muon on FSDP2 at W={w} / Muon on one device (one thread), {case}",
+                 "ratio": r["ratio_fsdp2_vs_one_device"]},
             ]
         if (nr := not_run_row(w)) is not None:
             rows.append(nr)
