@@ -54,18 +54,25 @@ $(STAMP_HI): pyproject.toml Makefile
 
 venv-hi: $(STAMP_HI)
 
-test: test-lo test-hi
+# make test ends with its own cost, so that a change that leaks or slows shows in the CI log:
+# each pytest run prints its ten slowest cases (--durations) and the suite's own cost (wall
+# time, the highest load, the most threads one distributed worker held: tests/conftest.py);
+# then the whole target's wall time and the user and system CPU time of everything it ran.
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-lo test-hi; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s wall, the venvs' setup included;" \
+	    "CPU time (user, system) of the shell, then of everything it ran:"; times; exit $$rc
 
 test-lo: $(STAMP_LO)
 	$(PY_LO) -m pip install -q --no-deps --no-build-isolation -e .
-	$(VENV_LO)/bin/pytest -q -m "not slow" tests
+	$(VENV_LO)/bin/pytest -q -m "not slow" --durations=10 tests
 
 test-hi: $(STAMP_HI)
 	$(PY_HI) -m pip install -q --no-deps --no-build-isolation -e .
-	$(VENV_HI)/bin/pytest -q tests
+	$(VENV_HI)/bin/pytest -q --durations=10 tests
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow" tests
+	$(VENV)/bin/pytest -q -m "not slow" --durations=10 tests
 
 lint: $(STAMP) lint-csrc
 	$(VENV)/bin/ruff check vefsdp_optim sharding comm tests examples benchmarks tools

@@ -10,6 +10,12 @@ process and importing torch costs seconds; a pool that failed or timed out is to
 down and the next call starts a fresh one. ``fn`` and its arguments must pickle
 (module-level functions). Inside ``fn``, ``torch.distributed`` is initialized with the
 default group covering all W ranks.
+
+After each job a worker destroys every process group the job created (meshes,
+``new_group``s; the default group stays) and checks that each one was freed and that its
+threads are back at what the default group needs; a job that leaves one behind fails,
+named by its test (``LeakedGroupError``). As torch's ``MultiProcContinuousTest`` does, a
+worker serves many tests, so a group one test leaks would cost every later test.
 """
 
 from __future__ import annotations
@@ -41,19 +47,184 @@ def _worker(rank: int, world_size: int, init_file: str, inbox, outbox) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
+    dist.barrier()  # the default group's gloo threads exist from here on
+    baseline = _thread_counts()
+    # torch's ~300,000 objects outlive every job: a collection after a job (and every
+    # automatic one during it) scans only what the jobs made ([Note: job cleanup cost])
+    import gc
+
+    gc.freeze()
     while True:
         job = inbox.get()
         if job is None:
             break
-        fn, args, kwargs = job
+        fn, args, kwargs, test = job
+        del job
         try:
             torch.manual_seed(0)
             result = fn(*args, **kwargs)
             ForkingPickler.dumps(result)  # fail here, with a message, rather than in the queue's thread
-            outbox.put((rank, True, result))
+            del args, kwargs
+            threads = _release_job_groups(fn.__name__, test, baseline)
+            outbox.put((rank, True, (result, threads)))
         except BaseException as e:  # noqa: BLE001 - report every failure to the parent
             outbox.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     _teardown_and_exit(outbox)
+
+
+class LeakedGroupError(AssertionError):
+    """A job left a process group, or gloo threads, behind in its worker."""
+
+
+# Threads a gloo process group starts: the transport's event loop and the group's
+# collective runners (2 per group by default).
+_GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+# Threads a job may leave beyond the worker's own (a multiprocessing queue's feeder, a
+# thread pool torch starts once); more than this is a thread that grows per job.
+THREAD_SLACK = int(os.environ.get("VEFSDP_TEST_THREAD_SLACK", "8"))
+
+
+def _thread_counts() -> dict[str, int]:
+    """This process's OS threads by name (``/proc/self/task/*/comm``), with the total."""
+    counts: dict[str, int] = {"total": 0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we listed
+            continue
+        counts["total"] += 1
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _clear_torch_group_caches() -> None:
+    """Drop what torch caches across jobs that holds a DeviceMesh (and so its process
+    groups): every ``functools`` cache of ``torch.distributed``'s modules and of their
+    classes (DTensor's transform infos and mesh topologies are keyed by specs or meshes),
+    DTensor's sharding-propagation caches (the C++ fast path's too), its redistribute
+    planners and DeviceMesh's context stack. Found by walking the loaded modules, since
+    the names move between torch releases."""
+    import types
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or not isinstance(module, types.ModuleType):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                for attr in list(vars(value)):
+                    inner = getattr(value, attr, None)
+                    if hasattr(inner, "cache_clear"):
+                        inner.cache_clear()
+            elif hasattr(value, "cache_clear") and callable(value.cache_clear):
+                value.cache_clear()
+    if "torch.distributed.tensor" in sys.modules:  # DTensor was used: its C++ cache too
+        from torch.distributed.tensor import debug
+
+        if hasattr(debug, "_clear_sharding_prop_cache"):
+            debug._clear_sharding_prop_cache()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if redistribute is not None and hasattr(redistribute, "clear_redistribute_planner_cache"):
+        redistribute.clear_redistribute_planner_cache()
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    for name in ("mesh_stack", "child_to_root_mapping", "root_to_flatten_mapping",
+                 "flatten_name_to_root_dims"):
+        cache = getattr(resources, name, None)
+        if hasattr(cache, "clear"):
+            cache.clear()
+
+
+def _holders(obj: object, depth: int = 6, width: int = 3) -> str:
+    """Where ``obj`` is referenced from, as referrer chains up to ``depth`` links (the
+    first ``width`` at each link), for a leak report: the types and, for dicts, keys."""
+    import gc
+    import types
+
+    seen = {id(obj)}
+    frames = (types.FrameType,)
+    lines: list[str] = []
+
+    def walk(o: object, path: list[str], d: int) -> None:
+        refs = [r for r in gc.get_referrers(o)
+                if id(r) not in seen and not isinstance(r, frames) and r is not lines]
+        seen.add(id(refs))
+        if not refs or d == 0:
+            lines.append(" <- ".join(path) + (" <- (nothing gc tracks)" if not refs else ""))
+            return
+        for r in refs[:width]:
+            seen.add(id(r))
+            if isinstance(r, dict):
+                label = "dict[" + ", ".join(str(k)[:30] for k in list(r)[:4]) + "]"
+            elif isinstance(r, types.ModuleType):
+                label = f"module {r.__name__}"
+            else:
+                label = type(r).__qualname__
+            walk(r, path + [label], d - 1)
+
+    walk(obj, [type(obj).__qualname__], depth)
+    return "; ".join(lines[:4])
+
+
+def _release_job_groups(fn_name: str, test: str | None, baseline: dict[str, int]) -> dict[str, int]:
+    """Destroy every process group a job created (the default group stays), check that
+    each one is freed (its gloo threads joined) and that the worker's threads are back at
+    what the default group needs; the thread counts afterwards.
+
+    [Note: job cleanup cost] A full collection in a worker that has imported torch scans
+    ~300,000 objects (0.2-0.4 s), and the suite runs about a thousand jobs: the worker
+    freezes what it holds after start-up and after each job's collection (``gc.freeze``),
+    so that the collection here scans only what the last job left.
+
+    Each group is first waited on by a barrier of its own (gloo's barrier waits for the
+    rank's earlier work on that group), in creation order, which every member of a group
+    shares, so no two ranks wait on each other's groups in opposite orders.
+    """
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    where = test or fn_name
+    world = c10d.GroupMember.WORLD
+    groups = [pg for pg in list(c10d._world.pg_map) if pg is not world]
+    named = []
+    if groups:
+        for group in groups:
+            dist.barrier(group=group)
+        named = [(weakref.ref(g), c10d._world.pg_names.get(g, "?"), dist.get_process_group_ranks(g))
+                 for g in groups]
+        for group in groups:
+            dist.destroy_process_group(group)
+        groups.clear()
+        group = None
+        _clear_torch_group_caches()
+    gc.collect()  # the job's cycles (meshes, modules, hooks): cheap after gc.freeze()
+    if named:
+        alive = [(name, ranks) for ref, name, ranks in named if ref() is not None]
+        if alive:
+            first = next(ref for ref, _, _ in named if ref() is not None)
+            raise LeakedGroupError(
+                f"{where}: {len(alive)} of the {len(named)} process groups it created are still "
+                f"referenced after destroy_process_group (their gloo threads live on): "
+                + ", ".join(f"{n} (ranks {r})" for n, r in alive[:8])
+                + f". Held through: {_holders(first())}")
+    counts = _thread_counts()
+    gloo = {k: counts.get(k, 0) for k in _GLOO_THREADS}
+    gloo_base = {k: baseline.get(k, 0) for k in _GLOO_THREADS}
+    if any(gloo[k] > gloo_base[k] for k in _GLOO_THREADS):
+        raise LeakedGroupError(
+            f"{where}: gloo threads {gloo} after the job, where the default group needs "
+            f"{gloo_base}: a process group outside torch's group registry is still alive")
+    if counts["total"] > baseline["total"] + THREAD_SLACK:
+        extra = {k: v - baseline.get(k, 0) for k, v in counts.items()
+                 if k != "total" and v > baseline.get(k, 0)}
+        raise LeakedGroupError(
+            f"{where}: {counts['total']} threads after the job, {baseline['total']} at the "
+            f"worker's start (VEFSDP_TEST_THREAD_SLACK={THREAD_SLACK} allowed); new: {extra}")
+    gc.freeze()  # what outlived the job (modules it imported, caches) is not scanned again
+    return counts
 
 
 def _teardown_and_exit(outbox) -> None:
@@ -100,8 +271,9 @@ class _Pool:
         import queue
         import time
 
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)") or None
         for q in self.inboxes:
-            q.put((fn, args, kwargs))
+            q.put((fn, args, kwargs, test))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
@@ -135,7 +307,9 @@ class _Pool:
         if errors:
             detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
             raise DistributedTestError(f"{fn.__name__} failed on ranks {sorted(errors)}:{detail}")
-        return [results[r] for r in range(self.world_size)]
+        for _, threads in results.values():
+            stats.record(self.world_size, threads)
+        return [results[r][0] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
         if not force:
@@ -154,6 +328,32 @@ class _Pool:
             os.unlink(self.init_file)
 
 
+class _Stats:
+    """What the workers reported after their jobs: the job count and, per world size, the
+    most OS threads (and gloo threads) one worker held after a job (the suite's summary
+    prints them, so a change that leaks again shows in the log)."""
+
+    def __init__(self) -> None:
+        self.jobs = 0
+        self.peak: dict[int, dict[str, int]] = {}
+
+    def record(self, world_size: int, threads: dict[str, int]) -> None:
+        self.jobs += 1
+        peak = self.peak.setdefault(world_size, {})
+        for k, v in threads.items():
+            peak[k] = max(peak.get(k, 0), v)
+
+    def summary(self) -> str:
+        if not self.jobs:
+            return "distributed jobs: none"
+        rows = "; ".join(
+            f"W={w}: {p.get('total', 0)} threads, "
+            + ", ".join(f"{k} {p.get(k, 0)}" for k in _GLOO_THREADS)
+            for w, p in sorted(self.peak.items()))
+        return f"distributed jobs: {self.jobs}; most threads in one worker after a job: {rows}"
+
+
+stats = _Stats()
 _pools: dict[int, _Pool] = {}
 
 

@@ -46,3 +46,80 @@ def test_hang_times_out():
     with pytest.raises(DistributedTestError, match="timed out"):
         run_distributed(_hang_on_rank_zero, 2, timeout=5)
     assert time.monotonic() - t0 < 30
+
+
+# -- what a job leaves behind: groups and threads ([The suite's own cost] in conftest.py) ---
+
+_KEPT: list = []
+
+
+def _make_groups_and_meshes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    w = dist.get_world_size()
+    g = dist.new_group(list(range(w)))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=g)
+    mesh = init_device_mesh("cpu", (1, w), mesh_dim_names=("a", "b"))
+    dist.all_reduce(t, group=mesh.get_group("b"))
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _groups_and_gloo_threads():
+    from dist_utils import _GLOO_THREADS, _thread_counts
+
+    counts = _thread_counts()
+    return len(dist.distributed_c10d._world.pg_map), {k: counts.get(k, 0) for k in _GLOO_THREADS}
+
+
+def _keep_a_group():
+    g = dist.new_group(list(range(dist.get_world_size())))
+    dist.barrier(group=g)
+    _KEPT.append(g)  # as a module-level cache would
+    return 0
+
+
+def _start_threads(n: int):
+    import threading
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    _KEPT.append((stop, threads))
+    return 0
+
+
+def _stop_threads():
+    while _KEPT:
+        stop, threads = _KEPT.pop()
+        stop.set()
+        for t in threads:
+            t.join()
+    return 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_groups_a_job_made_are_destroyed(world_size):
+    before = run_distributed(_groups_and_gloo_threads, world_size)
+    made = run_distributed(_make_groups_and_meshes, world_size)
+    assert all(n >= 3 for n in made), made  # the default group, the new group, the mesh's
+    after = run_distributed(_groups_and_gloo_threads, world_size)
+    assert after == before, (before, after)
+    assert all(n == 1 for n, _ in after), after  # only the default group is left
+
+
+def test_a_kept_group_fails_with_the_test_name():
+    with pytest.raises(DistributedTestError, match=r"LeakedGroupError: .*"
+                       r"test_a_kept_group_fails_with_the_test_name: 1 of the 1 process groups"):
+        run_distributed(_keep_a_group, 2)
+
+
+def test_threads_that_grow_fail_with_the_test_name():
+    from dist_utils import THREAD_SLACK
+
+    with pytest.raises(DistributedTestError, match=r"LeakedGroupError: .*"
+                       r"test_threads_that_grow_fail_with_the_test_name: \d+ threads after the job"):
+        run_distributed(_start_threads, 2, THREAD_SLACK + 1)
+    assert run_distributed(_start_threads, 2, 1) == [0, 0]  # a few are allowed, in a fresh pool
+    assert run_distributed(_stop_threads, 2) == [0, 0]
