@@ -256,7 +256,7 @@ def _commit_fails(root: str) -> tuple[str, tuple[float, list[str]], list[str]]:
     vefsdp_optim.save(_sd(1.0), path)
     real = _commit.describe_files
 
-    def full(d: str) -> dict:
+    def full(d: str, known: object = None) -> dict:
         raise OSError(28, "No space left on device")
 
     if dist.get_rank() == 0:  # only rank 0 commits: the others must hear of its failure
@@ -279,3 +279,79 @@ def test_commit_failure_on_rank0_reaches_every_rank(tmp_path):
         assert "No space left" in err and "newest complete copy" in err, err
         assert got == (1.0, [])
         assert ls == ["ckpt"], ls
+
+
+# -- who hashes what ([Note: checksums by their writers]) -----------------------------------
+
+
+def _hashed_by_whom(root: str, corrupt: bool) -> dict[str, object]:
+    from vefsdp_optim._checkpoint import _safe_load
+
+    rank = dist.get_rank()
+    path = os.path.join(root, "ckpt")
+    seen: list[str] = []
+    real_commit, real_load = _commit.sha256, _safe_load.sha256
+
+    def counting(real):  # noqa: ANN001, ANN202
+        def sha(p: str) -> str:
+            seen.append(os.path.basename(p))
+            return real(p)
+        return sha
+
+    sd = {f"t{i}": torch.full((64 + 16 * i,), float(rank)) for i in range(6)}  # each rank's own
+    out: dict[str, object] = {}
+    _commit.sha256 = counting(real_commit)
+    try:
+        vefsdp_optim.save({"step": 3, **{f"{k}.{r}": v for r in range(dist.get_world_size())
+                                         for k, v in sd.items()}}, path)
+        out["save"] = sorted(seen)
+    finally:
+        _commit.sha256 = real_commit
+    seen.clear()
+    if corrupt:
+        dist.barrier()
+        if rank == 0:
+            victim = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[-1]
+            with open(os.path.join(path, victim), "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+    target = {"step": 0, **{f"{k}.{r}": torch.zeros_like(v) for r in range(dist.get_world_size())
+                            for k, v in sd.items()}}
+    _safe_load.sha256 = counting(real_load)
+    try:
+        vefsdp_optim.load(target, path)
+        out["load"] = sorted(seen)
+    except ValueError as e:
+        out["error"] = str(e)
+    finally:
+        _safe_load.sha256 = real_load
+    with open(os.path.join(path, MARKER)) as f:
+        import json
+
+        out["files"] = sorted(json.load(f)["files"])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_file_is_hashed_by_one_rank(tmp_path, world_size):
+    results = run_distributed(_hashed_by_whom, world_size, str(tmp_path), False)
+    files = results[0]["files"]
+    assert ".metadata" in files and all(r["files"] == files for r in results)
+    saved = [n for r in results for n in r["save"]]
+    assert sorted(saved) == files, saved  # at save: every file once, by the rank that wrote it
+    for rank, r in enumerate(results):
+        assert all(n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata") for n in r["save"]), r
+    loaded = [n for r in results for n in r["load"]]
+    assert len(loaded) == len(set(loaded)), loaded  # at load: no file twice
+    assert set(loaded) == set(files), (loaded, files)  # every rank reads every entry here
+    assert ".metadata" in results[0]["load"]
+
+
+def test_corruption_is_detected_on_every_rank(tmp_path):
+    results = run_distributed(_hashed_by_whom, 3, str(tmp_path), True)
+    for r in results:
+        assert "does not match the checksum" in r.get("error", ""), r
+    assert len({r["error"] for r in results}) == 1, results

@@ -255,3 +255,74 @@ def test_interop_across_world_sizes(tmp_path, writer, reader):
     got = run_distributed(_interop_load, 3, str(tmp_path / "ck"), reader)[0]
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+# -- a tensor saved by many ranks: W chunks, each with its own storage entry ---------------
+
+
+def _chunked_metadata(tmp_path, chunk_sizes: list[int], lie_at: int | None = None):
+    """DCP metadata of a 1-D float32 tensor cut into ``chunk_sizes`` (as W ranks save it),
+    each chunk's bytes in one file; the entry of chunk ``lie_at`` claims the whole file."""
+    from torch.distributed.checkpoint import metadata as md
+
+    from vefsdp_optim._torch_compat import StorageInfo as _StorageInfo
+
+    root = tmp_path / "ckpt"
+    root.mkdir(parents=True)
+    offsets = [sum(chunk_sizes[:i]) for i in range(len(chunk_sizes))]
+    numel = sum(chunk_sizes)
+    framing = 4096
+    (root / "__0_0.distcp").write_bytes(b"\0" * (numel * 4 + framing * len(chunk_sizes)))
+    chunks = [md.ChunkStorageMetadata(offsets=torch.Size([o]), sizes=torch.Size([n]))
+              for o, n in zip(offsets, chunk_sizes, strict=True)]
+    props = md.TensorProperties(dtype=torch.float32)
+    sdm = {"w": md.TensorStorageMetadata(properties=props, size=torch.Size([numel]), chunks=chunks)}
+    storage = {}
+    for i, (o, n) in enumerate(zip(offsets, chunk_sizes, strict=True)):
+        length = (numel * 4 + framing * len(chunk_sizes)) if i == lie_at else n * 4 + framing
+        storage[md.MetadataIndex("w", torch.Size([o]), i)] = _StorageInfo("__0_0.distcp", 0, length)
+    return md.Metadata(state_dict_metadata=sdm, storage_data=storage), str(root)
+
+
+def test_many_chunks_confined_like_each_chunk_alone(tmp_path):
+    """Every entry's length is checked against its own chunk (and only it) at 1,024 chunks
+    of uneven sizes, as the one-chunk-at-a-time reading of [Note: confined storage] says."""
+    from vefsdp_optim._checkpoint._safe_load import _confine
+
+    sizes = [(37 * i) % 101 + 1 for i in range(1024)]
+    meta, root = _chunked_metadata(tmp_path, sizes)
+    _confine(meta, root, root)  # every entry fits its chunk: accepted
+    meta, root = _chunked_metadata(tmp_path / "lie", sizes, lie_at=700)
+    with pytest.raises(ValueError, match="the entry of w claims .* more than its chunk needs"):
+        _confine(meta, root, root)
+
+
+def test_chunk_bounds_equal_a_scan_of_every_chunk():
+    """The per-tensor table of bounds against the definition: for each offset, the largest
+    chunk at that offset (framing included); with no offset, the largest chunk."""
+    import random
+
+    from torch.distributed.checkpoint import metadata as md
+
+    from vefsdp_optim._checkpoint._safe_load import _FRAMING, _chunk_bounds
+
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(0, 12)
+        chunks = [md.ChunkStorageMetadata(offsets=torch.Size([rng.randint(0, 5), rng.randint(0, 3)]),
+                                          sizes=torch.Size([rng.randint(0, 9), rng.randint(0, 9)]))
+                  for _ in range(n)]
+        entry = md.TensorStorageMetadata(properties=md.TensorProperties(dtype=torch.bfloat16),
+                                         size=torch.Size([20, 20]), chunks=chunks)
+        by_offset, largest = _chunk_bounds(entry)
+
+        def scan(offset, chunks=chunks):  # noqa: ANN001, ANN202 - the definition, every chunk
+            bound = _FRAMING
+            for c in chunks:
+                if offset is None or tuple(c.offsets) == offset:
+                    bound = max(bound, _FRAMING + c.sizes[0] * c.sizes[1] * 2)
+            return bound
+
+        assert largest == scan(None)
+        for o in {tuple(c.offsets) for c in chunks} | {(9, 9)}:
+            assert by_offset.get(o, _FRAMING) == scan(o), o

@@ -6,7 +6,9 @@ Every directory save() writes carries a marker file, ``.vefsdp-checkpoint.json``
 ``{"format": "vefsdp-checkpoint", "generation": g, "state": "writing" | "complete",
 "files": {name: {"size": n, "sha256": hex}}}``. Rank 0 writes it with state "writing"
 into ``path.tmp-<tag>`` *before* any data, and rewrites it (write aside, rename) with
-state "complete" and every file's checksum once all ranks have written; only then is
+state "complete" and every file's checksum once all ranks have written (each rank
+hashes the files it wrote, right after writing them, and rank 0 gathers what they
+found: no rank hashes another's data, [Note: checksums by their writers]); only then is
 the previous copy moved to ``path.old-<tag>``, the new one renamed to ``path``, and the
 old one removed. The generation is one more than the newest complete copy found, so
 load() takes the complete copy with the largest generation among ``path``,
@@ -22,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 MARKER = ".vefsdp-checkpoint.json"
@@ -59,14 +62,25 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def describe_files(directory: str) -> dict[str, dict[str, Any]]:
-    """Size and checksum of every file DCP wrote into ``directory``."""
+def describe(directory: str, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Size and checksum of each of the files ``names`` in ``directory``."""
     out = {}
-    for name in sorted(os.listdir(directory)):
-        if name != MARKER and _OURS.match(name) and not name.endswith(".tmp"):
-            p = os.path.join(directory, name)
-            out[name] = {"size": os.path.getsize(p), "sha256": sha256(p)}
+    for name in sorted(set(names)):
+        p = os.path.join(directory, name)
+        out[name] = {"size": os.path.getsize(p), "sha256": sha256(p)}
     return out
+
+
+def describe_files(directory: str, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and checksum of every file DCP wrote into ``directory``: those in ``known``
+    (described by the ranks that wrote them) as they are, the rest (the metadata) read
+    here."""
+    known = known or {}
+    names = [n for n in os.listdir(directory)
+             if n != MARKER and _OURS.match(n) and not n.endswith(".tmp")]
+    out = describe(directory, [n for n in names if n not in known])
+    out.update((n, known[n]) for n in names if n in known)
+    return dict(sorted(out.items()))
 
 
 def copies(path: str) -> list[tuple[int, str]]:

@@ -14,6 +14,7 @@ torch's own restricted unpickler (an explicit ``weights_only=True`` is not overr
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -21,6 +22,7 @@ import pathlib
 import pickle
 import stat
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -162,9 +164,22 @@ def _check_types(md: object, where: str) -> _md.Metadata:
 _FRAMING = 64 << 10  # torch.save's zip framing of one tensor: ~1.5 KiB, alignment included
 
 
+def _chunk_bounds(entry: _md.TensorStorageMetadata) -> tuple[dict[tuple[int, ...], int], int]:
+    """The most bytes a storage entry of each chunk (by its offsets) of ``entry`` may
+    claim, and of an entry that names no chunk (the largest chunk's bound)."""
+    itemsize = entry.properties.dtype.itemsize
+    by_offset: dict[tuple[int, ...], int] = {}
+    for c in entry.chunks:
+        key = tuple(c.offsets)
+        by_offset[key] = max(by_offset.get(key, _FRAMING), _FRAMING + math.prod(c.sizes) * itemsize)
+    return by_offset, max(by_offset.values(), default=_FRAMING)
+
+
 def _confine(md: _md.Metadata, root: str, where: str) -> None:
     real_root = os.path.realpath(root)
     sizes: dict[str, int] = {}
+    # fqn -> its chunks' byte bounds, built once per tensor: O(chunks), not O(chunks^2)
+    bounds: dict[str, tuple[dict[tuple[int, ...], int], int]] = {}
     for idx, info in md.storage_data.items():
         rel = info.relative_path
         if rel not in sizes:
@@ -190,10 +205,10 @@ def _confine(md: _md.Metadata, root: str, where: str) -> None:
                 f" of {rel!r}, which has {sizes[rel]} bytes (truncated or lying metadata)")
         entry = md.state_dict_metadata.get(idx.fqn)
         if isinstance(entry, _md.TensorStorageMetadata):  # a compressed entry is smaller still
-            bound = _FRAMING
-            for c in entry.chunks:
-                if idx.offset is None or tuple(c.offsets) == tuple(idx.offset):
-                    bound = max(bound, _FRAMING + math.prod(c.sizes) * entry.properties.dtype.itemsize)
+            if idx.fqn not in bounds:
+                bounds[idx.fqn] = _chunk_bounds(entry)
+            by_offset, largest = bounds[idx.fqn]
+            bound = largest if idx.offset is None else by_offset.get(tuple(idx.offset), _FRAMING)
             if info.length > bound:
                 raise MetadataRefused(
                     f"checkpoint {where!r}: the entry of {idx.fqn} claims {info.length} bytes, more than its "
@@ -221,22 +236,32 @@ def read_dcp_metadata(root: str, filename: str = ".metadata") -> _md.Metadata:
     return md
 
 
+@dataclasses.dataclass(frozen=True)
+class _HashAssignment:
+    """The files one reader hashes, as the coordinator's global plan assigns them."""
+
+    files: tuple[str, ...]
+
+
 class SafeReader(FileSystemReader):
     """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata` (and kept:
     load() and dcp.load() both ask for it). With ``files`` (name -> {"size", "sha256"},
     from save()'s marker), each file is checked before its first read: its size always,
-    its checksum when ``verify``."""
+    its checksum when ``verify``, by one reader only: the one the coordinator's global
+    plan gives it to ([Note: checksums by their writers] in _save_load.py). The names in
+    ``checked`` (the metadata, which rank 0 checked for every rank) are not hashed again."""
 
     def __init__(self, path: str | os.PathLike, *, files: dict[str, Any] | None = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, checked: Iterable[str] = ()) -> None:
         super().__init__(path)
         self._cached: dict[Any, _md.Metadata] = {}
         self._files = files
         self._verify = verify
-        self._checked: set[str] = set()
+        self._checked: set[str] = set(checked)
+        self._sized: set[str] = set(checked)
 
-    def _check_file(self, rel: str) -> None:
-        if self._files is None or rel in self._checked:
+    def _check_file(self, rel: str, hash_it: bool = True) -> None:
+        if self._files is None or rel in self._checked or (not hash_it and rel in self._sized):
             return
         root = os.fspath(self.path)
         want = self._files.get(rel)
@@ -247,14 +272,41 @@ class SafeReader(FileSystemReader):
         if size != want.get("size"):
             raise MetadataRefused(f"checkpoint {root!r}: {rel!r} has {size} bytes, its save wrote "
                                   f"{want.get('size')} (truncated or replaced)")
+        self._sized.add(rel)
+        if not hash_it:
+            return
         if self._verify and sha256(p) != want.get("sha256"):
             raise MetadataRefused(f"checkpoint {root!r}: {rel!r} does not match the checksum its save "
                                   "recorded (corrupt); load(..., verify=False) skips this check")
         self._checked.add(rel)
 
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        """The coordinator: each file that the plans read goes to one of its readers, the
+        least loaded by bytes so far (larger files first), who alone hashes it; the
+        assignment rides in each plan's ``storage_data``."""
+        plans = super().prepare_global_plan(plans)
+        if self._files is None or not self._verify:
+            return plans
+        readers: dict[str, list[int]] = {}
+        for i, plan in enumerate(plans):
+            for rel in {self.storage_data[item.storage_index].relative_path for item in plan.items}:
+                readers.setdefault(rel, []).append(i)
+        size = {rel: (self._files.get(rel) or {}).get("size", 0) for rel in readers}
+        load = [0] * len(plans)
+        mine: list[list[str]] = [[] for _ in plans]
+        for rel in sorted(readers, key=lambda r: (-size[r], r)):
+            who = min(readers[rel], key=lambda i: (load[i], i))
+            load[who] += size[rel]
+            mine[who].append(rel)
+        return [dataclasses.replace(plan, storage_data=_HashAssignment(tuple(sorted(m))))
+                for plan, m in zip(plans, mine, strict=True)]
+
     def read_data(self, plan: Any, planner: Any) -> Any:
+        assigned = plan.storage_data
         for rel in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
-            self._check_file(rel)
+            # without the coordinator's assignment (a plan not through prepare_global_plan),
+            # this reader hashes what it reads
+            self._check_file(rel, hash_it=not isinstance(assigned, _HashAssignment) or rel in assigned.files)
         return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:

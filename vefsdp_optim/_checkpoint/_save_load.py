@@ -23,7 +23,7 @@ import torch.distributed as dist
 from vefsdp_optim._torch_compat import flatten_state_dict, set_element
 
 from . import _commit
-from ._safe_load import SafeReader, load_bytes_safely
+from ._safe_load import MetadataRefused, SafeReader, load_bytes_safely
 
 __all__ = ["save", "load"]
 
@@ -95,18 +95,20 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
         raise (ValueError if kind == "ValueError" else OSError)(msg)
     tag, gen = plan.split(":")
     tmp = f"{path}.tmp-{tag}"
+    writer = _writer(tmp)
     try:
         _fault("write")
-        dcp.save(state_dict, storage_writer=_writer(tmp), process_group=process_group)
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except BaseException:
         if rank == 0:
             _commit.remove_ours(tmp)
         raise
-    _barrier(process_group)
+    written = _gather_written(writer.written, process_group)  # also waits for every rank
     old = f"{path}.old-{tag}"
     steps = (
         ("complete", lambda: _commit.write_marker(
-            tmp, {"generation": int(gen), "state": "complete", "files": _commit.describe_files(tmp)})),
+            tmp, {"generation": int(gen), "state": "complete",
+                  "files": _commit.describe_files(tmp, known=written)})),
         ("move_old", lambda: os.path.isdir(path) and os.rename(path, old)),
         ("move_new", lambda: os.rename(tmp, path)),
         ("clean", lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
@@ -150,17 +152,56 @@ def _begin(path: str, overwrite: bool) -> str:
     return f"{tag}:{gen}"
 
 
+# [Note: checksums by their writers]
+# A checkpoint's marker records every file's size and sha256. Each rank hashes the
+# data files it wrote itself, right after DCP wrote them (from the page cache), and rank
+# 0 gathers these descriptions (one small object per rank, to rank 0 only) and hashes
+# only what it wrote and the metadata: the hashing is spread as the writing is, and no
+# rank waits on another's beyond the save's own end. On load, the coordinator gives each
+# file that the read plans touch to exactly one of its readers (the least loaded by
+# bytes), and only that reader hashes it (SafeReader.prepare_global_plan); rank 0 alone
+# hashes the metadata, before the other ranks read it.
+
+
 def _writer(path: str) -> Any:
     """torch's FileSystemWriter, recording no path of this machine in the metadata
-    (``storage_meta.checkpoint_id`` would hold the absolute temporary directory)."""
+    (``storage_meta.checkpoint_id`` would hold the absolute temporary directory), and
+    describing the files this rank wrote in ``written`` ([Note: checksums by their
+    writers])."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _Writer(dcp.FileSystemWriter):
+        written: dict[str, dict[str, Any]] = {}
+
         def storage_meta(self) -> StorageMeta | None:
             return StorageMeta(checkpoint_id=None, save_id=self.save_id)
 
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            done = super().write_data(plan, planner)
+            names = {r.storage_data.relative_path for r in done.wait()}
+            self.written = _commit.describe(path, names)
+            return done
+
     return _Writer(path)
+
+
+def _gather_written(written: dict[str, dict[str, Any]],
+                    process_group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+    """Rank 0 of ``process_group``: every rank's descriptions of the files it wrote,
+    merged ([Note: checksums by their writers]); the other ranks: their own."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return written
+    dst = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    if dist.get_rank() != dst:
+        dist.gather_object(written, None, dst=dst, group=process_group)
+        return written
+    found: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.gather_object(written, found, dst=dst, group=process_group)
+    merged: dict[str, dict[str, Any]] = {}
+    for part in found:
+        merged.update(part)
+    return merged
 
 
 def _resolve(path: str) -> tuple[str, str]:
@@ -198,19 +239,26 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
 
     path = _check_path(path).rstrip(os.sep)
     choice = ""
-    if _rank(process_group) == 0:
+    if _rank(process_group) == 0:  # rank 0 alone picks the copy and checks its metadata file
         try:
-            choice = "\0".join(_resolve(path))
+            where, warning = _resolve(path)
+            marker = _commit.read_marker(where)
+            SafeReader(where, files=marker.get("files") if marker else None, verify=verify).read_metadata()
+            choice = f"{where}\0{warning}"
         except FileNotFoundError as e:
-            choice = f"!{e}"
+            choice = f"!F{e}"
+        except ValueError as e:  # MetadataRefused: every rank raises it
+            choice = f"!V{e}"
     choice = _broadcast_str(choice, process_group)
     if choice.startswith("!"):
-        raise FileNotFoundError(choice[1:])
+        raise (FileNotFoundError if choice[1] == "F" else MetadataRefused)(choice[2:])
     path, warning = choice.split("\0")
     if warning:
         warnings.warn(warning, stacklevel=2)
     marker = _commit.read_marker(path)
-    reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify)
+    # rank 0 checked the metadata file's size and checksum ([Note: checksums by their writers])
+    reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify,
+                        checked=(".metadata",))
     saved = reader.read_metadata().state_dict_metadata
     flat, mapping = flatten_state_dict(state_dict)
     if _empty_stateless_entries(state_dict, flat, mapping, saved):
