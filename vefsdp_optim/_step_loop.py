@@ -394,8 +394,9 @@ def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, l
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
     target = (sum(load) + n) / w
     out, prev = [0], 0
+    bounds = layout.boundaries  # W + 1 points, built per call: read once, O(W) in all
     for k in range(1, w):
-        b = layout.boundaries[k]
+        b = bounds[k]
         if b % unit:
             lo = (b // unit) * unit
             options = (max(lo, prev), max(min(lo + unit, n), prev))
