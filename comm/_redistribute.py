@@ -9,7 +9,6 @@ once, before the first exchange.
 from __future__ import annotations
 
 import functools
-import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -19,6 +18,8 @@ import torch.distributed as dist
 
 from vefsdp_optim._torch_compat import foreach_copy_
 from vefsdp_optim.sharding import BoxShard, RaggedShard
+
+from ._box_exchange import BoxPlan, box_plan, launch_boxes
 
 __all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
 
@@ -270,7 +271,7 @@ def redistribute(
         out = [t[:] for t in locals]
         return RedistributeHandle(None, (), lambda: out) if async_op else out
     if boxes:
-        return _redistribute_boxes(locals, src, dst, process_group, rank, w, async_op)
+        return _run_boxes(locals, src, dst, box_plan(src, dst, rank, w), process_group, rank, async_op)
 
     return _launch_ragged(locals, _ragged_plan(src, dst, rank), process_group, async_op)
 
@@ -301,6 +302,16 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
     return finish()
 
 
+def _run_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
+               dst: Sequence[RaggedShard | BoxShard], plan: BoxPlan, process_group: dist.ProcessGroup,
+               rank: int, async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
+    """The exchange between layouts of which some are BoxShards ([Note: box exchange])."""
+    work, buffers, finish = launch_boxes(locals, src, dst, plan, process_group, rank, async_op)
+    if async_op:
+        return RedistributeHandle(work, buffers, finish)
+    return finish()
+
+
 class Route:
     """:func:`redistribute` between fixed layouts, checked and planned once.
 
@@ -319,8 +330,9 @@ class Route:
         rank = _group_rank(process_group, w)
         self.src, self.dst, self.process_group, self.rank = src, dst, process_group, rank
         self.numels = tuple(s.local_numel(rank) for s in src)
-        # None: no collective (one rank, or equal layouts), or boxes (redistribute's paths)
-        self.plan = None if w == 1 or src == dst or boxes else _ragged_plan(src, dst, rank)
+        # None: no collective (one rank, or equal layouts); a BoxPlan where a layout is a box
+        self.plan = (None if w == 1 or src == dst else box_plan(src, dst, rank, w) if boxes
+                     else _ragged_plan(src, dst, rank))
 
     def launch(self, locals: list[torch.Tensor], *, async_op: bool = False) -> list[torch.Tensor] | RedistributeHandle:
         """:func:`redistribute` of ``locals`` (this rank's slices under ``src``) to ``dst``."""
@@ -335,125 +347,12 @@ class Route:
             if not isinstance(t, torch.Tensor) or t.numel() != n or t.dim() != 1 or t.dtype is not dtype \
                     or t.device != device:
                 _check_locals(locals, self.src, self.rank)  # raises, naming what is wrong
+        if isinstance(self.plan, BoxPlan):
+            return _run_boxes(locals, self.src, self.dst, self.plan, self.process_group, self.rank, async_op)
         if self.plan is not None:
             return _launch_ragged(locals, self.plan, self.process_group, async_op)
-        # no collective, or boxes: redistribute's own paths
+        # no collective: redistribute's own path
         return redistribute(locals, self.src, self.dst, self.process_group, async_op=async_op)
-
-
-# [Note: box exchange]
-# Between a BoxShard and a RaggedShard ([Note: boxes in flat order]), the piece of
-# tensor i that rank r sends to rank q is r's part of it under src that q holds under
-# dst, in increasing flat order. Where src is the BoxShard, that piece is one run of
-# r's local data; where dst is, r gathers it from its contiguous slice. A box meets a
-# flat range in at most 2 * ndim - 1 strided blocks (``BoxShard.range_parts``), so both
-# the gather and the scatter on the ragged side are a few strided copies, no index
-# tensors (a whole box into or out of a whole tensor: one). A run of a box (fully_shard
-# over a tensor-parallel box) is itself at most 2 * ndim - 1 boxes (``sub_boxes``).
-# Pieces are packed peer-major, as in [Note: one exchange per bucket].
-
-
-def _count(s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> int:
-    """How many elements rank ``a`` holds under ``s`` and rank ``b`` under ``d``."""
-    if isinstance(d, RaggedShard):
-        y, m = d.local(b)
-        return s.count_below(a, y + m) - s.count_below(a, y)
-    if isinstance(s, RaggedShard):
-        x, n = s.local(a)
-        return d.count_below(b, x + n) - d.count_below(b, x)
-    if s != d:
-        raise AssertionError("redistribution between two different BoxShards")
-    return s.local_numel(a) if a == b else 0
-
-
-def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> torch.Tensor:
-    """Of rank ``a``'s local ``t`` under ``s``, what rank ``b`` holds under ``d`` (1-D)."""
-    if isinstance(d, RaggedShard):
-        y, m = d.local(b)
-        return t[s.count_below(a, y):s.count_below(a, y + m)]
-    if isinstance(s, BoxShard):  # equal boxes ([Note: box exchange])
-        return t if a == b else t[:0]
-    x, n = s.local(a)
-    if x == 0 and n == d.numel:
-        parts = [t.view(d.shape)[tuple(slice(o, o + z) for o, z in zip(off, size, strict=True))].reshape(-1)
-                 for off, size in d.sub_boxes(b)]
-    else:
-        parts = [t[f:f + math.prod(sz)].view(sz)[sl].reshape(-1) for f, sz, sl, _ in d.range_parts(b, x, x + n)]
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat(parts) if parts else t[:0]
-
-
-def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
-             p: int, rank: int) -> None:
-    """Write ``piece`` (what rank ``p`` holds under ``s`` and this rank under ``d``) into
-    this rank's ``out`` under ``d``."""
-    if isinstance(d, BoxShard):
-        if isinstance(s, BoxShard):
-            out.copy_(piece)
-            return
-        x, n = s.local(p)
-        out[d.count_below(rank, x):d.count_below(rank, x + n)].copy_(piece)
-        return
-    y, m = d.local(rank)
-    if isinstance(s, RaggedShard):
-        lo = max(s.local(p)[0], y) - y
-        out[lo:lo + piece.numel()].copy_(piece)
-        return
-    k = 0
-    if y == 0 and m == s.numel:
-        for off, size in s.sub_boxes(p):
-            c = math.prod(size)
-            out.view(s.shape)[tuple(slice(o, o + z) for o, z in zip(off, size, strict=True))].copy_(
-                piece[k:k + c].view(size))
-            k += c
-        return
-    for f, sz, sl, isz in s.range_parts(p, y, y + m):
-        c = math.prod(isz)
-        out[f:f + math.prod(sz)].view(sz)[sl].copy_(piece[k:k + c].view(isz))
-        k += c
-
-
-def _redistribute_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
-                        dst: Sequence[RaggedShard | BoxShard], process_group: dist.ProcessGroup, rank: int,
-                        w: int, async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
-    """:func:`redistribute` where a layout is a BoxShard ([Note: box exchange])."""
-    ref = locals[0]
-    pairs = list(zip(src, dst, strict=True))
-    send_pieces, send_counts, recv_counts = [], [0] * w, [0] * w
-    for p in range(w):
-        if p == rank:
-            continue
-        for i, (s, d) in enumerate(pairs):
-            n = _count(s, d, rank, p)
-            if n:
-                send_pieces.append(_gather(locals[i], s, d, rank, p))
-                send_counts[p] += n
-            recv_counts[p] += _count(s, d, p, rank)
-    send_buf = torch.cat(send_pieces) if send_pieces else ref.new_empty(0)
-    recv_buf = ref.new_empty(sum(recv_counts))
-    work = dist.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts, group=process_group,
-                                  async_op=async_op)
-
-    def finish() -> list[torch.Tensor]:
-        out = [ref.new_empty(d.local_numel(rank)) for d in dst]
-        pos = 0
-        for p in range(w):
-            for i, (s, d) in enumerate(pairs):
-                if p == rank:
-                    piece = _gather(locals[i], s, d, rank, rank)
-                else:
-                    n = _count(s, d, p, rank)
-                    piece, pos = recv_buf[pos:pos + n], pos + n
-                if piece.numel():
-                    _scatter(out[i], piece, s, d, p, rank)
-        if pos != recv_buf.numel():
-            raise AssertionError(f"unpacked {pos} of {recv_buf.numel()} received elements")
-        return out
-
-    if async_op:
-        return RedistributeHandle(work, (send_buf, recv_buf), finish)
-    return finish()
 
 
 def _check_locals(locals: list[torch.Tensor], src: Sequence[RaggedShard], rank: int) -> None:

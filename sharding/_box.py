@@ -6,8 +6,9 @@ See [Note: boxes in flat order].
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +64,21 @@ class BoxShard:
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
+    # computed once: a step hashes every layout it looks up, and W boxes are W tuples
+    _hash: int = field(init=False, repr=False, compare=False)
+    # built on first use by holders(): (runs' first flat index, sorted; their ranks; the
+    # running max of their ends), a sweep index over the ranks' flat spans
+    _spans: tuple | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not BoxShard:
+            return NotImplemented
+        return self._hash == other._hash and self.shape == other.shape and self.boxes == other.boxes
 
     def __post_init__(self) -> None:
         shape = check_shape(self.shape)
@@ -87,6 +103,8 @@ class BoxShard:
             raise ValueError(f"the boxes hold {total} elements, the tensor of shape {shape} "
                              f"{math.prod(shape)}: they must partition it")
         _check_disjoint(self)
+        object.__setattr__(self, "_hash", hash((shape, self.boxes)))
+        object.__setattr__(self, "_spans", None)
 
     # -- constructors -------------------------------------------------------------
 
@@ -227,6 +245,33 @@ class BoxShard:
                 return None
             bounds.append(start + b.length)
         return RaggedShard.from_boundaries(bounds)
+
+    def flat_span(self, rank: int) -> tuple[int, int]:
+        """``[lo, hi)``: the global flat indices of rank's first and (one past) last local
+        element; every local element lies in it ([Note: boxes in flat order]); (0, 0)
+        when rank holds none."""
+        b = self.boxes[rank]
+        if not b.length:
+            return (0, 0)
+        return (_flat_of(b, b.start, self.shape), _flat_of(b, b.start + b.length - 1, self.shape) + 1)
+
+    def holders(self, lo: int, hi: int) -> list[int]:
+        """The ranks, in increasing order, whose flat span meets ``[lo, hi)``: every rank
+        holding an element there (and perhaps a few whose span only straddles it), found
+        with a sweep index built once per layout, not a scan of the W boxes."""
+        if lo >= hi:
+            return []
+        if self._spans is None:
+            spans = sorted((*self.flat_span(r), r) for r in range(self.world_size) if self.boxes[r].length)
+            firsts = [a for a, _, _ in spans]
+            ends, top = [], 0
+            for _, b, _ in spans:
+                top = max(top, b)
+                ends.append(top)
+            object.__setattr__(self, "_spans", (firsts, [r for _, _, r in spans], ends))
+        firsts, ranks, ends = self._spans
+        j0, j1 = bisect_right(ends, lo), bisect_left(firsts, hi)
+        return sorted(ranks[j0:j1])
 
     def even_split(self) -> RaggedShard:
         """The RaggedShard of equal element counts (the remainder to the first ranks):

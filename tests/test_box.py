@@ -4,6 +4,7 @@ in flat order, against plain tensor indexing of an arange ([Note: boxes in flat 
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -78,3 +79,88 @@ def test_bad_boxes_are_refused() -> None:
         BoxShard((4,), (Box((3,), (2,), 0, 2), Box((0,), (2,), 0, 2)))
     with pytest.raises(ValueError, match="exactly one dim"):
         BoxShard.nested_chunks((4, 4), [2, 2], [[0], [0]])
+
+
+# -- the exchange between boxes and ragged slices, planned from flat spans ------------------
+
+
+@st.composite
+def _exchange(draw: st.DrawFn) -> tuple[list, list]:
+    """A batch of 1-4 tensors over one W: each a BoxShard and a random RaggedShard of it
+    (in either direction), or two RaggedShards, or the same BoxShard twice."""
+    from vefsdp_optim.sharding import RaggedShard
+
+    first = draw(_layouts())
+    w = first.world_size
+    src, dst = [], []
+    for _ in range(draw(st.integers(1, 4))):
+        box = first
+        cuts = sorted(draw(st.lists(st.integers(0, box.numel), min_size=w - 1, max_size=w - 1)))
+        ragged = RaggedShard.from_boundaries([0, *cuts, box.numel])
+        kind = draw(st.sampled_from(["box->ragged", "ragged->box", "ragged->ragged", "box->box"]))
+        if kind == "box->ragged":
+            src.append(box), dst.append(ragged)
+        elif kind == "ragged->box":
+            src.append(ragged), dst.append(box)
+        elif kind == "ragged->ragged":
+            cuts2 = sorted(draw(st.lists(st.integers(0, box.numel), min_size=w - 1, max_size=w - 1)))
+            src.append(ragged), dst.append(RaggedShard.from_boundaries([0, *cuts2, box.numel]))
+        else:
+            src.append(box), dst.append(box)
+    return src, dst
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=_exchange(), data=st.data())
+def test_box_plan_equals_a_scan_of_every_peer(batch, data) -> None:
+    """The plan found from flat spans against the definition (every (peer, tensor) pair's
+    count), and BoxShard.holders against a scan of the ranks."""
+    from vefsdp_optim.comm._box_exchange import _count, box_plan
+
+    src, dst = batch
+    w = src[0].world_size
+    for rank in range(w):
+        plan = box_plan(tuple(src), tuple(dst), rank, w)
+        sends = [(p, i) for p in range(w) if p != rank for i in range(len(src)) if _count(src[i], dst[i], rank, p)]
+        recvs = [(p, i, n) for p in range(w) for i in range(len(src)) if (n := _count(src[i], dst[i], p, rank))]
+        assert list(plan.sends) == sends
+        assert list(plan.recvs) == recvs
+        assert list(plan.send_counts) == [sum(_count(s, d, rank, p) for s, d in zip(src, dst, strict=True))
+                                          if p != rank else 0 for p in range(w)]
+        assert list(plan.recv_counts) == [sum(_count(s, d, p, rank) for s, d in zip(src, dst, strict=True))
+                                          if p != rank else 0 for p in range(w)]
+    box = next((x for x in (*src, *dst) if isinstance(x, BoxShard)), None)
+    if box is not None:
+        lo = data.draw(st.integers(0, box.numel))
+        hi = data.draw(st.integers(lo, box.numel))
+        holding = [r for r in range(w) if box.count_below(r, hi) - box.count_below(r, lo)]
+        assert set(holding) <= set(box.holders(lo, hi)), (holding, box.holders(lo, hi))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=_exchange())
+def test_box_exchange_moves_every_element(batch) -> None:
+    """All W ranks' launches and unpacks, with the all-to-all played in this process:
+    every rank ends with exactly its slices under dst of each tensor."""
+    from vefsdp_optim.comm._box_exchange import box_plan, launch_boxes
+
+    src, dst = batch
+    w = src[0].world_size
+    full = [torch.arange(s.numel, dtype=torch.float64) + 1000 * i for i, s in enumerate(src)]
+    launched = []
+    with mock.patch.object(torch.distributed, "all_to_all_single", lambda *a, **k: None):
+        for rank in range(w):
+            locals_ = [f[s.local_index(rank)] for f, s in zip(full, src, strict=True)]
+            plan = box_plan(tuple(src), tuple(dst), rank, w)
+            _, (send, recv), finish = launch_boxes(locals_, src, dst, plan, None, rank, False)
+            launched.append((plan, send, recv, finish))
+    for q, (plan_q, _, recv, _) in enumerate(launched):  # the all-to-all
+        parts = []
+        for plan_p, send, _, _ in launched:
+            at = sum(plan_p.send_counts[:q])
+            parts.append(send[at:at + plan_p.send_counts[q]])
+        assert [x.numel() for x in parts] == list(plan_q.recv_counts)
+        recv.copy_(torch.cat(parts))
+    for rank, (_, _, _, finish) in enumerate(launched):
+        for i, (out, d) in enumerate(zip(finish(), dst, strict=True)):
+            assert torch.equal(out, full[i][d.local_index(rank)]), (rank, i)

@@ -130,15 +130,26 @@ def test_meta_parameters_are_refused_clearly():
             opt.step()
 
 
-def test_toy_cli_bad_input_is_a_clear_error(tmp_path):
+def test_toy_cli_bad_input_is_a_clear_error(tmp_path, capsys):
+    """Each bad input exits with argparse's code 2 and a message, no traceback: through the
+    CLI's main() in this process, and once as a user runs it (``python -m``), which is the
+    same main() behind the interpreter's exit."""
+    from vefsdp_optim.toy.__main__ import main
+
     afile = tmp_path / "f.txt"
     afile.write_text("x")
-    for args, match in [(["--optimizer", "collections:OrderedDict"], "not a torch.optim.Optimizer"),
-                        (["--out", str(afile)], "existing file"),
-                        (["--optimizer", "no_such"], "unknown optimizer")]:
-        r = subprocess.run([sys.executable, "-m", "vefsdp_optim.toy", *args], capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+    cases = [(["--optimizer", "collections:OrderedDict"], "not a torch.optim.Optimizer"),
+             (["--out", str(afile)], "existing file"),
+             (["--optimizer", "no_such"], "unknown optimizer")]
+    for args, match in cases:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and match in err and "Traceback" not in err, err
+    args, match = cases[0]
+    r = subprocess.run([sys.executable, "-m", "vefsdp_optim.toy", *args], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # -- distributed: stale optimizers, ranks that disagree ------------------------------------
