@@ -156,3 +156,15 @@ def test_bad_input():
 def _owner(layout: RaggedShard) -> int | None:
     """The rank holding the whole tensor, if one does (None if it is split)."""
     return next((r for r, (_, n) in enumerate(layout.extents) if n == layout.numel), None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(numel=st.integers(0, 50), w=st.integers(1, 300), data=st.data())
+def test_whole_equals_its_boundaries(numel: int, w: int, data: st.DataObject) -> None:
+    """whole() (built by tuple repetition, unchecked) equals the checked constructor's
+    layout of the same boundaries, hash and all."""
+    rank = data.draw(st.integers(0, w - 1))
+    fast = RaggedShard.whole(numel, w, rank)
+    checked = RaggedShard.from_boundaries([0] * (rank + 1) + [numel] * (w - rank))
+    assert fast == checked and hash(fast) == hash(checked) and fast.extents == checked.extents
+    assert fast.local(rank) == (0, numel) and fast.world_size == w
