@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, str] = {
     "soap": "bench_soap",
     "nd_mesh": "bench_nd_mesh",
     "profile": "bench_profile",
+    "scale": "bench_scale",
 }
 TITLES = {
     "planner": "Planner: padding and planning time",
@@ -65,6 +66,7 @@ TITLES = {
     "soap": "SOAP vs the reference SOAP's step, one device (VEFSDP_SOAP_REF)",
     "nd_mesh": "Optimizer steps on FSDP2 x tensor parallel (dp 2 x tp 2)",
     "profile": "Profile-guided optimization",
+    "scale": "One rank of a W-rank job under torch's fake process group (W = 64 to 8,192)",
 }
 TIMEOUT_S = {True: 900, False: 3600}
 _SKIP_TABLES = {"rows", "notes", "headline", "groups_detail", "per_rank"}

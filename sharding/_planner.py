@@ -53,6 +53,19 @@ class TensorSpec:
         return min(self.unit, self.numel)
 
 
+@lru_cache(maxsize=65536)
+def _plan_layout(world_size: int, m: int, off: int, n: int) -> RaggedShard:
+    """The layout of a tensor of ``n`` elements at flat offset ``off`` of a buffer of
+    ``world_size`` shards of ``m``: empty slices before and after the ranks it spans, built
+    by tuple repetition, so O(ranks spanned) and not O(W) Python per tensor."""
+    if n == 0 or m == 0:
+        return RaggedShard._trusted(((0, 0),) * world_size)
+    first, last = off // m, (off + n - 1) // m
+    spanned = tuple((max(r * m - off, 0), min((r + 1) * m - off, n) - max(r * m - off, 0))
+                    for r in range(first, last + 1))
+    return RaggedShard._trusted(((0, 0),) * first + spanned + ((n, 0),) * (world_size - last - 1))
+
+
 @dataclass(frozen=True, slots=True)
 class BufferPlan:
     """Where each tensor lives in one flat W * m buffer (a fully_shard store's)."""
@@ -95,12 +108,10 @@ class BufferPlan:
 
     def layout(self, name: str) -> RaggedShard:
         """The RaggedShard of tensor ``name`` implied by the plan."""
-        spec = self.spec(name)
-        off = self.offsets[name]
-        m, n = self.shard_size, spec.numel
-        bounds = [min(max(r * m - off, 0), n) for r in range(self.world_size + 1)]
-        bounds[-1] = n
-        return RaggedShard.from_boundaries(bounds)
+        for s, off in zip(self.specs, self.offset_list, strict=True):
+            if s.name == name:
+                return _plan_layout(self.world_size, self.shard_size, off, s.numel)
+        raise KeyError(f"no tensor named {name!r} in this plan; names: {[s.name for s in self.specs]}")
 
     def local_slices(self, rank: int) -> list[tuple[str, int, int, int]]:
         """Tensors overlapping ``rank``'s shard: ``(name, start_in_tensor, start_in_shard, length)``."""

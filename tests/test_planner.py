@@ -395,3 +395,20 @@ def test_plan_is_frozen():
     with pytest.raises(AssertionError, match="'a'"):
         BufferPlan(2, 8, 1, (spec,), (4,))
     assert BufferPlan(2, 8, 1, (spec,), (0,)).layout("a") == RaggedShard(((0, 8), (8, 8)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(w=st.integers(1, 40), m=st.integers(1, 30), data=st.data())
+def test_plan_layout_equals_its_clamped_boundaries(w: int, m: int, data: st.DataObject) -> None:
+    """A plan's layout of a tensor (built from the ranks it spans) against the definition:
+    rank r holds ``[r m - off, (r + 1) m - off)`` of it, clamped to the tensor."""
+    from vefsdp_optim.sharding import RaggedShard
+    from vefsdp_optim.sharding._planner import _plan_layout
+
+    off = data.draw(st.integers(0, w * m))
+    n = data.draw(st.integers(0, w * m - off))
+    bounds = [min(max(r * m - off, 0), n) for r in range(w + 1)]
+    bounds[-1] = n
+    want = RaggedShard.from_boundaries(bounds)
+    got = _plan_layout(w, m, off, n)
+    assert got == want and hash(got) == hash(want) and got.extents == want.extents, (w, m, off, n)
