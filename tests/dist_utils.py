@@ -247,9 +247,24 @@ def _teardown_and_exit(outbox) -> None:
         os._exit(0)
 
 
+def _context():
+    """Where workers start from: a fork server that has imported torch once (a spawned
+    worker would import it again, 2-3 s of CPU each, and the suite starts dozens), with
+    ``spawn``'s isolation otherwise: the server is a fresh interpreter that has made no
+    process group and run no op, and each worker is forked from it, never from pytest.
+    ``VEFSDP_TEST_START=spawn`` starts every worker from scratch instead."""
+    method = os.environ.get("VEFSDP_TEST_START", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"VEFSDP_TEST_START={method!r}; accepted: 'forkserver', 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         fd, self.init_file = tempfile.mkstemp(prefix="vefsdp_pg_")
         os.close(fd)
