@@ -65,8 +65,8 @@ def _worker(rank: int, world_size: int, init_file: str, inbox, outbox) -> None:
             result = fn(*args, **kwargs)
             ForkingPickler.dumps(result)  # fail here, with a message, rather than in the queue's thread
             del args, kwargs
-            threads = _release_job_groups(fn.__name__, test, baseline)
-            outbox.put((rank, True, (result, threads)))
+            threads, recycle = _release_job_groups(fn.__name__, test, baseline)
+            outbox.put((rank, True, (result, threads, recycle)))
         except BaseException as e:  # noqa: BLE001 - report every failure to the parent
             outbox.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     _teardown_and_exit(outbox)
@@ -152,7 +152,9 @@ def _holders(obj: object, depth: int = 6, width: int = 3) -> str:
         if not refs or d == 0:
             lines.append(" <- ".join(path) + (" <- (nothing gc tracks)" if not refs else ""))
             return
-        for r in refs[:width]:
+        first = refs[:width]
+        seen.add(id(first))
+        for r in first:
             seen.add(id(r))
             if isinstance(r, dict):
                 label = "dict[" + ", ".join(str(k)[:30] for k in list(r)[:4]) + "]"
@@ -166,10 +168,58 @@ def _holders(obj: object, depth: int = 6, width: int = 3) -> str:
     return "; ".join(lines[:4])
 
 
-def _release_job_groups(fn_name: str, test: str | None, baseline: dict[str, int]) -> dict[str, int]:
+def _holder_outside_torch(obj: object, limit: int = 2000) -> str | None:
+    """The first object outside torch that (transitively, through gc-tracked referrers)
+    holds ``obj``: a module other than torch's, or an instance, function or class defined
+    outside torch; None when only torch's objects (or C++) hold it. Modules end the walk
+    (sys.modules holds every one)."""
+    import gc
+    import types
+
+    seen, frontier, visited = {id(obj)}, [obj], 0
+    ours = (types.FrameType, types.GeneratorType)
+    while frontier and visited < limit:
+        nxt = []
+        for o in frontier:
+            refs = gc.get_referrers(o)
+            seen.add(id(refs))
+            for r in refs:
+                if id(r) in seen or isinstance(r, ours) or r is frontier or r is nxt:
+                    continue
+                seen.add(id(r))
+                visited += 1
+                if isinstance(r, types.ModuleType):  # a root (sys.modules holds it): stop here
+                    if not r.__name__.startswith("torch"):
+                        return f"module {r.__name__}"
+                    continue
+                if isinstance(r, dict) and isinstance(r.get("__name__"), str) and getattr(
+                        sys.modules.get(r["__name__"]), "__dict__", None) is r:  # a module's globals
+                    if not r["__name__"].startswith("torch"):
+                        return f"module {r['__name__']}"
+                    continue
+                if isinstance(r, (types.FunctionType, type)):
+                    name = r.__module__ or ""
+                elif isinstance(r, (dict, list, tuple, set, frozenset, types.CellType, types.MethodType)):
+                    nxt.append(r)
+                    continue
+                else:
+                    name = type(r).__module__ or ""
+                if name == "builtins":  # a container of the interpreter's own: look further up
+                    nxt.append(r)
+                    continue
+                if not name.startswith("torch"):
+                    return f"{name}.{getattr(r, '__qualname__', type(r).__qualname__)}"
+                nxt.append(r)
+        frontier = nxt
+    return None
+
+
+def _release_job_groups(fn_name: str, test: str | None,
+                        baseline: dict[str, int]) -> tuple[dict[str, int], str | None]:
     """Destroy every process group a job created (the default group stays), check that
     each one is freed (its gloo threads joined) and that the worker's threads are back at
-    what the default group needs; the thread counts afterwards.
+    what the default group needs; the thread counts afterwards and, where only torch
+    itself still holds a group (a cache of the release), why the worker must end.
 
     [Note: job cleanup cost] A full collection in a worker that has imported torch scans
     ~300,000 objects (0.2-0.4 s), and the suite runs about a thousand jobs: the worker
@@ -204,12 +254,21 @@ def _release_job_groups(fn_name: str, test: str | None, baseline: dict[str, int]
     if named:
         alive = [(name, ranks) for ref, name, ranks in named if ref() is not None]
         if alive:
-            first = next(ref for ref, _, _ in named if ref() is not None)
-            raise LeakedGroupError(
-                f"{where}: {len(alive)} of the {len(named)} process groups it created are still "
-                f"referenced after destroy_process_group (their gloo threads live on): "
-                + ", ".join(f"{n} (ranks {r})" for n, r in alive[:8])
-                + f". Held through: {_holders(first())}")
+            first = next(ref for ref, _, _ in named if ref() is not None)()
+            gc.unfreeze()  # gc.get_referrers sees no frozen object: the holder may be one
+            outside = _holder_outside_torch(first)
+            if outside is not None:
+                raise LeakedGroupError(
+                    f"{where}: {len(alive)} of the {len(named)} process groups it created are still "
+                    f"referenced after destroy_process_group (their gloo threads live on), by "
+                    f"{outside}: " + ", ".join(f"{n} (ranks {r})" for n, r in alive[:8])
+                    + f". Held through: {_holders(first)}")
+            # only torch's own objects (caches this release keeps, or C++) hold them: this
+            # worker ends after the job and the next one starts fresh
+            # ([Note: job cleanup cost], docs/compatibility.md)
+            del first
+            gc.freeze()
+            return _thread_counts(), f"torch kept {len(alive)} of the job's {len(named)} groups"
     counts = _thread_counts()
     gloo = {k: counts.get(k, 0) for k in _GLOO_THREADS}
     gloo_base = {k: baseline.get(k, 0) for k in _GLOO_THREADS}
@@ -224,7 +283,7 @@ def _release_job_groups(fn_name: str, test: str | None, baseline: dict[str, int]
             f"{where}: {counts['total']} threads after the job, {baseline['total']} at the "
             f"worker's start (VEFSDP_TEST_THREAD_SLACK={THREAD_SLACK} allowed); new: {extra}")
     gc.freeze()  # what outlived the job (modules it imported, caches) is not scanned again
-    return counts
+    return counts, None
 
 
 def _teardown_and_exit(outbox) -> None:
@@ -266,6 +325,7 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         ctx = _context()
         self.world_size = world_size
+        self.recycle: str | None = None  # why this pool must end after its job, if it must
         fd, self.init_file = tempfile.mkstemp(prefix="vefsdp_pg_")
         os.close(fd)
         os.unlink(self.init_file)
@@ -322,8 +382,9 @@ class _Pool:
         if errors:
             detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
             raise DistributedTestError(f"{fn.__name__} failed on ranks {sorted(errors)}:{detail}")
-        for _, threads in results.values():
+        for _, threads, recycle in results.values():
             stats.record(self.world_size, threads)
+            self.recycle = self.recycle or recycle
         return [results[r][0] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
@@ -351,6 +412,7 @@ class _Stats:
     def __init__(self) -> None:
         self.jobs = 0
         self.peak: dict[int, dict[str, int]] = {}
+        self.recycled: dict[str, int] = {}  # why -> how many pools ended after a job
 
     def record(self, world_size: int, threads: dict[str, int]) -> None:
         self.jobs += 1
@@ -365,7 +427,9 @@ class _Stats:
             f"W={w}: {p.get('total', 0)} threads, "
             + ", ".join(f"{k} {p.get(k, 0)}" for k in _GLOO_THREADS)
             for w, p in sorted(self.peak.items()))
-        return f"distributed jobs: {self.jobs}; most threads in one worker after a job: {rows}"
+        ended = sum(self.recycled.values())
+        return (f"distributed jobs: {self.jobs}; most threads in one worker after a job: {rows}; "
+                f"pools ended because torch kept a job's groups: {ended}")
 
 
 stats = _Stats()
@@ -388,7 +452,12 @@ def run_distributed(
             pool.close(force=True)
         pool = _pools[world_size] = _Pool(world_size)
     try:
-        return pool.run(fn, args, kwargs, timeout)
+        out = pool.run(fn, args, kwargs, timeout)
+        if pool.recycle is not None:  # torch kept the job's groups: end these workers
+            stats.recycled[pool.recycle] = stats.recycled.get(pool.recycle, 0) + 1
+            _pools.pop(world_size, None)
+            pool.close()
+        return out
     except BaseException:
         # a failed job may leave ranks mid-collective: never reuse that pool
         _pools.pop(world_size, None)

@@ -1,5 +1,6 @@
 """The multi-process helper itself: results, exceptions, timeouts."""
 
+import os
 import time
 
 import pytest
@@ -123,3 +124,26 @@ def test_threads_that_grow_fail_with_the_test_name():
         run_distributed(_start_threads, 2, THREAD_SLACK + 1)
     assert run_distributed(_start_threads, 2, 1) == [0, 0]  # a few are allowed, in a fresh pool
     assert run_distributed(_stop_threads, 2) == [0, 0]
+
+
+def _keep_a_group_in_torch():
+    g = dist.new_group(list(range(dist.get_world_size())))
+    dist.barrier(group=g)
+    torch.distributed._kept_by_a_test = [g]  # as a cache of torch's own would
+    return os.getpid()
+
+
+def _pid():
+    return os.getpid()
+
+
+def test_a_group_only_torch_keeps_ends_the_workers():
+    """A group that only torch's own objects still hold after destroy_process_group (a
+    cache some releases keep) is no test's leak: the workers end after the job, and the
+    next job runs on fresh ones."""
+    import dist_utils
+
+    before = sum(dist_utils.stats.recycled.values())
+    pids = run_distributed(_keep_a_group_in_torch, 2)
+    assert sum(dist_utils.stats.recycled.values()) == before + 1
+    assert set(run_distributed(_pid, 2)).isdisjoint(pids)
