@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -26,8 +25,8 @@ __all__ = ["box_plan", "launch_boxes"]
 # tensors (a whole box into or out of a whole tensor: one). A run of a box (fully_shard
 # over a tensor-parallel box) is itself at most 2 * ndim - 1 boxes (``sub_boxes``).
 # Pieces are packed peer-major, as in [Note: one exchange per bucket]. Which peers a
-# tensor meets is found from flat spans (a ragged slice, a box's run), by bisection on
-# the ragged boundaries or on the box layout's sweep index (``BoxShard.holders``), so
+# tensor meets is found from flat spans (``flat_span``: a ragged slice, a box's run), by
+# bisection on the ragged boundaries or on the box layout's sweep index (``holders``), so
 # a plan costs O(P log W + pieces), and it is built once per (src, dst, rank).
 
 
@@ -92,26 +91,6 @@ def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, 
         k += c
 
 
-def _span(layout: RaggedShard | BoxShard, rank: int) -> tuple[int, int]:
-    """The flat range that holds all of rank's elements under ``layout``."""
-    if isinstance(layout, RaggedShard):
-        x, n = layout.local(rank)
-        return (x, x + n)
-    return layout.flat_span(rank)
-
-
-def _holders(layout: RaggedShard | BoxShard, lo: int, hi: int) -> list[int]:
-    """The ranks (increasing) whose part under ``layout`` may meet ``[lo, hi)``."""
-    if lo >= hi:
-        return []
-    if isinstance(layout, BoxShard):
-        return layout.holders(lo, hi)
-    b = layout.boundaries
-    first = max(bisect_right(b, lo) - 1, 0)
-    last = min(bisect_left(b, hi) - 1, layout.world_size - 1)
-    return list(range(first, last + 1))
-
-
 class BoxPlan(NamedTuple):
     """One rank's exchange between layouts of which some are BoxShards."""
 
@@ -134,8 +113,8 @@ def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | B
         if isinstance(s, BoxShard) and isinstance(d, BoxShard):  # equal boxes: all stays
             peers_out, peers_in = [], []
         else:
-            peers_out = _holders(d, *_span(s, rank))
-            peers_in = _holders(s, *_span(d, rank))
+            peers_out = d.holders(*s.flat_span(rank))
+            peers_in = s.holders(*d.flat_span(rank))
         for p in peers_out:
             if p != rank and (n := _count(s, d, rank, p)):
                 out.setdefault(p, []).append((i, n))

@@ -9,7 +9,6 @@ once, before the first exchange.
 from __future__ import annotations
 
 import functools
-from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -46,14 +45,10 @@ class _Piece(NamedTuple):
 
 def _overlaps(lo: int, hi: int, layout: RaggedShard) -> list[tuple[int, int, int]]:
     """``(peer, lo', hi')`` for each peer whose slice under ``layout`` meets ``[lo, hi)``."""
-    if lo >= hi:
-        return []
-    b = layout.boundaries
-    first = bisect_right(b, lo) - 1  # last rank starting at or before lo
-    last = bisect_left(b, hi) - 1  # last rank starting before hi
     out = []
-    for p in range(max(first, 0), min(last, layout.world_size - 1) + 1):
-        x, y = max(lo, b[p]), min(hi, b[p + 1])
+    for p in layout.holders(lo, hi):
+        x, y = layout.flat_span(p)
+        x, y = max(lo, x), min(hi, y)
         if x < y:
             out.append((p, x, y))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -130,6 +131,20 @@ class RaggedShard:
     def local(self, rank: int) -> tuple[int, int]:
         """``(start, length)`` of ``rank``'s slice."""
         return self.extents[rank]
+
+    def flat_span(self, rank: int) -> tuple[int, int]:
+        """``[lo, hi)``: the flat range of rank's slice (as ``BoxShard.flat_span``)."""
+        s, n = self.extents[rank]
+        return (s, s + n)
+
+    def holders(self, lo: int, hi: int) -> range:
+        """The ranks, in increasing order, whose slice may meet ``[lo, hi)`` (as
+        ``BoxShard.holders``): a bisection on the boundaries, empty slices at its ends
+        included."""
+        if lo >= hi:
+            return range(0)
+        b = self.boundaries
+        return range(max(bisect_right(b, lo) - 1, 0), min(bisect_left(b, hi) - 1, self.world_size - 1) + 1)
 
     def local_index(self, rank: int, device: object = "cpu") -> slice:
         """Index of ``rank``'s elements in the flat tensor (as BoxShard's): a slice."""

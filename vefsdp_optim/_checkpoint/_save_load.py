@@ -238,12 +238,13 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = _check_path(path).rstrip(os.sep)
-    choice = ""
+    choice, reader = "", None
     if _rank(process_group) == 0:  # rank 0 alone picks the copy and checks its metadata file
         try:
             where, warning = _resolve(path)
             marker = _commit.read_marker(where)
-            SafeReader(where, files=marker.get("files") if marker else None, verify=verify).read_metadata()
+            reader = SafeReader(where, files=marker.get("files") if marker else None, verify=verify)
+            reader.read_metadata()  # kept: this load's reader on rank 0
             choice = f"{where}\0{warning}"
         except FileNotFoundError as e:
             choice = f"!F{e}"
@@ -255,10 +256,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     path, warning = choice.split("\0")
     if warning:
         warnings.warn(warning, stacklevel=2)
-    marker = _commit.read_marker(path)
-    # rank 0 checked the metadata file's size and checksum ([Note: checksums by their writers])
-    reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify,
-                        checked=(".metadata",))
+    if reader is None:  # rank 0 checked the metadata file ([Note: checksums by their writers])
+        marker = _commit.read_marker(path)
+        reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify,
+                            checked=(".metadata",))
     saved = reader.read_metadata().state_dict_metadata
     flat, mapping = flatten_state_dict(state_dict)
     if _empty_stateless_entries(state_dict, flat, mapping, saved):
