@@ -7,6 +7,7 @@ from ._collectives import (
     all_reduce_avg,
     check_plan_consistent,
     reduce_scatter_flat,
+    same_on_all_ranks,
 )
 from ._owners import OwnerAssignment, assign_owners
 from ._redistribute import (
@@ -33,6 +34,7 @@ __all__ = [
     "dtensor_boxes",
     "redistribute",
     "reduce_scatter_flat",
+    "same_on_all_ranks",
     "sharded_view",
     "transfer_sizes",
 ]

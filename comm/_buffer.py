@@ -41,7 +41,7 @@ class DistributedBuffer:
     ``process_group=None`` means a single process: the plan must be for W = 1, unless ``rank``
     is given, which makes a *detached* buffer of that rank's shard (local storage and
     views only; the global buffers and collectives then raise RuntimeError).
-    ``validate`` runs ``check_plan_consistent`` (one all_gather_object) so that ranks
+    ``validate`` runs ``check_plan_consistent`` (one all-reduce of two int64) so that ranks
     with different plans raise ValueError instead of hanging in the first collective.
     ``pin_memory``: the local shards in page-locked host memory (a CPU ``device``).
     """

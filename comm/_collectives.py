@@ -6,6 +6,7 @@ so a mesh axis of a 2-D DeviceMesh works the same as a plain process group.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim._torch_compat import all_gather_single, reduce_scatter_single
+from vefsdp_optim._torch_compat import FakeTensor, all_gather_single, reduce_scatter_single
 from vefsdp_optim.sharding import BufferPlan
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "all_reduce_avg",
     "check_plan_consistent",
     "reduce_scatter_flat",
+    "same_on_all_ranks",
     "supports_native_avg",
 ]
 
@@ -254,12 +256,50 @@ def reduce_scatter_flat(
 # reference's sum / W, costs one pass over m elements and allocates nothing.
 
 
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a check's tensor lives on for ``group``: the host for gloo (and the fake
+    process group), else the current accelerator (NCCL's current CUDA device)."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or backend == "fake" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def same_on_all_ranks(key: str | int, group: dist.ProcessGroup, device: torch.device | None = None) -> bool:
+    """Whether every rank of ``group`` passes the same ``key``, the same answer on every rank.
+
+    [Note: agreement in O(1) bytes] One ``all_reduce(MAX)`` of two int64 per rank, the
+    62-bit hash ``h`` of the key and ``-h``: the ranks agree iff max(h) == -max(-h) (the
+    minimum). What a rank sends and holds is the same at any W, where gathering every
+    rank's key (``all_gather_object``) costs each rank W keys, W tensors and W
+    deserializations: at W = 10,000, per shard group at setup. A caller that finds a
+    disagreement gathers the keys then, to say which ranks differ (the error path only).
+    ``device``: the tensor's (default :func:`group_device`). True without a collective at
+    one rank, and where no rank's values can be seen: the fake process group (one
+    process playing one rank of a W-rank job) and fake tensors (FakeTensorMode).
+    """
+    if not isinstance(key, (str, int)) or isinstance(key, bool):
+        raise TypeError(f"key must be a str or an int, got {type(key).__name__}")
+    if group.size() == 1 or dist.get_backend(group) == "fake":
+        return True
+    raw = key.encode() if isinstance(key, str) else key.to_bytes(16, "little", signed=True)
+    h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 2  # [0, 2**62)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device or group_device(group))
+    if isinstance(both, FakeTensor):
+        return True
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    most, least = both.tolist()  # a check at setup or a layout change: one host read
+    return most == -least
+
+
 def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | None) -> None:
     """Raise ValueError on every rank if the ranks of ``process_group`` hold different plans.
 
-    Gathers each rank's ``(plan fingerprint, plan.world_size)`` with one
-    ``all_gather_object`` and compares on every rank, so that a mismatch raises
-    everywhere instead of hanging the first collective on a wrongly sized buffer.
+    Compares each rank's ``(plan fingerprint, plan.world_size)`` with
+    :func:`same_on_all_ranks` ([Note: agreement in O(1) bytes]), and only where they
+    differ gathers them (``all_gather_object``) to name the ranks, so that a mismatch
+    raises everywhere instead of hanging the first collective on a wrongly sized buffer.
     ``process_group=None`` or a single-rank process group: only the plan's world size is checked.
     """
     if not isinstance(plan, BufferPlan):
@@ -270,6 +310,10 @@ def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | N
             raise ValueError(f"plan is for {plan.world_size} ranks but the process group has 1 rank")
         return
     mine = (plan.fingerprint()[:16], plan.world_size)
+    if same_on_all_ranks(f"{mine[0]} {mine[1]}", process_group):
+        if plan.world_size != w:
+            raise ValueError(f"plan is for {plan.world_size} ranks but the process group has {w} ranks")
+        return
     gathered: list[tuple[str, int] | None] = [None] * w
     dist.all_gather_object(gathered, mine, group=process_group)
     if any(g is None for g in gathered):  # pragma: no cover - all_gather_object fills all

@@ -19,6 +19,7 @@ from vefsdp_optim._torch_compat import foreach_copy_
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 from ._box_exchange import BoxPlan, box_plan, launch_boxes
+from ._collectives import same_on_all_ranks
 
 __all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
 
@@ -382,8 +383,8 @@ def check_same_on_all_ranks(obj_fingerprint: str, process_group: dist.ProcessGro
     """
     if not isinstance(obj_fingerprint, str):
         raise TypeError(f"obj_fingerprint must be a str, got {type(obj_fingerprint).__name__}")
-    if process_group is None:
-        return
+    if process_group is None or same_on_all_ranks(obj_fingerprint, process_group):
+        return  # [Note: agreement in O(1) bytes]; the keys are gathered only to name who differs
     gathered: list[object] = [None] * process_group.size()
     dist.all_gather_object(gathered, obj_fingerprint, group=process_group)
     if any(g != gathered[0] for g in gathered):

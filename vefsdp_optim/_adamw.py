@@ -19,7 +19,7 @@ from ._math import adam_foreach_, adamw_step_, check_adam_hparams
 from ._math._adam import FUSED_BLOCK, FusedPieces, LocalSlice, adam_fused_pieces_, fused_pieces
 from ._registry import register_optimizer
 from ._step_loop import StepItem
-from ._torch_compat import device_dtype_check_for_fused, to_scalar
+from ._torch_compat import FakeTensor, device_dtype_check_for_fused, to_scalar
 
 __all__ = ["AdamW"]
 
@@ -158,7 +158,9 @@ class AdamW(BlockOptimizer):
                 isinstance(group[k], torch.Tensor) for k in ("lr", "eps", "weight_decay")) or any(
                 isinstance(b, torch.Tensor) for b in group["betas"]):
             return False
-        if not store.grads_in_place():
+        if not store.grads_in_place() or isinstance(store.flat_param(), FakeTensor):
+            # FakeTensorMode (a memory estimate): the flat state's host step counts would
+            # have no values to read; the per-parameter path keeps the same state bytes
             return False
         amsgrad = group["amsgrad"]
         flat = self._flat.get(store)

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from vefsdp_optim._torch_compat import FakeTensor, storage_id
 from vefsdp_optim.sharding import Requirement
 
 __all__ = ["FlatStore", "FlatBacked", "ReplanReport", "StoreReplan", "flat_store", "apply_requirements"]
@@ -133,7 +134,12 @@ def dense_offset(view: torch.Tensor, flat: torch.Tensor) -> int | None:
     if n and view.stride(0) != 1:
         return None
     es = flat.element_size()
-    delta = view.data_ptr() - flat.data_ptr()
+    if isinstance(view, FakeTensor) or isinstance(flat, FakeTensor):  # no memory: by storage
+        if storage_id(view) != storage_id(flat):
+            return None
+        delta = (view.storage_offset() - flat.storage_offset()) * es
+    else:
+        delta = view.data_ptr() - flat.data_ptr()
     if delta % es or not 0 <= delta // es <= flat.numel() - n:
         return None
     return delta // es

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vefsdp_optim.comm import Route, ShardedView, all_gather_flat, assign_owners
+from vefsdp_optim.comm import Route, ShardedView, assign_owners, same_on_all_ranks
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
@@ -176,9 +176,10 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # be the hang it guards against. Gradients that differ between ranks are then a user
 # error that may hang, as a torch collective called differently on two ranks does;
 # TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1 (``DEBUG``) checks every step.
-# The check: each process group that exchanges anything all-gathers, on the
-# parameters' device, one 64-bit fingerprint per rank of (position, has a gradient,
-# shape, storage and compute layouts); only on a mismatch does an all_gather_object
+# The check: each process group that exchanges anything compares, on the parameters'
+# device, one fingerprint per rank of (position, has a gradient, shape, storage and
+# compute layouts) in one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
+# comm/_collectives.py); only on a mismatch does an all_gather_object
 # name the parameters and ranks that differ. Which process groups check depends only
 # on the layouts, never on gradients, so on a step every rank checks, the check cannot
 # hang. BlockOptimizer keeps the structure it last checked, and compares it only when
@@ -222,12 +223,9 @@ def check_consistent(entries: list[StepEntry]) -> None:
         es = by_process_group[key]
         process_group = es[0].process_group
         # ints only: hash(None) and str hashes differ between processes
-        mine = torch.tensor([hash(tuple((e.position, e.shape, _layout_key(e.layout),
-                                         _layout_key(e.compute) if e.compute is not None else ())
-                                        for e in es))], dtype=torch.int64, device=es[0].device)
-        every = mine.new_empty(process_group.size())
-        all_gather_flat(every, mine, process_group)
-        if bool((every == every[0]).all()):
+        mine = hash(tuple((e.position, e.shape, _layout_key(e.layout),
+                           _layout_key(e.compute) if e.compute is not None else ()) for e in es))
+        if same_on_all_ranks(mine, process_group, es[0].device):  # [Note: agreement in O(1) bytes]
             continue
         seen: list[Any] = [None] * process_group.size()
         dist.all_gather_object(seen, {e.position: (e.shape, e.compute is not None, e.compute)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from vefsdp_optim._torch_compat import dtensor_local, dtensor_spec, storage_id
+from vefsdp_optim._torch_compat import address, dtensor_local, dtensor_spec, storage_id
 from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.comm._views import step_grad_view
 
@@ -69,10 +69,10 @@ def identity(t: Any) -> tuple | None:
     kind = type(t)
     if kind is ShardedParameter:
         local = t._local
-        return (_SP, local, local.data_ptr(), local.shape, local.dtype, t._layout, t._process_group, t._rank)
+        return (_SP, local, address(local), local.shape, local.dtype, t._layout, t._process_group, t._rank)
     if kind is DTensor:
         local = dtensor_local(t)
-        return (_DT, local, local.data_ptr(), local.shape, local.dtype, dtensor_spec(t))
+        return (_DT, local, address(local), local.shape, local.dtype, dtensor_spec(t))
     return None
 
 
@@ -85,7 +85,7 @@ def same_identity(t: Any, ident: tuple) -> bool:
             return False
     elif dtensor_local(t) is not local or dtensor_spec(t) is not ident[5]:
         return False
-    return (local.data_ptr() == ident[2] and local.shape == ident[3] and local.dtype is ident[4]
+    return (address(local) == ident[2] and local.shape == ident[3] and local.dtype is ident[4]
             and local.is_contiguous())
 
 

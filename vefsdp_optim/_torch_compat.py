@@ -140,6 +140,12 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # a fake plain tensor (FakeTensorMode) is viewed as a plain one (comm._views, _soap):
     # the step then runs under FakeTensorMode, as torch.optim's does
     "torch._subclasses.fake_tensor.FakeTensor": ("2.11.0", "2.13.0", "2.15.0"),
+    # constants the library computes on the host (8-bit Adam's quantizer tables) are
+    # computed on real tensors under FakeTensorMode too, then given to the mode as fakes
+    # (_math._quant8, [Note: host constants under FakeTensorMode])
+    "torch._subclasses.fake_tensor.unset_fake_temporarily": CHECKED,
+    "torch._C._get_dispatch_mode": CHECKED,
+    "torch._C._TorchDispatchModeKey.FAKE": CHECKED,
 }
 
 # Private names the library *defines*, on its subclass of torch's FSDPModule
@@ -177,6 +183,23 @@ foreach_div_ = torch._foreach_div_
 foreach_addcdiv_ = torch._foreach_addcdiv_
 
 
+def host_constants() -> Any:
+    """A context in which factories make real host tensors even under FakeTensorMode
+    ([Note: host constants under FakeTensorMode] in _math/_quant8.py)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    """``t.to(device)``; under FakeTensorMode a real ``t`` goes in as the mode's fake of it
+    (a mode that refuses real inputs would raise), so only its metadata moves."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is not None and not isinstance(t, FakeTensor):
+        t = mode.from_tensor(t)
+    return t.to(device, non_blocking=non_blocking)
+
+
 def capturable_devices() -> list[str]:
     """The device types torch.optim accepts with ``capturable=True`` (looked up at each
     call, so our optimizers and torch's agree where a test widens torch's list)."""
@@ -207,6 +230,15 @@ def mesh_concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
 def op_schema(func: Any) -> Any:
     """An OpOverload's schema (its arguments' alias annotations)."""
     return func._schema
+
+
+def address(t: torch.Tensor) -> int | tuple[int, int]:
+    """Where ``t``'s data starts: ``data_ptr()``; for a fake tensor (FakeTensorMode), which
+    has no memory, its storage's identity and byte offset, so that equal addresses still
+    mean the same memory."""
+    if isinstance(t, FakeTensor):
+        return storage_id(t), t.storage_offset() * t.element_size()
+    return t.data_ptr()
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -116,7 +116,7 @@ def fully_shard(
     if not collected:  # ranks that do hold parameters here check their signature against this one
         check_shard_group_consistent(
             [], shard_process_group, replicate_process_group if replicate_process_group is not None
-            and replicate_process_group.size() > 1 else None)
+            and replicate_process_group.size() > 1 else None, device)
     for m in modules:
         _move_buffers(m, device)
     state = FSDPState(modules, shard_groups, reshard_after_forward, mp_policy)

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vefsdp_optim._flat_store import StoreReplan
 from vefsdp_optim._torch_compat import tensor_version
+from vefsdp_optim.comm import same_on_all_ranks
 
 from ._grads import GradSettings, PendingReduce
 from ._lifecycle import GatherState, GradState, advance
@@ -35,15 +36,20 @@ from ._streams import NO_STREAMS, CommContext
 __all__ = ["ShardGroup", "StoreBinding", "DtypeStore", "check_shard_group_consistent"]
 
 def check_shard_group_consistent(signature: list, shard_process_group: dist.ProcessGroup,
-                                 replicate_process_group: dist.ProcessGroup | None) -> None:
+                                 replicate_process_group: dist.ProcessGroup | None,
+                                 device: torch.device) -> None:
     """Raise ValueError on every rank unless all ranks hold the same shard group signature.
 
-    One ``all_gather_object`` per process group before the first collective on the
-    shard group's buffers: dtypes, plans and frozen flags that differ (or a module with
-    parameters on some ranks only) raise instead of hanging or mixing buffers.
+    One ``same_on_all_ranks`` per process group before the first collective on the
+    shard group's buffers (two int64 per rank: [Note: agreement in O(1) bytes]), on
+    ``device``: dtypes, plans and frozen flags that differ (or a module with parameters
+    on some ranks only) raise instead of hanging or mixing buffers; only then are the
+    signatures gathered, to name the ranks.
     """
     for process_group in (shard_process_group, replicate_process_group):
         if process_group is None or process_group.size() == 1:
+            continue
+        if same_on_all_ranks(repr(signature), process_group, device):
             continue
         gathered: list[Any] = [None] * process_group.size()
         dist.all_gather_object(gathered, signature, group=process_group)
@@ -112,7 +118,7 @@ class ShardGroup:
             binding = StoreBinding(self, store)
             for p in store.params:
                 p.sharded.bind_store(binding)
-        check_shard_group_consistent(self.signature(), shard_process_group, replicate)
+        check_shard_group_consistent(self.signature(), shard_process_group, replicate, device)
         self.requires_gradient_sync = True
         # [Note: gradient reduction policy] FSDP2's knobs (FSDPModule.set_*): by default the
         # gradients are averaged over every data-parallel rank (the backend's AVG where it

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from vefsdp_optim._torch_compat import module_parameters
+from vefsdp_optim._torch_compat import host_constants, module_parameters
 from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
 
 from ._sharded_tensor import ShardedParameter
@@ -107,8 +107,10 @@ class TensorParallel:
 def mesh_key(mesh: Any) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[str, ...] | None]:
     """A DeviceMesh by value: device type, shape, ranks (row-major) and dim names
     ([Note: meshes by value])."""
-    ranks = mesh.mesh
-    return (mesh.device_type, tuple(ranks.shape), tuple(ranks.reshape(-1).tolist()),
+    with host_constants():  # the mesh's rank tensor is a real host tensor, under FakeTensorMode too
+        ranks = mesh.mesh
+        flat = tuple(ranks.reshape(-1).tolist())
+    return (mesh.device_type, tuple(ranks.shape), flat,
             tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from vefsdp_optim._flat_store import StoreReplan, state_holders_with
-from vefsdp_optim.comm import all_gather_flat
+from vefsdp_optim.comm import all_gather_flat, same_on_all_ranks
 from vefsdp_optim.sharding import BufferPlan, plan_buffer
 
 from ._sharded_tensor import ShardedParameter
@@ -128,15 +128,21 @@ def move_store(store: DtypeStore, units: dict[str, int], plan: BufferPlan) -> No
 def _check_same_grads(has_grad: list[bool], process_group: torch.distributed.ProcessGroup,
                       device: torch.device) -> None:
     """Raise ValueError on every rank unless all ranks hold the same gradients: one
-    all-gather on the store's device (a CPU tensor has no backend on NCCL)."""
+    ``same_on_all_ranks`` on the store's device (a CPU tensor has no backend on NCCL),
+    [Note: agreement in O(1) bytes]; the flags are gathered only to say who differs."""
+    key = "".join("1" if h else "0" for h in has_grad)
+    if same_on_all_ranks(key, process_group, device):
+        return
     mine = torch.tensor(has_grad, dtype=torch.uint8, device=device)
     every = mine.new_empty(process_group.size() * mine.numel())
     all_gather_flat(every, mine, process_group)
-    rows = every.view(process_group.size(), -1)
-    if not bool((rows == rows[0]).all()):
-        raise ValueError(
-            f"request_requirements: ranks disagree on which parameters have a .grad "
-            f"({rows.tolist()}); zero (or keep) gradients on every rank alike")
+    rows = every.view(process_group.size(), -1).tolist()
+    bad = [r for r, row in enumerate(rows) if row != rows[0]]
+    raise ValueError(
+        f"request_requirements: ranks disagree on which parameters have a .grad: rank 0 has "
+        f"{rows[0]}, " + ", ".join(f"rank {r} {rows[r]}" for r in bad[:8])
+        + (f" and {len(bad) - 8} more ranks differ" if len(bad) > 8 else "")
+        + "; zero (or keep) gradients on every rank alike")
 
 
 def _gather_grads(store: DtypeStore, has_grad: list[bool]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._torch_compat import FakeTensor
 from ._quant8 import TableQuantizer, _check_block_size, dequantize_table, num_blocks
 
 __all__ = ["adam8bit_block_step_", "adam8bit_capturable_step_", "adam8bit_device_hparams", "adam8bit_hparams",
@@ -253,7 +254,12 @@ def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor],
     tables = (signed_code.contiguous(), unsigned_code.contiguous(), quantizers[0].packed,
               quantizers[1].packed)
     columns = [list(w) for w in zip(*works, strict=True)]
-    if isinstance(hps, Tensor):
+    if isinstance(p32s[0], FakeTensor):
+        # fake tensors (FakeTensorMode: a memory estimate) have no memory for a kernel to
+        # read or write; the kernel only writes in place, which changes no fake tensor's
+        # metadata, so it is not launched: what the step allocates is allocated above
+        pass
+    elif isinstance(hps, Tensor):
         if backend != "triton":
             raise AssertionError(f"a device table of coefficients takes the Triton kernel, got {backend!r}")
         from .._kernels._quant8_triton import run_triton_capturable_steps_

@@ -35,6 +35,8 @@ import struct
 import torch
 from torch import Tensor
 
+from .._torch_compat import FakeTensor, host_constants, to_device
+
 __all__ = [
     "TableQuantizer",
     "dequantize_blockwise",
@@ -206,7 +208,20 @@ class TableQuantizer:
 
     def __init__(self, code: torch.Tensor, device: torch.device | str | None = None) -> None:
         device = code.device if device is None else torch.device(device)
-        code = code if code.device.type == "cpu" else code.cpu()
+        if isinstance(code, FakeTensor):
+            raise ValueError(
+                "TableQuantizer needs the code map's values, and a fake tensor (FakeTensorMode) "
+                "has none: build the quantizer from a real code map (dynamic_code_map() made "
+                "outside the mode) and place it with device=")
+        # [Note: host constants under FakeTensorMode] the tables are constants computed from
+        # the code map's values on the host: under FakeTensorMode (a memory estimate on fake
+        # CUDA tensors) they are computed on real tensors all the same, and only their
+        # placement on ``device`` is faked
+        with host_constants():
+            self._build(code if code.device.type == "cpu" else code.cpu())
+        self._place(device)
+
+    def _build(self, code: torch.Tensor) -> None:
         mid = (code[:-1] + code[1:]) / 2  # (255,) as quantize_blockwise computes them
         bits = torch.arange(1 << 16, dtype=torch.int64) << 16  # first float of each bucket
         first = bits.to(torch.int32).view(torch.float32)
@@ -226,14 +241,13 @@ class TableQuantizer:
             self.mid_in = mid_in  # (65536,) float32, +inf: none inside
             self.lo8 = lo.to(torch.uint8)  # (65536,), lo <= 255
             self.packed = _pack_buckets(self.lo8, self.mid_in)  # (65536,) int32
-        self._place(device)
 
     _TABLES = ("lo", "mid", "mid_in", "lo8", "packed")
 
     def _place(self, device: torch.device) -> None:
         for name in self._TABLES:
             if hasattr(self, name):
-                setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+                setattr(self, name, to_device(getattr(self, name), device, non_blocking=True))
 
     def to(self, device: torch.device | str) -> TableQuantizer:
         """This quantizer with its tables on ``device`` (itself where they are already there)."""
@@ -285,7 +299,8 @@ class TableQuantizer:
 def host_table_quantizers() -> tuple[TableQuantizer, TableQuantizer]:
     """The ``TableQuantizer`` of the signed and of the unsigned dynamic code map, on the
     CPU, built once per process; ``.to(device)`` places them on a device."""
-    return TableQuantizer(dynamic_code_map(True)), TableQuantizer(dynamic_code_map(False))
+    with host_constants():  # real tables under FakeTensorMode too ([Note: host constants under FakeTensorMode])
+        return TableQuantizer(dynamic_code_map(True)), TableQuantizer(dynamic_code_map(False))
 
 
 def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
