@@ -15,9 +15,9 @@ import sys
 
 import pytest
 import torch
+from fake_mode_job import OPTIMIZERS, STEPS, Model, signature
 
 import vefsdp_optim
-from fake_mode_job import OPTIMIZERS, STEPS, Model, signature
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (W, rank): ranks that hold state of every optimizer at W = 8 under both shardings
