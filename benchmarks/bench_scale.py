@@ -229,30 +229,39 @@ LLAMA70B_LAYERS = 80
 def plan_load(world: int, band: int = 1024, layers: int = LLAMA70B_LAYERS) -> list[dict[str, Any]]:
     """The work of every rank of a ``world``-rank FSDP2 job on LLaMA-3-70B's matrices, from
     the plans alone (no process per rank): Shampoo's and SOAP's tile elements on FSDP2's
-    row shards (RowBlocks(band) compute layouts, as the step loop derives them) and Muon's
+    row shards (RowBlocks(band) compute layouts, as the step loop derives them: spread
+    where a matrix has fewer tiles than ranks) and Muon's
     Newton-Schulz cost per owner (assign_owners over every matrix). Per row: the busiest
     rank against the even share, the bound the scale goal sets for tiles (1.25x the even
     share plus one tile), and the fraction of ranks with no work."""
     import torch
 
     from vefsdp_optim._math import muon_blocks_cost
-    from vefsdp_optim._step_loop import snapped_compute
+    from vefsdp_optim._step_loop import snapped_compute, spread_compute, spreads
     from vefsdp_optim.comm import assign_owners
     from vefsdp_optim.sharding import RaggedShard, RowBlocks
 
     req = RowBlocks(band)
-    tiles = [0] * world
+    tiles = [0] * world  # the spread layouts add their blocks here ([Note: spread compute blocks])
     layouts, costs = [], []
     biggest_tile = 0
-    for shape in LLAMA70B_SHAPES.values():
-        layout = RaggedShard.shard0(shape, world)
-        size = torch.Size(shape)
-        compute = layout if layout.satisfies(req, size) else snapped_compute(layout, req, size)
-        for r in range(world):
-            tiles[r] += layers * compute.local(r)[1]
-        biggest_tile = max(biggest_tile, min(band, shape[0]) * shape[1])
-        layouts += [layout] * layers
-        costs += [muon_blocks_cost(shape)] * layers
+    for _ in range(layers):  # in a model's parameter order: layer by layer
+        for shape in LLAMA70B_SHAPES.values():
+            layout = RaggedShard.shard0(shape, world)
+            size = torch.Size(shape)
+            if layout.satisfies(req, size):
+                compute = layout
+            elif spreads(layout, req, size):
+                spread_compute(layout, req, size, tiles)
+                compute = None
+            else:
+                compute = snapped_compute(layout, req, size)
+            if compute is not None:
+                for r in range(world):
+                    tiles[r] += compute.local(r)[1]
+            biggest_tile = max(biggest_tile, min(band, shape[0]) * shape[1])
+            layouts.append(layout)
+            costs.append(muon_blocks_cost(shape))
     owners = assign_owners(layouts, costs).owners
     ns = [0.0] * world
     for o, c in zip(owners, costs, strict=True):

@@ -30,6 +30,8 @@ from ._step_loop import (
     make_buckets,
     pin_owners,
     snapped_compute,
+    spread_compute,
+    spreads,
 )
 from ._step_plan import GroupPlan, StepPlan, group_values, param_key, view_key
 from ._torch_compat import capturable_devices, tree_flatten
@@ -120,6 +122,9 @@ class BlockOptimizer(Optimizer):
         self._compute_cache: dict[tuple, RaggedShard | None] = {}
         # id(param) -> (storage layout, owner rank) of its whole-tensor compute ([Note: owners stay])
         self._pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
+        # id(param) -> (storage layout, requirement, compute layout, (rank, elements) per
+        # block) of a requirement with fewer blocks than ranks ([Note: spread compute blocks])
+        self._pinned_spread: dict[int, tuple[RaggedShard, Requirement, RaggedShard, tuple]] = {}
         # the step structure last checked; None: check at the next step ([Note: consistent steps])
         self._checked_structure: list[tuple] | None = None
         self._step_plan: StepPlan | None = None  # None: build at the next step ([Note: step plan])
@@ -411,7 +416,8 @@ class BlockOptimizer(Optimizer):
             if p.grad is None:
                 _check_not_replaced(p, type(self).__name__)
                 view = sharded_view(p)
-                compute = self._compute_layout(self.requirement(view.shape, group), view)
+                req = self.requirement(view.shape, group)
+                compute = self._spread_or(p, view, req, group, self._compute_layout(req, view), loads)
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
                                          compute is None or compute != view.layout, view.process_group,
                                          view.local.device))
@@ -437,7 +443,7 @@ class BlockOptimizer(Optimizer):
             if group.get("capturable") and self.checks_capturable:
                 check_capturable(type(self).__name__, group, view.local.device)
             req = self.requirement(view.shape, group)
-            compute = self._compute_layout(req, view)
+            compute = self._spread_or(p, view, req, group, self._compute_layout(req, view), loads)
             if (self.balance_compute_cuts and compute is not None and compute != view.layout
                     and isinstance(view.layout, RaggedShard)
                     and self.state_layout(view, group) == view.layout):  # [Note: balanced compute cuts]
@@ -459,6 +465,56 @@ class BlockOptimizer(Optimizer):
         if whole:
             pin_owners([items[i] for i in whole], self.cost, self._owner_cache, self._pinned_owners)
         return GroupPlan(group, values, rows, items, entries, structure)
+
+    def _spread_or(self, p: Any, view: ShardedView, req: Requirement, group: dict[str, Any],
+                   compute: RaggedShard | None, loads: dict[Any, list[int]]) -> RaggedShard | None:
+        """``compute``, or where ``req`` has fewer blocks than ranks and the state lives
+        on the compute layout, the spread layout, pinned ([Note: spread compute blocks]);
+        ``loads`` (per process group) counts every such parameter's blocks, in order."""
+        layout = view.layout
+        if (compute is None or compute is layout or not isinstance(layout, RaggedShard)
+                or not spreads(layout, req, view.shape)
+                or (self.balance_compute_cuts and self.state_layout(view, group) == layout)):
+            return compute
+        load = loads.setdefault(("spread", id(view.process_group)), [0] * layout.world_size)
+        kept = self._pinned_spread.get(id(p))
+        if kept is not None and kept[0] == layout and kept[1] == req:
+            for o, size in kept[3]:
+                load[o] += size
+            return kept[2]
+        spread, owners = spread_compute(layout, req, view.shape, load)
+        self._pinned_spread[id(p)] = (layout, req, spread, owners)
+        return spread
+
+    def _param_state_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+        """Where ``p``'s state lives: :meth:`state_layout`, with the spread compute layout
+        where that is the compute layout of a requirement with fewer blocks than ranks
+        ([Note: spread compute blocks]); the checkpoint format asks this."""
+        layout = self.state_layout(view, group)
+        if layout is None or layout == view.layout or not isinstance(view.layout, RaggedShard):
+            return layout
+        req = self.requirement(view.shape, group)
+        if not spreads(view.layout, req, view.shape):
+            return layout
+        kept = self._pinned_spread.get(id(p))
+        if kept is None or kept[0] != view.layout or kept[1] != req:
+            self._pin_spreads()
+            kept = self._pinned_spread.get(id(p))
+        if kept is None:
+            raise AssertionError(f"no compute layout pinned for a parameter of shape {tuple(view.shape)}")
+        return kept[2]
+
+    def _pin_spreads(self) -> None:
+        """Pin the spread layouts of every parameter as a step plan would, in order (a
+        checkpoint asks before this optimizer has planned a step). Every parameter of a
+        group is walked: ``claim_params`` may update some (it runs in a step only), and
+        those it claims need no exchange, so no block requirement they could spread."""
+        for group in self.param_groups:
+            loads: dict[Any, list[int]] = {}
+            for p in group["params"]:
+                view = sharded_view(p)
+                req = self.requirement(view.shape, group)
+                self._spread_or(p, view, req, group, self._compute_layout(req, view), loads)
 
     def _compute_layout(self, req: Requirement, view: ShardedView) -> RaggedShard | None:
         """The compute layout for ``req`` ([Note: one step loop]); None: whole on an owner."""

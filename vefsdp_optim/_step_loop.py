@@ -9,9 +9,11 @@ their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dt
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import math
+import operator
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
     "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "check_every_step",
-    "exchange", "gc_paused", "aligned", "pin_owners", "snapped_compute",
+    "exchange", "gc_paused", "aligned", "pin_owners", "snapped_compute", "spread_compute", "spreads",
 ]
 
 
@@ -407,6 +409,57 @@ def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, l
     load[w - 1] += n - prev
     out.append(n)
     return RaggedShard.from_boundaries(out)
+
+
+# [Note: spread compute blocks]
+# Where a parameter has fewer blocks than ranks (Shampoo's and SOAP's 1,024-row tiles of
+# LLaMA-3-70B's matrices on FSDP2's row shards at W = 1,024: 8 tiles of a q matrix over
+# ranks that hold 8 rows each), the snapped layout gives each block to the rank at its
+# nearest cut, and every matrix of one shape to the same ranks: 37 of 1,024 ranks
+# computed every tile, the busiest 55x its even share (602x at 8,192), and held that
+# share of the preconditioners. Instead each block goes to the least loaded of the
+# ranks that hold a part of it (ties: the lowest), the load being the elements that the
+# param group's earlier parameters, in their order, put on each rank, with or without a
+# gradient, so it depends on neither gradients nor later parameters; a block still
+# moves only between the ranks that hold it. The optimizer's state lives on this layout,
+# so it is pinned per parameter while the storage layout and the requirement stay
+# (BlockOptimizer, as [Note: owners stay] pins owners), and every rank derives the same
+# layout from the same parameters. Ranks in increasing order hold blocks in increasing
+# order (the ranks that may hold block t all precede those of block t + 1, or share one
+# rank with them), so the result is a RaggedShard. The bits do not change: each block
+# is computed whole, wherever. With as many blocks as ranks or more, the snapped layout
+# stays (each rank then gets its share, give or take a block).
+
+
+def spreads(layout: RaggedShard, req: Requirement, shape: torch.Size) -> bool:
+    """Whether ``req`` on ``layout`` has fewer blocks than ranks ([Note: spread compute blocks])."""
+    return -(-layout.numel // req.unit(shape)) < layout.world_size
+
+
+def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
+                   load: list[int]) -> tuple[RaggedShard, tuple[tuple[int, int], ...]]:
+    """The compute layout of ``req`` on ``layout`` where it :func:`spreads`, each block on
+    the least loaded rank that holds a part of it, with ``load`` (elements per rank)
+    updated, and the ``(rank, elements)`` of each block ([Note: spread compute blocks])."""
+    unit, n, w = req.unit(shape), layout.numel, layout.world_size
+    b = layout.boundaries  # W + 1 points, read once (RaggedShard.holders' bisection, per block)
+    owners, prev = [], 0
+    for t in range(-(-n // unit)):
+        lo, size = t * unit, min(unit, n - t * unit)
+        first = max(bisect.bisect_right(b, lo) - 1, 0, prev)
+        last = min(bisect.bisect_left(b, lo + size) - 1, w - 1)
+        o = min(range(first, last + 1), key=load.__getitem__)
+        load[o] += size
+        owners.append((o, size))
+        prev = o
+    bounds, prev = [], 0  # bounds[r]: where rank r's blocks start
+    for t, (o, _) in enumerate(owners):
+        bounds += [t * unit] * (o + 1 - prev)
+        prev = o + 1
+    bounds += [n] * (w + 1 - prev)
+    # valid by construction (nondecreasing ints from 0 to n): without from_boundaries' O(W) checks
+    extents = tuple(zip(bounds, map(operator.sub, bounds[1:], bounds), strict=False))
+    return RaggedShard._trusted(extents), tuple(owners)
 
 
 def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:

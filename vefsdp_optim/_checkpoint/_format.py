@@ -172,7 +172,7 @@ def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, A
             continue
         # the state of a whole tensor that only its owner keeps: all of it (state_layout
         # None), or its extra entries (NorMuon's row second moments)
-        owner_held = opt.state_layout(view, group) is None or (
+        owner_held = opt._param_state_layout(p, view, group) is None or (
             bool(opt.extra_state_prefixes) and opt.requirement(view.shape, group).needs_whole
             and any(isinstance(k, str) and k.startswith(opt.extra_state_prefixes) for k in saved))
         holder = view.rank if has_saved and owner_held else -1
@@ -227,7 +227,7 @@ def _export_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
     if not state:
         return {}
     view = sharded_view(p)
-    layout = opt.state_layout(view, group)
+    layout = opt._param_state_layout(p, view, group)
     spec = opt.checkpoint_spec(view.shape, group)
     out: dict[str, Any] = {}
     if layout is None:  # owner-held: this rank computes the whole tensor, it writes it all
@@ -282,7 +282,7 @@ def _check_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, An
     if unexpected:
         raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}) has keys "
                          f"{unexpected} that {type(opt).__name__} does not keep; it keeps {sorted(spec)}")
-    layout = opt.state_layout(view, group)
+    layout = opt._param_state_layout(p, view, group)
     for key, kind in spec.items():
         if key not in saved or kind in (REPLICATED, LOCAL, WHOLE):
             continue
@@ -305,7 +305,7 @@ def _import_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, A
     if not state:
         return
     view = sharded_view(p)
-    layout = opt.state_layout(view, group)
+    layout = opt._param_state_layout(p, view, group)
     spec = opt.checkpoint_spec(view.shape, group)
     held = layout is None or layout.local_numel(view.rank) > 0
     missing = [k for k, kind in spec.items()
@@ -412,7 +412,7 @@ def validate_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) 
         raise ValueError(
             f"{cls}.checkpoint_spec does not declare state keys {unknown} of a parameter of shape "
             f"{shape} (it declares {sorted(spec)}); give each a kind: {_KINDS_DOC}")
-    layout = opt.state_layout(view, group)
+    layout = opt._param_state_layout(p, view, group)
     for key, kind in spec.items():
         if key not in state or kind in (REPLICATED, LOCAL):
             continue
