@@ -218,13 +218,17 @@ def dtensor_spec(dt: Any) -> Any:
 
 
 def mesh_flatten(mesh: DeviceMesh, name: str | None = None) -> DeviceMesh:
-    """The 1-D mesh over all of ``mesh``'s dims (row-major), named ``name``."""
-    return mesh._flatten(name)
+    """The 1-D mesh over all of ``mesh``'s dims (row-major), named ``name`` (its rank
+    tensor a real host tensor under FakeTensorMode too, as DeviceMesh needs)."""
+    with host_constants():
+        return mesh._flatten(name)
 
 
 def mesh_concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
-    """Sub-meshes of one root mesh as one mesh, their dims in order."""
-    return DeviceMesh._concatenate(list(meshes))
+    """Sub-meshes of one root mesh as one mesh, their dims in order (under FakeTensorMode
+    too, as :func:`mesh_flatten`)."""
+    with host_constants():
+        return DeviceMesh._concatenate(list(meshes))
 
 
 def op_schema(func: Any) -> Any:

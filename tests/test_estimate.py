@@ -1,0 +1,89 @@
+"""The memory estimator (python -m vefsdp_optim.estimate) against the same run on real
+tensors: on a small LLaMA-3-shaped model, one rank of a W = 4 (or dp 2 x tp 2) job under
+torch's fake process group, the estimate on fake tensors reports the same optimizer
+state bytes, by kind, and the same peak by category (torch's MemTracker) as the run on
+real CPU tensors; and the state bytes are those of the optimizer's own state, counted
+here independently. Then the report as a user runs it, at W = 1,024, and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+FAST = [("AdamW8bit", "ours", 1), ("Shampoo", "fsdp2", 2)]
+# the rest of the optimizers and meshes (tests/test_fake_mode.py checks every optimizer's
+# state on fake tensors under both shardings; these check the estimator's whole report)
+SLOW = [("torch.AdamW", "fsdp2", 1), ("AdamW", "fsdp2", 1), ("Muon", "fsdp2", 2), ("NorMuon", "ours", 1),
+        ("SOAP", "fsdp2", 1), ("Shampoo", "ours", 2)]
+
+
+def _estimate(*args: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", "--model", "debug", "--seq", "64",
+                           "--json", *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def _check(optimizer: str, sharding: str, tp: int, ranks: str = "3") -> None:
+    args = ["--dp", str(4 // tp), "--tp", str(tp), "--sharding", sharding, "--optimizer", optimizer,
+            "--ranks", ranks]
+    fake, real = _estimate(*args), _estimate(*args, "--real")
+    for f, r in zip(fake, real, strict=True):
+        assert f["state"] == r["state"], (f["rank"], f["state"], r["state"])
+        assert f["peak"] == r["peak"], (f["rank"], f["peak"], r["peak"])
+        assert f["state_total"] > 0 and f["peak"]["Total"] > f["state_total"]
+        assert f["device"] == "cpu" or f["device"] == "cuda"
+
+
+@pytest.mark.parametrize(("optimizer", "sharding", "tp"), FAST)
+def test_estimate_equals_the_real_run(optimizer: str, sharding: str, tp: int) -> None:
+    _check(optimizer, sharding, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer", "sharding", "tp"), SLOW)
+def test_estimate_equals_the_real_run_everywhere(optimizer: str, sharding: str, tp: int) -> None:
+    _check(optimizer, sharding, tp, ranks="1")
+
+
+def test_state_by_kind_counts_the_optimizers_own_state() -> None:
+    """state_by_kind against the state tensors summed by hand, on one device."""
+    import torch
+
+    import vefsdp_optim
+    from vefsdp_optim.estimate import state_by_kind
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, 48)), torch.nn.Parameter(torch.randn(5000))]
+    opt = vefsdp_optim.AdamW8bit(ps, lr=1e-3)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    by_kind = state_by_kind(opt)
+    st0, st1 = opt.state[ps[0]], opt.state[ps[1]]
+    assert by_kind["Adam moments"] == st0["exp_avg"].nbytes + st0["exp_avg_sq"].nbytes  # below min_8bit_size
+    assert by_kind["8-bit codes and scales"] == sum(st1[k].nbytes for k in (
+        "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"))
+    assert by_kind["step"] == st0["step"].nbytes + st1["step"].nbytes
+
+
+def test_report_at_w1024_and_bad_input() -> None:
+    proc = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", "--model", "debug", "--seq", "64",
+                           "--dp", "256", "--tp", "4", "--optimizer", "Shampoo", "--ranks", "0,1023"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "W = 1024" in proc.stdout and "busiest rank" in proc.stdout and "Shampoo factors" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", "--model", "debug", "--dp", "4",
+                          "--ranks", "4"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--ranks [4] outside [0, 4)" in bad.stderr
+    from vefsdp_optim.estimate import CONFIGS, estimate_rank
+
+    with pytest.raises(ValueError, match="tp=3 must divide the heads"):
+        estimate_rank(CONFIGS["debug"], 0, dp=2, tp=3)
+    with pytest.raises(ValueError, match="sharding must be 'fsdp2' or 'ours'"):
+        estimate_rank(CONFIGS["debug"], 0, dp=2, sharding="fsdp1")
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        estimate_rank(CONFIGS["debug"], 0, dp=2, optimizer="Lion")

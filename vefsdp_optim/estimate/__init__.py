@@ -1,0 +1,28 @@
+"""Per-rank memory of a training step, estimated without the cluster.
+
+    python -m vefsdp_optim.estimate --model llama3-70b --dp 128 --tp 8 \\
+        --sharding fsdp2 --optimizer Muon --ranks 0,511,1023
+
+Each rank asked for is played by its own process, as torchtitan's estimator does: the
+model, its sharding and the optimizer are built on fake tensors (FakeTensorMode) under
+torch's fake process group, two training steps run (the first makes the optimizer's
+state), and torch's ``MemTracker`` reports the peak by category (parameters, gradients,
+optimizer state, activations, temporaries and communication buffers). Nothing is
+allocated, so a 70B model on 1,024 ranks runs on a laptop. The optimizer's state is
+broken down by kind (Adam moments, 8-bit codes and scales, Muon momentum, Shampoo and
+SOAP factors and roots); with ``--sharding ours`` and with Shampoo and SOAP the state
+differs between ranks, so ask for several ranks: the report gives the busiest and the
+median of those asked.
+
+Fake CUDA tensors need a CUDA driver once a mesh or a backward touches them (torch's
+FSDP2 asks for the current device and its streams): without one, the tensors are fake
+CPU tensors, whose bytes are the same (``--device`` says which).
+"""
+
+from __future__ import annotations
+
+from ._estimate import OPTIMIZERS, STATE_KINDS, estimate_rank, main, state_by_kind
+from ._model import CONFIGS, ModelConfig, Transformer
+
+__all__ = ["CONFIGS", "ModelConfig", "OPTIMIZERS", "STATE_KINDS", "Transformer", "estimate_rank", "main",
+           "state_by_kind"]

@@ -1,0 +1,3 @@
+from vefsdp_optim.estimate import main
+
+main()

@@ -1,0 +1,294 @@
+"""The estimator: one rank per process, a report over the ranks asked for."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+from ._model import CONFIGS, ModelConfig, Transformer, check_config, tp_plan
+
+__all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "state_by_kind"]
+
+OPTIMIZERS = ("AdamW", "Adam", "AdamW8bit", "Adam8bit", "Muon", "NorMuon", "Shampoo", "SOAP", "torch.AdamW")
+# optimizer state keys -> kind, first match (prefix) wins
+STATE_KINDS: tuple[tuple[str, str], ...] = (
+    ("exp_avg_codes", "8-bit codes and scales"), ("exp_avg_sq_codes", "8-bit codes and scales"),
+    ("exp_avg_absmax", "8-bit codes and scales"), ("exp_avg_sq_absmax", "8-bit codes and scales"),
+    ("momentum_codes", "Muon momentum (8-bit)"), ("momentum_absmax", "Muon momentum (8-bit)"),
+    ("momentum_buffer", "Muon momentum"), ("variance_neuron", "NorMuon neuron moments"),
+    ("exp_avg", "Adam moments"), ("max_exp_avg_sq", "Adam moments"),
+    ("L_inv_root", "Shampoo roots"), ("R_inv_root", "Shampoo roots"), ("L.", "Shampoo factors"),
+    ("R.", "Shampoo factors"), ("GG.", "SOAP factors"), ("Q.", "SOAP bases"),
+)
+MiB = 2**20
+
+
+def _kind(key: object) -> str:
+    name = str(key)
+    for prefix, kind in STATE_KINDS:
+        if name.startswith(prefix):
+            return kind
+    return "other (" + name.split(".")[0] + ")"
+
+
+def state_by_kind(opt: Any) -> dict[str, int]:
+    """The bytes of ``opt.state``'s tensors on this rank (a DTensor's or a sharded
+    parameter's local tensor), by kind (STATE_KINDS); step counts under "step"."""
+    out: dict[str, int] = {}
+    for state in opt.state.values():
+        for key, v in state.items():
+            local = v.to_local() if hasattr(v, "to_local") else v
+            if not hasattr(local, "untyped_storage"):
+                continue
+            kind = "step" if key in ("step", "momentum_step") else _kind(key)
+            out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
+    return out
+
+
+def _optimizer(name: str, model: Any, kwargs: dict[str, Any]) -> Any:
+    import torch
+
+    import vefsdp_optim
+
+    kwargs = {"lr": 1e-3, **kwargs}
+    if name == "torch.AdamW":
+        return torch.optim.AdamW(model.parameters(), **kwargs)
+    cls = getattr(vefsdp_optim, name)
+    if name in ("Muon", "NorMuon"):  # the blocks' matrices; embeddings, head and norms on AdamW
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if n.startswith("layers.") and p.dim() == 2]
+        rest = [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)]
+        return cls([{"params": matrices}, {"params": rest, "use_muon": False}], **kwargs)
+    return cls(model.parameters(), **kwargs)
+
+
+def real_tensors_on_the_fake_group() -> None:
+    """Let real tensors run on torch's fake process group: it fills an all_to_all's output
+    from this rank's input and refuses an empty input with a non-empty output (a rank that
+    only receives); it moves nothing either way, so such an output is left as it is. For
+    the real-tensor check of an estimate (``real=True``) and benchmarks/bench_scale.py;
+    fake tensors never reach the group's kernels. Idempotent."""
+    import torch.distributed as dist
+
+    real = dist.all_to_all_single
+    if getattr(real, "_vefsdp_fake_group", False):
+        return
+
+    def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None,
+                          input_split_sizes: Any = None, **kwargs: Any) -> Any:
+        if input.numel() == 0 and output.numel() and output_split_sizes:
+            output, output_split_sizes = output[:0], [0] * len(output_split_sizes)
+        return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    all_to_all_single._vefsdp_fake_group = True  # type: ignore[attr-defined]
+    dist.all_to_all_single = all_to_all_single
+
+
+def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any) -> None:
+    """torchtitan's order: tensor parallel in each block, then FSDP per block and the root."""
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for block in model.layers.values():
+            parallelize_module(block, tp_mesh, tp_plan())
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    if choice != "auto":
+        return choice
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas: int = 1,
+                  sharding: str = "fsdp2", optimizer: str = "AdamW", opt_kwargs: dict[str, Any] | None = None,
+                  batch: int = 1, seq: int = 2048, device: str = "auto", real: bool = False) -> dict[str, Any]:
+    """Rank ``rank`` of a ``dp * tp``-rank job, in this process (which must not have a
+    process group yet): peak memory by category, the optimizer state by kind, after two
+    steps. ``real=True`` runs on real tensors instead of fakes (small models: the check
+    of the estimate)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if sharding not in ("fsdp2", "ours"):
+        raise ValueError(f"sharding must be 'fsdp2' or 'ours', got {sharding!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if dp < 1 or tp < 1 or replicas < 1 or dp % replicas:
+        raise ValueError(f"dp={dp}, tp={tp}, replicas={replicas}: each >= 1 and replicas dividing dp")
+    world = dp * tp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    check_config(cfg, tp)
+    dev = "cpu" if real else _device(device)
+    torch.set_num_threads(1)
+    if real:
+        real_tensors_on_the_fake_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dims, names = [dp // replicas], ["shard"]
+    if replicas > 1:
+        dims, names = [replicas, *dims], ["replicate", *names]
+    if tp > 1:
+        dims, names = [*dims, tp], [*names, "tp"]
+    mesh = init_device_mesh(dev, tuple(dims), mesh_dim_names=tuple(names))  # outside the mode: a host rank tensor
+    # sub-meshes outside the mode too (slicing reads the rank tensor)
+    dp_mesh = mesh[tuple(n for n in names if n != "tp")] if len(names) > 1 else mesh
+    tp_mesh = mesh["tp"] if tp > 1 else None
+    if sharding == "ours":
+        from vefsdp_optim import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mode = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
+    torch.manual_seed(0)
+    if sharding == "fsdp2":
+        # torchtitan's flow: the model on the meta device, parallelized and sharded there
+        # (torch's meshes read their host rank tensors, which the fake mode would fake),
+        # then made fake (real with real=True) by to_empty
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        _parallelize(model, tp_mesh, dp_mesh, fully_shard)
+        with mode:
+            model.to_empty(device=dev)
+    else:  # our fully_shard keeps its flat buffers made at sharding: made under the mode
+        with mode:
+            with torch.device(dev):
+                model = Transformer(cfg)
+            _parallelize(model, tp_mesh, dp_mesh, fully_shard)
+    with mode:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        opt = _optimizer(optimizer, model, dict(opt_kwargs or {}))
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            for _ in range(2):
+                tokens = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
+                logits = model(tokens)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                tracker.reset_mod_stats()  # per-module stats are per iteration (torchtitan's estimator does this)
+        peak = tracker.get_tracker_snapshot("peak")
+        state = state_by_kind(opt)
+    dist.destroy_process_group()
+    by_device = {str(d): {getattr(k, "value", str(k)): int(v) for k, v in snap.items()} for d, snap in peak.items()}
+    main_dev = max(by_device, key=lambda d: by_device[d].get("Total", 0))
+    return {"rank": rank, "world": world, "device": dev, "peak": by_device[main_dev], "state": state,
+            "state_total": sum(v for k, v in state.items()), "params": cfg.num_params()}
+
+
+def _parse_kwargs(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--opt takes KEY=VALUE (a Python literal), got {pair!r}")
+        if value.startswith("torch."):  # a dtype: momentum_dtype=torch.int8
+            import torch
+
+            dtype = getattr(torch, value.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise SystemExit(f"--opt {pair!r}: {value} is not a torch dtype")
+            out[key] = dtype
+            continue
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def _config(args: argparse.Namespace) -> ModelConfig:
+    import dataclasses
+
+    cfg = CONFIGS[args.model]
+    return dataclasses.replace(cfg, n_layers=args.layers) if args.layers else cfg
+
+
+def _spawn(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "vefsdp_optim.estimate", *args.argv, "--one", str(rank)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"rank {rank} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
+    def mib(x: float) -> str:
+        return f"{x / MiB:,.1f}"
+
+    cats = sorted({k for r in runs for k in r["peak"] if k != "Total"})
+    kinds = sorted({k for r in runs for k in r["state"]})
+    totals = [r["peak"].get("Total", 0) for r in runs]
+    busiest = runs[max(range(len(runs)), key=lambda i: totals[i])]
+    median = statistics.median(totals)
+    head = (f"{args.model} ({runs[0]['params'] / 1e9:.2f} B parameters), W = {runs[0]['world']} "
+            f"(dp {args.dp}{f' as {args.replicas} replicas' if args.replicas > 1 else ''}, tp {args.tp}), "
+            f"{args.sharding}, {args.optimizer} {args.opt or ''}, batch {args.batch} x seq {args.seq}, "
+            f"{'real' if args.real else 'fake'} {runs[0]['device']} tensors; MiB per rank")
+    lines = [head, "", "| rank | peak | " + " | ".join(cats) + " | state: " + " | ".join(kinds) + " |",
+             "| --- " * (2 + len(cats) + len(kinds)) + "|"]
+    for r in runs:
+        lines.append(f"| {r['rank']} | {mib(r['peak'].get('Total', 0))} | "
+                     + " | ".join(mib(r["peak"].get(c, 0)) for c in cats) + " | "
+                     + " | ".join(mib(r["state"].get(k, 0)) for k in kinds) + " |")
+    lines += ["", f"busiest rank: {busiest['rank']}, peak {mib(max(totals))} MiB, optimizer state "
+              f"{mib(busiest['state_total'])} MiB; median peak over the {len(runs)} ranks asked: {mib(median)} MiB"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m vefsdp_optim.estimate", description=__doc__)
+    p.add_argument("--model", choices=sorted(CONFIGS), default="llama3-8b")
+    p.add_argument("--layers", type=int, default=0, help="override the model's layer count")
+    p.add_argument("--dp", type=int, required=True, help="data-parallel ranks (sharded, or replicas x shards)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--replicas", type=int, default=1, help="HSDP replicas (dp = replicas x shards)")
+    p.add_argument("--sharding", choices=("fsdp2", "ours"), default="fsdp2")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="AdamW")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="an optimizer option")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--ranks", default="", help="comma-separated ranks (default: 0, W/2, W-1)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
+    p.add_argument("--real", action="store_true",
+                   help="run on real CPU tensors instead of fakes (small models: to check the estimate)")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    cfg = _config(args)
+    kw = _parse_kwargs(args.opt)
+    common = dict(dp=args.dp, tp=args.tp, replicas=args.replicas, sharding=args.sharding,
+                  optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq, device=args.device,
+                  real=args.real)
+    if args.one is not None:
+        print(json.dumps(estimate_rank(cfg, args.one, **common)))
+        return
+    world = args.dp * args.tp
+    ranks = ([int(r) for r in args.ranks.split(",")] if args.ranks
+             else sorted({0, world // 2, world - 1}))
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise SystemExit(f"--ranks {bad} outside [0, {world})")
+    args.argv = [a for i, a in enumerate(argv) if a != "--json"]
+    runs = [_spawn(args, r) for r in ranks]
+    print(json.dumps(runs) if args.json else _report(args, runs))
