@@ -12,7 +12,13 @@ import subprocess
 import sys
 from typing import Any
 
-from ._model import CONFIGS, ModelConfig, Transformer, check_config, tp_plan
+from .._torch_compat import (
+    checkpoint_wrapper,
+    fake_store,
+    fake_tensor_mode,
+    global_peak_memory_tracker,
+)
+from ._model import CONFIGS, ModelConfig, Transformer, check_config, tp_plan, tp_plan_root
 
 __all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "state_by_kind"]
 
@@ -91,16 +97,26 @@ def real_tensors_on_the_fake_group() -> None:
     dist.all_to_all_single = all_to_all_single
 
 
-def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any) -> None:
-    """torchtitan's order: tensor parallel in each block, then FSDP per block and the root."""
+def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: str, param_dtype: str) -> None:
+    """torchtitan's order: tensor parallel (the root's embedding and head, each block),
+    activation checkpointing of each block, then FSDP per block and the root."""
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        parallelize_module(model, tp_mesh, tp_plan_root())
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, tp_plan())
+    if ac == "full":
+        for name, block in list(model.layers.items()):
+            model.layers[name] = checkpoint_wrapper(block)
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # torchtitan's default: parameters gathered in bfloat16, gradients reduced in float32
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
 def _device(choice: str) -> str:
@@ -113,7 +129,8 @@ def _device(choice: str) -> str:
 
 def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas: int = 1,
                   sharding: str = "fsdp2", optimizer: str = "AdamW", opt_kwargs: dict[str, Any] | None = None,
-                  batch: int = 1, seq: int = 2048, device: str = "auto", real: bool = False) -> dict[str, Any]:
+                  batch: int = 1, seq: int = 2048, ac: str = "none", param_dtype: str = "bfloat16",
+                  device: str = "auto", real: bool = False) -> dict[str, Any]:
     """Rank ``rank`` of a ``dp * tp``-rank job, in this process (which must not have a
     process group yet): peak memory by category, the optimizer state by kind, after two
     steps. ``real=True`` runs on real tensors instead of fakes (small models: the check
@@ -121,13 +138,14 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if sharding not in ("fsdp2", "ours"):
         raise ValueError(f"sharding must be 'fsdp2' or 'ours', got {sharding!r}")
+    if ac not in ("none", "full"):
+        raise ValueError(f"ac must be 'none' or 'full' (activation checkpointing of every block), got {ac!r}")
+    if param_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"param_dtype must be 'bfloat16' or 'float32', got {param_dtype!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if dp < 1 or tp < 1 or replicas < 1 or dp % replicas:
@@ -140,7 +158,7 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     torch.set_num_threads(1)
     if real:
         real_tensors_on_the_fake_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     dims, names = [dp // replicas], ["shard"]
     if replicas > 1:
         dims, names = [replicas, *dims], ["replicate", *names]
@@ -154,7 +172,7 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         from vefsdp_optim import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
-    mode = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
+    mode = contextlib.nullcontext() if real else fake_tensor_mode(allow_non_fake_inputs=True)
     torch.manual_seed(0)
     if sharding == "fsdp2":
         # torchtitan's flow: the model on the meta device, parallelized and sharded there
@@ -162,20 +180,20 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         # then made fake (real with real=True) by to_empty
         with torch.device("meta"):
             model = Transformer(cfg)
-        _parallelize(model, tp_mesh, dp_mesh, fully_shard)
+        _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype)
         with mode:
             model.to_empty(device=dev)
     else:  # our fully_shard keeps its flat buffers made at sharding: made under the mode
         with mode:
             with torch.device(dev):
                 model = Transformer(cfg)
-            _parallelize(model, tp_mesh, dp_mesh, fully_shard)
+            _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype)
     with mode:
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02)
         opt = _optimizer(optimizer, model, dict(opt_kwargs or {}))
-        tracker = MemTracker()
+        tracker = global_peak_memory_tracker()
         tracker.track_external(model, opt)
         with tracker:
             for _ in range(2):
@@ -243,6 +261,7 @@ def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
     head = (f"{args.model} ({runs[0]['params'] / 1e9:.2f} B parameters), W = {runs[0]['world']} "
             f"(dp {args.dp}{f' as {args.replicas} replicas' if args.replicas > 1 else ''}, tp {args.tp}), "
             f"{args.sharding}, {args.optimizer} {args.opt or ''}, batch {args.batch} x seq {args.seq}, "
+            f"activation checkpointing {args.ac}, parameters gathered in {args.param_dtype}, "
             f"{'real' if args.real else 'fake'} {runs[0]['device']} tensors; MiB per rank")
     lines = [head, "", "| rank | peak | " + " | ".join(cats) + " | state: " + " | ".join(kinds) + " |",
              "| --- " * (2 + len(cats) + len(kinds)) + "|"]
@@ -268,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="an optimizer option")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing of every block")
+    p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the dtype parameters are gathered in (mixed precision; gradients reduce in float32)")
     p.add_argument("--ranks", default="", help="comma-separated ranks (default: 0, W/2, W-1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
@@ -278,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = _config(args)
     kw = _parse_kwargs(args.opt)
     common = dict(dp=args.dp, tp=args.tp, replicas=args.replicas, sharding=args.sharding,
-                  optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq, device=args.device,
-                  real=args.real)
+                  optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq, ac=args.ac,
+                  param_dtype=args.param_dtype, device=args.device, real=args.real)
     if args.one is not None:
         print(json.dumps(estimate_rank(cfg, args.one, **common)))
         return

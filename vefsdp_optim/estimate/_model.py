@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["CONFIGS", "ModelConfig", "Transformer", "tp_plan"]
+__all__ = ["CONFIGS", "ModelConfig", "Transformer", "check_config", "tp_plan", "tp_plan_root"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,16 @@ def tp_plan() -> dict[str, object]:
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel()}
+
+
+def tp_plan_root() -> dict[str, object]:
+    """The root's tensor-parallel plan, torchtitan's without loss parallel: the embedding
+    row-parallel, the output head column-parallel with its logits gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate())}
 
 
 def check_config(cfg: ModelConfig, tp: int) -> None:
