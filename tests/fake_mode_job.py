@@ -84,21 +84,6 @@ def run(sharding: str, name: str, mesh: object, fake: bool) -> dict[str, object]
             "fake_tensors": fakes, "tensors": len(tensors)}
 
 
-def _patch_fake_all_to_all() -> None:
-    """torch's fake process group fills an all_to_all's output from this rank's input and
-    refuses an empty input with a non-empty output (a rank that only receives); it moves
-    nothing either way, so such an output is left as it is (as benchmarks/bench_scale.py
-    does)."""
-    real = dist.all_to_all_single
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):  # noqa: ANN001, ANN202
-        if input.numel() == 0 and output.numel() and output_split_sizes:
-            output, output_split_sizes = output[:0], [0] * len(output_split_sizes)
-        return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
-
-    dist.all_to_all_single = all_to_all_single
-
-
 def main(argv: list[str]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -110,7 +95,9 @@ def main(argv: list[str]) -> None:
     sharding, rest = argv[0], [int(a) for a in argv[1:]]
     if sharding not in ("fsdp2", "ours") or not rest or len(rest) % 2:
         raise SystemExit(f"usage: fake_mode_job.py fsdp2|ours WORLD RANK [WORLD RANK ...], got {argv}")
-    _patch_fake_all_to_all()
+    from vefsdp_optim.estimate import real_tensors_on_the_fake_group
+
+    real_tensors_on_the_fake_group()  # the real runs: a rank that only receives
     out = {}
     for world, rank in zip(rest[::2], rest[1::2], strict=True):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

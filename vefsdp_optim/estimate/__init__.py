@@ -21,8 +21,15 @@ CPU tensors, whose bytes are the same (``--device`` says which).
 
 from __future__ import annotations
 
-from ._estimate import OPTIMIZERS, STATE_KINDS, estimate_rank, main, state_by_kind
+from ._estimate import (
+           OPTIMIZERS,
+           STATE_KINDS,
+           estimate_rank,
+           main,
+           real_tensors_on_the_fake_group,
+           state_by_kind,
+)
 from ._model import CONFIGS, ModelConfig, Transformer
 
 __all__ = ["CONFIGS", "ModelConfig", "OPTIMIZERS", "STATE_KINDS", "Transformer", "estimate_rank", "main",
-           "state_by_kind"]
+           "real_tensors_on_the_fake_group", "state_by_kind"]

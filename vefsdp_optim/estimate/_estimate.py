@@ -20,7 +20,7 @@ from .._torch_compat import (
 )
 from ._model import CONFIGS, ModelConfig, Transformer, check_config, tp_plan, tp_plan_root
 
-__all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "state_by_kind"]
+__all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "real_tensors_on_the_fake_group", "state_by_kind"]
 
 OPTIMIZERS = ("AdamW", "Adam", "AdamW8bit", "Adam8bit", "Muon", "NorMuon", "Shampoo", "SOAP", "torch.AdamW")
 # optimizer state keys -> kind, first match (prefix) wins
