@@ -155,6 +155,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.testing._internal.distributed.fake_pg.FakeStore": CHECKED,
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper": CHECKED,
     "torch.distributed._tools.mem_tracker.MemTracker": CHECKED,
+    "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker": CHECKED,
     "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats": CHECKED,
 }
 
@@ -224,17 +225,21 @@ def checkpoint_wrapper(module: Any) -> Any:
     return wrap(module, preserve_rng_state=False)
 
 
-def global_peak_memory_tracker() -> Any:
-    """torch's ``MemTracker``, keeping the global peak by category only: its per-module
-    peaks walk every tracked module at each allocation (O(modules) each: LLaMA-3-70B's
-    80 layers took 6 minutes per rank, 31 s without them), and the estimate reports none."""
+def global_peak_memory_tracker(fsdp2_root: Any = None, optimizer: Any = None) -> Any:
+    """torch's ``MemTracker`` (its ``FSDPMemTracker`` for a torch FSDP2 root, which tells
+    sharded from unsharded parameters and gradients and the all-gather and reduce-scatter
+    buffers), keeping the global peak by category only: the per-module peaks walk every
+    tracked module at each allocation (O(modules) each: LLaMA-3-70B's 80 layers took 6
+    minutes per rank, 31 s without them), and the estimate reports none."""
     from copy import deepcopy
 
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    replaced = MemTracker._update_peak_stats  # what this tracker replaces
+    base = FSDPMemTracker if fsdp2_root is not None else MemTracker
+    replaced = base._update_peak_stats  # what this tracker replaces
 
-    class GlobalPeakTracker(MemTracker):
+    class GlobalPeakTracker(base):  # type: ignore[valid-type, misc]
         def _update_peak_stats(self, peak_state: Any) -> None:
             """``replaced`` without its per-module part."""
             for dev, snap in self._curr_mem_snap.items():
@@ -243,7 +248,7 @@ def global_peak_memory_tracker() -> Any:
                     self._peak_mem_snap[dev] = deepcopy(snap)
 
     GlobalPeakTracker._update_peak_stats.__wrapped__ = replaced  # type: ignore[attr-defined]
-    return GlobalPeakTracker()
+    return GlobalPeakTracker(fsdp2_root, optimizer) if fsdp2_root is not None else GlobalPeakTracker()
 
 
 def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:

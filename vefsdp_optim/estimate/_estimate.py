@@ -193,8 +193,11 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
             for p in model.parameters():
                 p.normal_(0.0, 0.02)
         opt = _optimizer(optimizer, model, dict(opt_kwargs or {}))
-        tracker = global_peak_memory_tracker()
-        tracker.track_external(model, opt)
+        if sharding == "fsdp2":  # torch's FSDP2 tracker, as torchtitan's estimator uses
+            tracker = global_peak_memory_tracker(model, opt)
+        else:
+            tracker = global_peak_memory_tracker()
+            tracker.track_external(model, opt)
         with tracker:
             for _ in range(2):
                 tokens = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
