@@ -239,7 +239,8 @@ def test_dry_run_every_part_at_w1_and_w2(tmp_path):
     got = {(x["part"], x["world"]): x["status"] for x in res["results"]}
     assert got == {("plain", 1): "pass", ("capture", 1): "pass", ("fully_shard", 1): "pass", ("fsdp2", 1): "pass",
                    ("fully_shard", 2): "pass", ("fsdp2", 2): "pass", ("profiler", 2): "skip",
-                   ("bench_adam8bit", 1): "pass", ("bench_muon", 1): "pass", ("bench_fully_shard", 1): "pass"}, got
+                   ("bench_adam8bit", 1): "pass", ("bench_muon", 1): "pass", ("bench_fully_shard", 1): "pass",
+                   ("estimate", 1): "pass"}, got
     assert r.returncode == 0, r.stdout[-3000:]
     prof = next(x for x in res["results"] if x["part"] == "profiler")
     assert prof["fsdp2"]["cpu_comm_ops"] and "no GPU activity" in prof["ours"]["why"]

@@ -112,6 +112,7 @@ PARTS: dict[str, tuple[str, str]] = {  # name: (module, function) of fn(world, d
     "bench_adam8bit": ("tools._gpu_bench", "adam8bit_part"),
     "bench_muon": ("tools._gpu_bench", "muon_part"),
     "bench_fully_shard": ("tools._gpu_bench", "fully_shard_part"),
+    "estimate": ("tools._gpu_estimate", "estimate_part"),
 }
 
 

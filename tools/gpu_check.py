@@ -24,7 +24,10 @@ run's budget (``--budget``, 450 s: the run stays under 8 minutes):
   stream (FSDP2 as the control): tools/_gpu_profile.py;
 - ``kernels``: the suite's GPU tests (``VEFSDP_TEST_DEVICE=cuda``: the Triton 8-bit
   kernel against the C++ kernel and the eager ops, bit for bit);
-- ``bench_adam8bit``, ``bench_muon``, ``bench_fully_shard``: tools/_gpu_bench.py.
+- ``bench_adam8bit``, ``bench_muon``, ``bench_fully_shard``: tools/_gpu_bench.py;
+- ``estimate``: the memory estimate (``python -m vefsdp_optim.estimate``, fake tensors)
+  against ``torch.cuda.max_memory_allocated`` of the same rank on real tensors, within
+  5%: tools/_gpu_estimate.py.
 
 A part that fails, crashes or runs out of time is reported and the others still run
 ([Note: part results survive the part] in tools/_gpu_parts.py). It writes
@@ -61,7 +64,7 @@ OPTIONAL = ("triton",)
 BUDGET_S = 450.0
 # seconds each part may take on a GPU (on the CPU dry run: CPU_CAP_S each)
 CAPS_S = {"plain": 45, "fully_shard": 60, "fsdp2": 60, "capture": 60, "profiler": 40, "kernels": 70,
-          "bench_adam8bit": 40, "bench_muon": 50, "bench_fully_shard": 70}
+          "bench_adam8bit": 40, "bench_muon": 50, "bench_fully_shard": 70, "estimate": 60}
 CPU_CAP_S = 300
 CORRECTNESS = ("plain", "fully_shard", "fsdp2", "capture", "kernels")
 KERNEL_TESTS = ["tests/test_adam8bit_triton.py", "tests/test_adam8bit_capturable_triton.py", "-k",
@@ -171,7 +174,7 @@ def plan(n_gpus: int, dry: bool, parts: list[str] | None, worlds: list[int] | No
     steps.append(("profiler", min(big) if big else 1))
     if not dry:
         steps.append(("kernels", 1))
-    steps += [("bench_adam8bit", 1), ("bench_muon", 1), ("bench_fully_shard", 1)]
+    steps += [("bench_adam8bit", 1), ("bench_muon", 1), ("bench_fully_shard", 1), ("estimate", 1)]
     if big and not dry:
         steps.append(("bench_fully_shard", max(big)))
     if parts is not None:

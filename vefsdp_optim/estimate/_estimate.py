@@ -134,7 +134,8 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     """Rank ``rank`` of a ``dp * tp``-rank job, in this process (which must not have a
     process group yet): peak memory by category, the optimizer state by kind, after two
     steps. ``real=True`` runs on real tensors instead of fakes (small models: the check
-    of the estimate)."""
+    of the estimate; on CUDA it also reports ``torch.cuda.max_memory_allocated`` over the
+    steps)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -154,7 +155,7 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     check_config(cfg, tp)
-    dev = "cpu" if real else _device(device)
+    dev = _device(device)
     torch.set_num_threads(1)
     if real:
         real_tensors_on_the_fake_group()
@@ -198,6 +199,10 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         else:
             tracker = global_peak_memory_tracker()
             tracker.track_external(model, opt)
+        measure_cuda = real and dev == "cuda"
+        if measure_cuda:  # the check of the estimate on a GPU: the allocator's own peak
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         with tracker:
             for _ in range(2):
                 tokens = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
@@ -207,13 +212,18 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
                 opt.step()
                 opt.zero_grad()
                 tracker.reset_mod_stats()  # per-module stats are per iteration (torchtitan's estimator does this)
+        cuda_peak = None
+        if measure_cuda:
+            torch.cuda.synchronize()
+            cuda_peak = int(torch.cuda.max_memory_allocated())
         peak = tracker.get_tracker_snapshot("peak")
         state = state_by_kind(opt)
     dist.destroy_process_group()
     by_device = {str(d): {getattr(k, "value", str(k)): int(v) for k, v in snap.items()} for d, snap in peak.items()}
     main_dev = max(by_device, key=lambda d: by_device[d].get("Total", 0))
     return {"rank": rank, "world": world, "device": dev, "peak": by_device[main_dev], "state": state,
-            "state_total": sum(v for k, v in state.items()), "params": cfg.num_params()}
+            "state_total": sum(v for k, v in state.items()), "params": cfg.num_params(),
+            "cuda_max_allocated": cuda_peak}
 
 
 def _parse_kwargs(pairs: list[str]) -> dict[str, Any]:
@@ -297,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
     p.add_argument("--real", action="store_true",
-                   help="run on real CPU tensors instead of fakes (small models: to check the estimate)")
+                   help="run on real tensors instead of fakes (small models: to check the estimate)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     cfg = _config(args)
