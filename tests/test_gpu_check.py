@@ -147,7 +147,7 @@ def test_trace_analysis_judges_streams():
 def test_plan_and_exit_status():
     assert gpu_check.plan(1, False, None, None) == [
         ("plain", 1), ("fully_shard", 1), ("fsdp2", 1), ("capture", 1), ("profiler", 1), ("kernels", 1),
-        ("bench_adam8bit", 1), ("bench_muon", 1), ("bench_fully_shard", 1)]
+        ("bench_adam8bit", 1), ("bench_muon", 1), ("bench_fully_shard", 1), ("estimate", 1)]
     steps = gpu_check.plan(8, False, None, None)
     assert [w for p, w in steps if p == "fsdp2"] == [1, 2, 3, 8] and ("profiler", 2) in steps
     assert ("bench_fully_shard", 8) in steps
