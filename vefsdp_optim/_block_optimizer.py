@@ -124,7 +124,7 @@ class BlockOptimizer(Optimizer):
         self._pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
         # id(param) -> (storage layout, requirement, compute layout, (rank, elements) per
         # block) of a requirement with fewer blocks than ranks ([Note: spread compute blocks])
-        self._pinned_spread: dict[int, tuple[RaggedShard, Requirement, RaggedShard, tuple]] = {}
+        self._pinned_spread: dict[int, tuple[RaggedShard | BoxShard, Requirement, RaggedShard, tuple]] = {}
         # the step structure last checked; None: check at the next step ([Note: consistent steps])
         self._checked_structure: list[tuple] | None = None
         self._step_plan: StepPlan | None = None  # None: build at the next step ([Note: step plan])
@@ -472,8 +472,7 @@ class BlockOptimizer(Optimizer):
         on the compute layout, the spread layout, pinned ([Note: spread compute blocks]);
         ``loads`` (per process group) counts every such parameter's blocks, in order."""
         layout = view.layout
-        if (compute is None or compute is layout or not isinstance(layout, RaggedShard)
-                or not spreads(layout, req, view.shape)
+        if (compute is None or compute is layout or not spreads(layout, req, view.shape)
                 or (self.balance_compute_cuts and self.state_layout(view, group) == layout)):
             return compute
         load = loads.setdefault(("spread", id(view.process_group)), [0] * layout.world_size)
@@ -482,7 +481,9 @@ class BlockOptimizer(Optimizer):
             for o, size in kept[3]:
                 load[o] += size
             return kept[2]
-        spread, owners = spread_compute(layout, req, view.shape, load)
+        # a tensor-parallel box layout: over its even split, as the nearest cuts are
+        base = layout.even_split() if isinstance(layout, BoxShard) else layout
+        spread, owners = spread_compute(base, req, view.shape, load)
         self._pinned_spread[id(p)] = (layout, req, spread, owners)
         return spread
 
@@ -491,7 +492,7 @@ class BlockOptimizer(Optimizer):
         where that is the compute layout of a requirement with fewer blocks than ranks
         ([Note: spread compute blocks]); the checkpoint format asks this."""
         layout = self.state_layout(view, group)
-        if layout is None or layout == view.layout or not isinstance(view.layout, RaggedShard):
+        if layout is None or layout == view.layout:
             return layout
         req = self.requirement(view.shape, group)
         if not spreads(view.layout, req, view.shape):

@@ -428,10 +428,12 @@ def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, l
 # order (the ranks that may hold block t all precede those of block t + 1, or share one
 # rank with them), so the result is a RaggedShard. The bits do not change: each block
 # is computed whole, wherever. With as many blocks as ranks or more, the snapped layout
-# stays (each rank then gets its share, give or take a block).
+# stays (each rank then gets its share, give or take a block). A tensor-parallel box
+# layout spreads over its even split (as its nearest cuts snap that): its exchange moves
+# the pieces of each block wherever it goes.
 
 
-def spreads(layout: RaggedShard, req: Requirement, shape: torch.Size) -> bool:
+def spreads(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> bool:
     """Whether ``req`` on ``layout`` has fewer blocks than ranks ([Note: spread compute blocks])."""
     return -(-layout.numel // req.unit(shape)) < layout.world_size
 
