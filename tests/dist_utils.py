@@ -289,9 +289,13 @@ def _release_job_groups(fn_name: str, test: str | None,
             break
         time.sleep(0.01)
     if any(gloo[k] > gloo_base[k] for k in _GLOO_THREADS):
-        raise LeakedGroupError(
-            f"{where}: gloo threads {gloo} {GLOO_THREAD_GRACE:g} s after the job, where the default "
-            f"group needs {gloo_base}: a process group outside torch's group registry is still alive")
+        # every group the job registered is freed (its weakref is dead), yet a gloo thread
+        # stays: a backend that only C++ still holds (seen twice in ~2,500 jobs on torch
+        # 2.15: one transport loop, or one runloop at W = 1, past the grace). pybind objects
+        # are not tracked by gc, so no Python holder can be looked for: the worker ends after
+        # the job, as where torch keeps a registered group, and the summary names the test
+        gc.freeze()
+        return counts, f"gloo threads {gloo} stayed above the default group's {gloo_base} after {where}"
     once = sum(v for k, v in counts.items() if k.startswith(_ONCE_PER_PROCESS))
     if counts["total"] - once > baseline["total"] + THREAD_SLACK:
         extra = {k: v - baseline.get(k, 0) for k, v in counts.items()
