@@ -25,13 +25,13 @@ from vefsdp_optim.sharding import RaggedShard, RowBlocks
 
 def _reference_owners(layout: RaggedShard, unit: int, load: list[int]) -> list[tuple[int, int]]:
     """Each block's (rank, elements): the least loaded (then lowest) rank whose slice meets
-    the block, by scanning every rank; empty slices at the block's edges count as holders
-    (a rank whose empty slice sits at the block's start or inside it)."""
+    the block, by scanning every rank; an empty slice counts where it sits strictly inside
+    the block."""
     n, owners, prev = layout.numel, [], 0
     for t in range(-(-n // unit)):
         lo, hi = t * unit, min((t + 1) * unit, n)
         cands = [r for r, (s, m) in enumerate(layout.extents)
-                 if (m and s < hi and s + m > lo) or (not m and lo <= s < hi) or (not m and s == lo)]
+                 if (m and s < hi and s + m > lo) or (not m and lo < s < hi)]
         cands = [r for r in cands if r >= prev]
         o = min(cands, key=lambda r: (load[r], r))
         load[o] += hi - lo
