@@ -143,8 +143,7 @@ class RaggedShard:
         included."""
         if lo >= hi:
             return range(0)
-        b = self.boundaries
-        return range(max(bisect_right(b, lo) - 1, 0), min(bisect_left(b, hi) - 1, self.world_size - 1) + 1)
+        return holders_between(self.boundaries, lo, hi)
 
     def local_index(self, rank: int, device: object = "cpu") -> slice:
         """Index of ``rank``'s elements in the flat tensor (as BoxShard's): a slice."""
@@ -204,3 +203,11 @@ def _check_world(world_size: object) -> int:
 def _whole(numel: int, world_size: int, rank: int) -> RaggedShard:
     """``RaggedShard.whole`` of checked ints, built once (by tuple repetition: C speed)."""
     return RaggedShard._trusted(((0, 0),) * rank + ((0, numel),) + ((numel, 0),) * (world_size - rank - 1))
+
+
+def holders_between(boundaries: Sequence[int], lo: int, hi: int) -> range:
+    """:meth:`RaggedShard.holders` of ``[lo, hi)`` (``lo < hi``) from the layout's
+    ``boundaries``, for a caller that asks for many ranges of one layout (its W + 1
+    boundaries built once)."""
+    w = len(boundaries) - 1
+    return range(max(bisect_right(boundaries, lo) - 1, 0), min(bisect_left(boundaries, hi) - 1, w - 1) + 1)

@@ -9,7 +9,6 @@ their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dt
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import math
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from vefsdp_optim.comm import Route, ShardedView, assign_owners, same_on_all_ranks
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
+from vefsdp_optim.sharding._ragged import holders_between
 
 __all__ = [
     "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "check_every_step",
@@ -444,13 +444,12 @@ def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
     the least loaded rank that holds a part of it, with ``load`` (elements per rank)
     updated, and the ``(rank, elements)`` of each block ([Note: spread compute blocks])."""
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
-    b = layout.boundaries  # W + 1 points, read once (RaggedShard.holders' bisection, per block)
+    b = layout.boundaries  # W + 1 points, built once for every block's holders
     owners, prev = [], 0
     for t in range(-(-n // unit)):
         lo, size = t * unit, min(unit, n - t * unit)
-        first = max(bisect.bisect_right(b, lo) - 1, 0, prev)
-        last = min(bisect.bisect_left(b, lo + size) - 1, w - 1)
-        o = min(range(first, last + 1), key=load.__getitem__)
+        cand = holders_between(b, lo, lo + size)
+        o = min(range(max(cand.start, prev), cand.stop), key=load.__getitem__)
         load[o] += size
         owners.append((o, size))
         prev = o
