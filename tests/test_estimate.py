@@ -1,5 +1,5 @@
 """The memory estimator (python -m vefsdp_optim.estimate) against the same run on real
-tensors: on a small LLaMA-3-shaped model, one rank of a W = 4 (or dp 2 x tp 2) job under
+tensors: on a small LLaMA-3-shaped model, one rank of a W = 3 (or dp 2 x tp 2) job under
 torch's fake process group, the estimate on fake tensors reports the same optimizer
 state bytes, by kind, and the same peak by category (torch's MemTracker) as the run on
 real CPU tensors; and the state bytes are those of the optimizer's own state, counted
@@ -35,8 +35,9 @@ def _one(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _check(optimizer: str, sharding: str, tp: int, rank: int = 3) -> None:
-    args = ["--dp", str(4 // tp), "--tp", str(tp), "--sharding", sharding, "--optimizer", optimizer,
+def _check(optimizer: str, sharding: str, tp: int, rank: int = 2) -> None:
+    # W = 3 (uneven shards) without tensor parallelism, dp 2 x tp 2 with it
+    args = ["--dp", str(3 if tp == 1 else 2), "--tp", str(tp), "--sharding", sharding, "--optimizer", optimizer,
             "--one", str(rank)]
     for f, r in [(_one(*args), _one(*args, "--real"))]:
         assert f["state"] == r["state"], (f["rank"], f["state"], r["state"])
