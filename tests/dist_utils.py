@@ -327,18 +327,36 @@ def _teardown_and_exit(outbox) -> None:
         os._exit(0)
 
 
+# [Note: worker preload] What the fork server imports before it forks any worker. A
+# worker's first job used to spend ~5 s of its ~5.4 s importing (torch._dynamo ~2.2 s,
+# which FSDP2 and DTensor pull in; FSDP2; DTensor's op strategies; sympy; our optimizers),
+# and every pool that ends after a job (where torch keeps a job's groups, 53 times in the
+# quick tier on torch 2.11) paid it again. Imports only: the server still makes no
+# process group, runs no op and starts no thread, so each forked worker stays as isolated
+# as a spawned one. A module that fails to import here is imported by the job instead
+# (multiprocessing ignores preload errors), so the list changes no result.
+_PRELOAD = (
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.device_mesh",
+    "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
+    "torch.distributed.checkpoint", "torch.testing._internal.distributed.fake_pg",
+    "vefsdp_optim", "vefsdp_optim._adamw", "vefsdp_optim._fsdp", "vefsdp_optim._checkpoint",
+    "hypothesis", "pytest",
+)
+
+
 def _context():
-    """Where workers start from: a fork server that has imported torch once (a spawned
-    worker would import it again, 2-3 s of CPU each, and the suite starts dozens), with
-    ``spawn``'s isolation otherwise: the server is a fresh interpreter that has made no
-    process group and run no op, and each worker is forked from it, never from pytest.
-    ``VEFSDP_TEST_START=spawn`` starts every worker from scratch instead."""
+    """Where workers start from: a fork server that has imported torch and the modules
+    jobs use once ([Note: worker preload]; a spawned worker would import them again, 2-5 s
+    of CPU each, and the suite starts dozens), with ``spawn``'s isolation otherwise: the
+    server is a fresh interpreter that has made no process group and run no op, and each
+    worker is forked from it, never from pytest. ``VEFSDP_TEST_START=spawn`` starts every
+    worker from scratch instead."""
     method = os.environ.get("VEFSDP_TEST_START", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"VEFSDP_TEST_START={method!r}; accepted: 'forkserver', 'spawn'")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 
