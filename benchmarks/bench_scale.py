@@ -107,33 +107,42 @@ def _optimizer(name: str, model: Any) -> Any:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-class _Counter:
-    """Counts the calls of torch.distributed's collectives and the longest split list."""
+class _Collectives:
+    """The c10d collectives one step calls, as torch's own ``CommDebugMode`` sees them (a
+    dispatch mode: every ``c10d`` op, whichever Python entry point or torch release called
+    it), with the longest split list any of them passed and the time spent inside them.
 
-    NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
-             "all_gather", "broadcast", "all_gather_object", "broadcast_object_list", "barrier",
-             "reduce_scatter", "send", "recv", "isend", "irecv", "gather_object", "scatter_object_list")
+    That time is the fake group's own emulation, not the rank's work: torch's fake backend
+    copies the input into each of the W chunks of an all-gather's output (``chunk(W)``, one
+    ``copy_`` per chunk; a reduce-scatter likewise), so its cost grows with W (7 ms per
+    all-gather at W = 8,192 on this machine, 1 ms at 1,024). NCCL's host cost to launch a
+    collective does not depend on W. The step's host work is the steady step less this.
+    The mode is only on for the counted step: it would slow every other op of the step."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
 
+        outer = self
         self.calls: dict[str, int] = {}
         self.longest_split = 0
-        self.on = False
-        for name in self.NAMES:
-            real = getattr(dist, name, None)
-            if real is not None:
-                setattr(dist, name, self._wrap(name, real))
+        self.seconds = 0.0
 
-    def _wrap(self, name: str, real: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.on:
-                self.calls[name] = self.calls.get(name, 0) + 1
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if func.namespace != "c10d":
+                    return func(*args, **kwargs)
+                name = func.overloadpacket.__name__
+                outer.calls[name] = outer.calls.get(name, 0) + 1
                 for v in (*args, *kwargs.values()):
                     if isinstance(v, (list, tuple)) and v and all(isinstance(x, int) for x in v):
-                        self.longest_split = max(self.longest_split, len(v))
-            return real(*args, **kwargs)
-        return counted
+                        outer.longest_split = max(outer.longest_split, len(v))
+                t = time.perf_counter()
+                out = func(*args, **kwargs)
+                outer.seconds += time.perf_counter() - t
+                return out
+
+        self.mode = Mode()
 
 
 def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: bool) -> dict[str, Any]:
@@ -147,9 +156,9 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     sharding, opt_name = CONFIGS[config]
     from vefsdp_optim.estimate import real_tensors_on_the_fake_group
 
-    real_tensors_on_the_fake_group()  # (before the counter wraps all_to_all_single)
+    real_tensors_on_the_fake_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    counter = _Counter()
+    counter = _Collectives()
     torch.manual_seed(0)
     model = _model(layers)
     t0 = time.perf_counter()
@@ -191,13 +200,12 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
         return time.perf_counter() - t
 
     first = step()
-    counter.on = True
-    one = step()
-    counter.on = False
+    with counter.mode:
+        step()
     calls, longest = dict(counter.calls), counter.longest_split
     if trace:
         tracemalloc.start()
-    times = [one] + [step() for _ in range(steps - 1)]
+    times = [step() for _ in range(steps)]
     lib_peak = None
     if trace:
         _, lib_peak = tracemalloc.get_traced_memory()
@@ -205,6 +213,8 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {"config": config, "world": world, "rank": rank, "layers": layers,
             "construct_s": construct, "first_step_s": first, "steady_step_s": statistics.median(times),
+            "fake_group_s": counter.seconds,
+            "host_step_s": max(0.0, statistics.median(times) - counter.seconds),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "traced_peak_mb": None if lib_peak is None else lib_peak / 2**20,
             "local_elements": local, "collectives_per_step": sum(calls.values()),
@@ -301,7 +311,7 @@ def sweep(quick: bool = True, only: list[str] | None = None, worlds: tuple[int, 
                 if base is None and "status" not in row:
                     base = row
                 if base is not None and "status" not in row:
-                    for k in ("construct_s", "first_step_s", "steady_step_s", "peak_rss_mb"):
+                    for k in ("construct_s", "first_step_s", "steady_step_s", "host_step_s", "peak_rss_mb"):
                         row[k.replace("_s", "").replace("_mb", "") + f" / W={base['world']}"] = (
                             row[k] / base[k] if base[k] else None)
                 rows.append(row)
@@ -341,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     res = sweep(a.quick, only, worlds, a.layers, a.steps, a.tracemalloc)
     print(markdown_table([r for r in res["rows"] if "plan" in r]))
     res_rows = [r for r in res["rows"] if "plan" not in r]
-    cols = ["config", "world", "rank", "construct_s", "first_step_s", "steady_step_s", "peak_rss_mb",
+    cols = ["config", "world", "rank", "construct_s", "first_step_s", "steady_step_s", "fake_group_s",
+            "host_step_s", "peak_rss_mb",
             "local_elements", "collectives_per_step", "longest_split", "status"]
     print(markdown_table(res_rows, [c for c in cols if any(c in r for r in res_rows)]))
     if a.out:
