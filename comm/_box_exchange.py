@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from vefsdp_optim._torch_compat import foreach_copy_, view_base
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["box_plan", "launch_boxes"]
@@ -125,7 +126,7 @@ def _places(views: list[torch.Tensor], root: torch.Tensor, i: int) -> list[tuple
     for v in views:
         if v.numel() == 0:
             continue
-        if not (v is root or v._base is root):
+        if not (v is root or view_base(v) is root):
             raise AssertionError("a box piece that is not a view of its buffer")
         out.append((i, tuple(v.shape), tuple(v.stride()), v.storage_offset() - root.storage_offset()))
     return out
@@ -220,7 +221,7 @@ def launch_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShar
     locals = [t if t.is_contiguous() else t.contiguous() for t in locals]
     send_buf = ref.new_empty(sum(plan.send_counts))
     if plan.send_from.views:  # [Note: batched box pieces]
-        torch._foreach_copy_(plan.send_to.of([send_buf]), plan.send_from.of(locals))
+        foreach_copy_(plan.send_to.of([send_buf]), plan.send_from.of(locals))
     recv_buf = ref.new_empty(plan.recv_numel)
     work = dist.all_to_all_single(recv_buf, send_buf, list(plan.recv_counts), list(plan.send_counts),
                                   group=process_group, async_op=async_op)
@@ -228,7 +229,7 @@ def launch_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShar
     def finish() -> list[torch.Tensor]:
         out = [ref.new_empty(n) for n in plan.out_numels]
         if plan.recv_to.views:  # [Note: batched box pieces]
-            torch._foreach_copy_(plan.recv_to.of(out), plan.recv_from.of([recv_buf]))
+            foreach_copy_(plan.recv_to.of(out), plan.recv_from.of([recv_buf]))
         for i in plan.own:
             _scatter(out[i], _gather(locals[i], src[i], dst[i], rank, rank), src[i], dst[i], rank, rank)
         return out
