@@ -192,10 +192,14 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     construct = time.perf_counter() - t0
     x, xw = torch.randn(2, COLS), torch.randn(2, WIDE)
 
+    opt_times: list[float] = []
+
     def step() -> float:
         t = time.perf_counter()
         model(x, xw).backward()
+        t_opt = time.perf_counter()
         opt.step()
+        opt_times.append(time.perf_counter() - t_opt)
         opt.zero_grad()
         return time.perf_counter() - t
 
@@ -205,6 +209,7 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     calls, longest = dict(counter.calls), counter.longest_split
     if trace:
         tracemalloc.start()
+    opt_times.clear()
     times = [step() for _ in range(steps)]
     lib_peak = None
     if trace:
@@ -213,7 +218,7 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {"config": config, "world": world, "rank": rank, "layers": layers,
             "construct_s": construct, "first_step_s": first, "steady_step_s": statistics.median(times),
-            "fake_group_s": counter.seconds,
+            "fake_group_s": counter.seconds, "optimizer_step_s": statistics.median(opt_times),
             "host_step_s": max(0.0, statistics.median(times) - counter.seconds),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "traced_peak_mb": None if lib_peak is None else lib_peak / 2**20,
@@ -311,7 +316,8 @@ def sweep(quick: bool = True, only: list[str] | None = None, worlds: tuple[int, 
                 if base is None and "status" not in row:
                     base = row
                 if base is not None and "status" not in row:
-                    for k in ("construct_s", "first_step_s", "steady_step_s", "host_step_s", "peak_rss_mb"):
+                    for k in ("construct_s", "first_step_s", "steady_step_s", "host_step_s", "optimizer_step_s",
+                              "peak_rss_mb"):
                         row[k.replace("_s", "").replace("_mb", "") + f" / W={base['world']}"] = (
                             row[k] / base[k] if base[k] else None)
                 rows.append(row)
@@ -352,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table([r for r in res["rows"] if "plan" in r]))
     res_rows = [r for r in res["rows"] if "plan" not in r]
     cols = ["config", "world", "rank", "construct_s", "first_step_s", "steady_step_s", "fake_group_s",
-            "host_step_s", "peak_rss_mb",
+            "host_step_s", "optimizer_step_s", "peak_rss_mb",
             "local_elements", "collectives_per_step", "longest_split", "status"]
     print(markdown_table(res_rows, [c for c in cols if any(c in r for r in res_rows)]))
     if a.out:
