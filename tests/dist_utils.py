@@ -332,7 +332,8 @@ def _teardown_and_exit(outbox) -> None:
 # which FSDP2 and DTensor pull in; FSDP2; DTensor's op strategies; sympy; our optimizers),
 # and every pool that ends after a job (where torch keeps a job's groups, 53 times in the
 # quick tier on torch 2.11) paid it again. Imports only: the server still makes no
-# process group, runs no op and starts no thread, so each forked worker stays as isolated
+# process group and runs no op, and these imports start no thread beyond the one that
+# importing torch starts (checked on 2.11), so each forked worker stays as isolated
 # as a spawned one. A module that fails to import here is imported by the job instead
 # (multiprocessing ignores preload errors), so the list changes no result.
 _PRELOAD = (
