@@ -160,9 +160,14 @@ class RaggedShard:
         return self.extents[rank][1]
 
     def satisfies(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> bool:
-        """Whether every interior cut is legal for ``requirement`` (a Requirement or a unit)."""
-        unit = self._unit(requirement, shape)
+        """Whether every interior cut is legal for ``requirement`` (a Requirement or a unit).
+        A tensor with no elements has no cut to check: it satisfies every requirement."""
         n = self.numel
+        if n == 0:
+            if shape is not None and math.prod(check_shape(shape)) != 0:
+                raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has 0")
+            return True
+        unit = self._unit(requirement, shape)
         return all(is_legal_cut(b, n, unit) for b in self.boundaries[1:-1])
 
     def snapped(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> RaggedShard:

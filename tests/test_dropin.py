@@ -130,6 +130,33 @@ def test_meta_parameters_are_refused_clearly():
             opt.step()
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)])
+def test_parameters_without_elements_step_as_torchs(shape):
+    """A parameter with no elements (an FSDP1 view on a rank that holds none of it, a
+    zero-width layer) steps beside the others, as torch.optim.AdamW steps it: the same
+    parameters and the same state. Muon's matrices must have elements (a clear error)."""
+    def run(make):
+        ps = [nn.Parameter(torch.zeros(shape)), nn.Parameter(torch.ones(2, 3))]
+        opt = make(ps)
+        for i in range(2):
+            ps[0].grad, ps[1].grad = torch.zeros(shape), torch.full((2, 3), 0.5 + i)
+            opt.step()
+        return ps, opt.state_dict()["state"]
+
+    (got, got_state), (want, want_state) = run(vefsdp_optim.AdamW), run(torch.optim.AdamW)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert got_state.keys() == want_state.keys() and all(
+        torch.equal(got_state[i][k], want_state[i][k]) for i in want_state for k in want_state[i])
+    for cls in (vefsdp_optim.AdamW8bit, vefsdp_optim.Shampoo, vefsdp_optim.SOAP):
+        ps, _ = run(cls)
+        assert ps[0].shape == shape and not torch.equal(ps[1], torch.ones(2, 3))
+    if len(shape) == 2:
+        with pytest.raises(ValueError, match=r"Muon needs a non-empty matrix, got shape"):
+            run(vefsdp_optim.Muon)
+    else:  # a vector takes Muon's AdamW path
+        run(vefsdp_optim.Muon)
+
+
 def test_toy_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     """Each bad input exits with argparse's code 2 and a message, no traceback: through the
     CLI's main() in this process, and once as a user runs it (``python -m``), which is the

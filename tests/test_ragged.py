@@ -145,6 +145,10 @@ def test_bad_input():
         lay.satisfies(0)
     with pytest.raises(ValueError, match="no elements"):
         Elementwise().unit((0, 3))
+    empty = RaggedShard.from_boundaries([0, 0, 0])  # no elements, so no cut to check
+    assert empty.satisfies(RowBlocks(4), (0, 3)) and empty.satisfies(5)
+    with pytest.raises(ValueError, match="has 6 elements, layout has 0"):
+        empty.satisfies(RowBlocks(1), (2, 3))
     with pytest.raises(ValueError, match="rows must be >= 1, got 0"):
         RowBlocks(0)
     with pytest.raises(TypeError, match="True"):
