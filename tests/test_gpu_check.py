@@ -146,11 +146,11 @@ def test_trace_analysis_judges_streams():
 
 def test_plan_and_exit_status():
     assert gpu_check.plan(1, False, None, None) == [
-        ("plain", 1), ("fully_shard", 1), ("fsdp2", 1), ("capture", 1), ("profiler", 1), ("kernels", 1),
+        ("plain", 1), ("fully_shard", 1), ("fsdp2", 1), ("fsdp1", 1), ("capture", 1), ("profiler", 1), ("kernels", 1),
         ("bench_adam8bit", 1), ("bench_muon", 1), ("bench_fully_shard", 1), ("estimate", 1)]
     steps = gpu_check.plan(8, False, None, None)
     assert [w for p, w in steps if p == "fsdp2"] == [1, 2, 3, 8] and ("profiler", 2) in steps
-    assert ("bench_fully_shard", 8) in steps
+    assert ("bench_fully_shard", 8) in steps and [w for p, w in steps if p == "fsdp1"] == [8]
     dry = gpu_check.plan(0, True, None, None)
     assert [w for p, w in dry if p == "fully_shard"] == [1, 2] and ("kernels", 1) not in dry
     assert [w for p, w in steps if p == "capture"] == [1] and [w for p, w in dry if p == "capture"] == [1]
@@ -232,13 +232,13 @@ def test_checkout_imports_without_an_install():
 
 @pytest.mark.slow
 def test_dry_run_every_part_at_w1_and_w2(tmp_path):
-    """The whole dry run (plain, FSDP2 and fully_shard at W = 1 and 2, the profiler at
-    W = 2, the benchmarks at tiny sizes)."""
+    """The whole dry run (plain, FSDP2 and fully_shard at W = 1 and 2, FSDP1's refusal and
+    the profiler at W = 2, the benchmarks at tiny sizes)."""
     r, _ = _run(["--cpu-dry-run", "--out", str(tmp_path)], timeout=1800)
     res = json.loads((tmp_path / "results.json").read_text())
     got = {(x["part"], x["world"]): x["status"] for x in res["results"]}
     assert got == {("plain", 1): "pass", ("capture", 1): "pass", ("fully_shard", 1): "pass", ("fsdp2", 1): "pass",
-                   ("fully_shard", 2): "pass", ("fsdp2", 2): "pass", ("profiler", 2): "skip",
+                   ("fully_shard", 2): "pass", ("fsdp2", 2): "pass", ("fsdp1", 2): "pass", ("profiler", 2): "skip",
                    ("bench_adam8bit", 1): "pass", ("bench_muon", 1): "pass", ("bench_fully_shard", 1): "pass",
                    ("estimate", 1): "pass"}, got
     assert r.returncode == 0, r.stdout[-3000:]

@@ -3,7 +3,8 @@
     python -m tools._gpu_parts --part NAME --world W --device cuda|cpu --dir DIR [--size gpu|tiny]
 
 Parts: ``plain`` (no process group), ``fsdp2`` and ``fully_shard`` (correctness at world
-size W: tools/_gpu_correct.py), ``capture`` (capturable steps in a CUDA graph at W = 1:
+size W: tools/_gpu_correct.py), ``fsdp1`` (FSDP1's flattened parameters refused:
+tools/_gpu_fsdp1.py), ``capture`` (capturable steps in a CUDA graph at W = 1:
 tools/_gpu_capture.py), ``profiler`` (tools/_gpu_profile.py), ``bench_adam8bit``,
 ``bench_muon``, ``bench_fully_shard`` (tools/_gpu_bench.py). ``--device cuda`` runs NCCL
 ranks, one GPU each; ``cpu`` is the dry run: gloo ranks on CPU tensors.
@@ -107,6 +108,7 @@ PARTS: dict[str, tuple[str, str]] = {  # name: (module, function) of fn(world, d
     "plain": ("tools._gpu_correct", "correctness_part"),
     "fsdp2": ("tools._gpu_correct", "correctness_part"),
     "fully_shard": ("tools._gpu_correct", "correctness_part"),
+    "fsdp1": ("tools._gpu_fsdp1", "fsdp1_part"),
     "capture": ("tools._gpu_capture", "capture_part"),
     "profiler": ("tools._gpu_profile", "profiler_part"),
     "bench_adam8bit": ("tools._gpu_bench", "adam8bit_part"),

@@ -63,10 +63,10 @@ DEPS = ("einops", "scipy", "pytest", "hypothesis")
 OPTIONAL = ("triton",)
 BUDGET_S = 450.0
 # seconds each part may take on a GPU (on the CPU dry run: CPU_CAP_S each)
-CAPS_S = {"plain": 45, "fully_shard": 60, "fsdp2": 60, "capture": 60, "profiler": 40, "kernels": 70,
+CAPS_S = {"plain": 45, "fully_shard": 60, "fsdp2": 60, "fsdp1": 45, "capture": 60, "profiler": 40, "kernels": 70,
           "bench_adam8bit": 40, "bench_muon": 50, "bench_fully_shard": 70, "estimate": 60}
 CPU_CAP_S = 300
-CORRECTNESS = ("plain", "fully_shard", "fsdp2", "capture", "kernels")
+CORRECTNESS = ("plain", "fully_shard", "fsdp2", "fsdp1", "capture", "kernels")
 KERNEL_TESTS = ["tests/test_adam8bit_triton.py", "tests/test_adam8bit_capturable_triton.py", "-k",
                 "triton_equals or bf16_param or compiles_for_cuda or default_on_cuda or one_launch or device_table"]
 
@@ -169,6 +169,7 @@ def plan(n_gpus: int, dry: bool, parts: list[str] | None, worlds: list[int] | No
     big = [w for w in worlds if w > 1]
     steps: list[tuple[str, int]] = [("plain", 1)]
     steps += [(k, w) for w in worlds for k in ("fully_shard", "fsdp2")]
+    steps.append(("fsdp1", max(worlds)))  # FSDP1 flattens only where it shards (W > 1)
     if 1 in worlds:
         steps.append(("capture", 1))
     steps.append(("profiler", min(big) if big else 1))

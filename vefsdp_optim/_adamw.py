@@ -115,6 +115,9 @@ class AdamW(BlockOptimizer):
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         return Elementwise()
 
+    def updates_elementwise(self, group: dict[str, Any]) -> bool:
+        return True
+
     structural_keys = ("amsgrad",)
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:

@@ -15,6 +15,7 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 from ._checkpoint import export_state, load_state, validate_state
 from ._flat_store import ReplanReport, apply_requirements, flat_store
+from ._flattened import check_not_flattened
 from ._fsdp import replaced_by_fully_shard
 from ._step_loop import (
     BlockContext,
@@ -160,6 +161,11 @@ class BlockOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        try:  # before any state or collective ([Note: flattened parameters])
+            check_not_flattened(self, self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
         self._drop_plan()  # [Note: step plan], [Note: consistent steps]
 
     # -- subclass API ---------------------------------------------------------------
@@ -175,6 +181,12 @@ class BlockOptimizer(Optimizer):
         group: dict[str, Any],
     ) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define update_block(...)")
+
+    def updates_elementwise(self, group: dict[str, Any]) -> bool:
+        """Whether ``group``'s update is element by element whatever a parameter's shape,
+        so that a 1-D slice of a flattened parameter (FSDP1's) gets one device's update:
+        only then are such parameters accepted ([Note: flattened parameters])."""
+        return False
 
     def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
         """Relative compute cost of a whole-tensor update in param group ``group``, for

@@ -175,6 +175,9 @@ class Muon(QKClip, BlockOptimizer):
     def _is_muon(shape: torch.Size, group: dict[str, Any]) -> bool:
         return bool(group["use_muon"]) and len(shape) >= 2
 
+    def updates_elementwise(self, group: dict[str, Any]) -> bool:
+        return not group["use_muon"]  # the AdamW path
+
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         if not self._is_muon(shape, group):
             return Elementwise()
