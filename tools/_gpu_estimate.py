@@ -22,13 +22,21 @@ CASES = [("AdamW", "fsdp2"), ("AdamW8bit", "ours"), ("Muon", "fsdp2"), ("Shampoo
 TOLERANCE = 0.05
 
 
-def _one(args: list[str], part_dir: Path, tag: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", *args], capture_output=True, text=True,
-                          env=os.environ.copy(), timeout=600)
-    (part_dir / f"{tag}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        raise RuntimeError(f"estimate {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _pair(args: list[str], part_dir: Path, tag: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The estimate (fake tensors) and the run on real tensors, each in its own process, at
+    once: they share nothing (the fake one touches no device memory)."""
+    runs = {f"{tag}-fake": args, f"{tag}-real": [*args, "--real"]}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "vefsdp_optim.estimate", *a], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+             for name, a in runs.items()}
+    out = []
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        (part_dir / f"{name}.log").write_text(stdout + stderr)
+        if proc.returncode:
+            raise RuntimeError(f"estimate {' '.join(runs[name])} failed:\n{stderr[-3000:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out[0], out[1]
 
 
 def estimate_part(part: str, world: int, device: str, size: str, part_dir: Path) -> dict[str, Any]:
@@ -38,8 +46,7 @@ def estimate_part(part: str, world: int, device: str, size: str, part_dir: Path)
         args = ["--model", "debug", "--seq", seq, "--dp", "2", "--sharding", sharding, "--optimizer", optimizer,
                 "--device", device, "--one", "0"]
         tag = f"{optimizer}-{sharding}"
-        fake = _one(args, part_dir, tag + "-fake")
-        real = _one([*args, "--real"], part_dir, tag + "-real")
+        fake, real = _pair(args, part_dir, tag)
         measured = real["cuda_max_allocated"] if device == "cuda" else real["peak"]["Total"]
         ratio = fake["peak"]["Total"] / measured
         rows.append({"optimizer": optimizer, "sharding": sharding, "estimate MiB": fake["peak"]["Total"] / 2**20,
