@@ -25,6 +25,12 @@ PY_HI    = $(VENV_HI)/bin/python
 TORCH_HI_PIN ?= torch==2.15.0
 STAMP_HI = $(VENV_HI)/.deps-stamp
 
+# The two test venvs are set up side by side (each pip is one busy core, a minute of
+# unpacking torch): their editable installs of this checkout, which write its build/ and
+# egg-info, take turns under flock; without flock they are set up one after the other.
+EDITABLE   = $(shell command -v flock >/dev/null 2>&1 && echo "flock $(CURDIR)/.pip-editable.lock")
+SETUP_JOBS = $(if $(EDITABLE),-j2,)
+
 .PHONY: venv venv-lo venv-hi test test-lo test-hi test-fast lint lint-csrc toy bench bench-full gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
@@ -40,7 +46,7 @@ $(STAMP_LO): pyproject.toml Makefile
 	test -x $(PY_LO) || $(PYTHON) -m venv $(VENV_LO)
 	$(PY_LO) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
 	$(PY_LO) -m pip install -q "$(TORCH_LO_PIN)"
-	$(PY_LO) -m pip install -q "$(TORCH_LO_PIN)" -e ".[dev,triton]"
+	$(EDITABLE) $(PY_LO) -m pip install -q "$(TORCH_LO_PIN)" -e ".[dev,triton]"
 	touch $(STAMP_LO)
 
 venv-lo: $(STAMP_LO)
@@ -49,7 +55,7 @@ $(STAMP_HI): pyproject.toml Makefile
 	test -x $(PY_HI) || $(PYTHON) -m venv $(VENV_HI)
 	$(PY_HI) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
 	PIP_CONSTRAINT=/dev/null $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)"
-	PIP_CONSTRAINT=/dev/null $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" -e ".[dev,triton]"
+	PIP_CONSTRAINT=/dev/null $(EDITABLE) $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" -e ".[dev,triton]"
 	touch $(STAMP_HI)
 
 venv-hi: $(STAMP_HI)
@@ -59,7 +65,8 @@ venv-hi: $(STAMP_HI)
 # time, the highest load, the most threads one distributed worker held: tests/conftest.py);
 # then the whole target's wall time and the user and system CPU time of everything it ran.
 test:
-	@start=$$(date +%s); $(MAKE) --no-print-directory test-lo test-hi; rc=$$?; \
+	@start=$$(date +%s); $(MAKE) --no-print-directory $(SETUP_JOBS) venv-lo venv-hi && \
+	  $(MAKE) --no-print-directory test-lo test-hi; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s wall, the venvs' setup included;" \
 	    "CPU time (user, system) of the shell, then of everything it ran:"; times; exit $$rc
 
