@@ -6,10 +6,14 @@ and costs without talking. See [Note: owner assignment].
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
+from vefsdp_optim._torch_compat import host_constants
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["OwnerAssignment", "assign_owners"]
@@ -30,6 +34,15 @@ class OwnerAssignment(NamedTuple):
     loads: tuple[float, ...]  # per-rank total cost
     max_over_mean: float  # max load / mean load (1.0 when all costs are 0)
     elements_moved: int  # sum over tensors of numel - elements the owner already holds
+
+
+@functools.lru_cache(maxsize=64)
+def _held(layout: RaggedShard | BoxShard) -> torch.Tensor:
+    """Each rank's elements of ``layout`` (int64, W long), once per layout: parameters of
+    one shape share theirs."""
+    with host_constants():
+        return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)], dtype=torch.int64,
+                            device="cpu")
 
 
 def assign_owners(
@@ -63,17 +76,22 @@ def assign_owners(
 
     total = math.fsum(costs)
     slack = tolerance * total / w
-    loads = [0.0] * w
     owners = [0] * len(layouts)
-    for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        low = min(loads)
-        held = [layouts[i].local_numel(r) for r in range(w)]
-        best = min(
-            (r for r in range(w) if loads[r] <= low + slack),
-            key=lambda r: (-held[r], loads[r], r),
-        )
-        owners[i] = best
-        loads[best] += costs[i]
+    # the per-rank scans run as tensor ops over W float64 loads on the host (real tensors
+    # under FakeTensorMode too): the same IEEE sums and comparisons as Python floats, so
+    # the same owners ([Note: owner assignment])
+    with host_constants():
+        load = torch.zeros(w, dtype=torch.float64, device="cpu")
+        inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
+        for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+            low = float(load.min())
+            top = torch.where(load <= low + slack, _held(layouts[i]), -1)  # the candidates' held elements
+            pick = top == top.max()  # the most held among the candidates, then the lowest load
+            pick &= load == torch.where(pick, load, inf).min()
+            best = int(pick.byte().argmax())  # then the lowest rank: argmax gives the first
+            owners[i] = best
+            load[best] += costs[i]
+        loads = load.tolist()
     mean = total / w
     ratio = max(loads) / mean if mean > 0 else 1.0
     moved = sum(lay.numel - lay.local_numel(o) for lay, o in zip(layouts, owners, strict=True))

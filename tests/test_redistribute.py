@@ -309,6 +309,45 @@ def test_assign_owners_prefers_holders_and_skips_empty_shards() -> None:
     assert a.elements_moved == 10 + 7 + 7 - held
 
 
+def _reference_owners(layouts, costs, tolerance=1e-6):
+    """[Note: owner assignment] as plain Python loops over the ranks (the library's
+    first implementation): the owners and loads the tensor scans must reproduce."""
+    w = layouts[0].world_size
+    slack = tolerance * math.fsum(costs) / w
+    loads, owners = [0.0] * w, [0] * len(layouts)
+    for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        low = min(loads)
+        held = [layouts[i].local_numel(r) for r in range(w)]
+        best = min((r for r in range(w) if loads[r] <= low + slack), key=lambda r: (-held[r], loads[r], r))
+        owners[i] = best
+        loads[best] += costs[i]
+    return tuple(owners), tuple(loads)
+
+
+def test_assign_owners_equals_the_loop_over_ranks() -> None:
+    """Ragged and box layouts, empty shards, equal and zero costs, several tolerances:
+    the same owners and loads, bit for bit, as the loop over every rank."""
+    from vefsdp_optim.sharding import BoxShard
+
+    rng = random.Random(11)
+    for trial in range(300):
+        w = rng.choice([1, 2, 3, 5, 8, 13, 40])
+        layouts = []
+        for _ in range(rng.randint(1, 30)):
+            if rng.random() < 0.3:  # a dp x tp grid of boxes (FSDP2 x TP), empty boxes included
+                tp = rng.choice([d for d in range(1, w + 1) if w % d == 0])
+                shape = (rng.randint(1, 12), rng.randint(1, 9))
+                layouts.append(BoxShard.nested_chunks(shape, (w // tp, tp), [[0], [1]]))
+            else:
+                layouts.append(_random_layout(rng, rng.randint(1, 200), w))
+        kind = trial % 3
+        costs = [float(rng.choice([1, 2, 3])) if kind == 0 else 0.0 if kind == 1 and rng.random() < 0.5
+                 else rng.random() * 1e3 for _ in layouts]
+        tol = rng.choice([0.0, 1e-6, 0.1])
+        a = assign_owners(layouts, costs, tolerance=tol)
+        assert (a.owners, a.loads) == _reference_owners(layouts, costs, tol), trial
+
+
 def test_assign_owners_balances_random_costs() -> None:
     rng = random.Random(7)
     for _ in range(200):
