@@ -109,6 +109,35 @@ class BoxShard:
     # -- constructors -------------------------------------------------------------
 
     @classmethod
+    def runs_in_boxes(cls, boxes: BoxShard, runs: Sequence[RaggedShard]) -> BoxShard:
+        """The layout over ``len(runs[0])`` x ``len(boxes)`` ranks (row-major: rank
+        ``i * T + j``) where rank (i, j) holds run ``runs[j].local(i)`` of box j: a dp
+        layout of each tp box (FSDP2's Shard(0) of a TP shard, our fully_shard's ragged
+        slices). A partition whenever ``boxes`` is one and each ``runs[j]`` tiles box j's
+        elements, which is checked in O(T), so the O(W log W) overlap sweep of the
+        constructor is not run again."""
+        if not isinstance(boxes, BoxShard):
+            raise TypeError(f"boxes must be a BoxShard, got {type(boxes).__name__}")
+        runs = tuple(runs)
+        if len(runs) != boxes.world_size or not runs:
+            raise ValueError(f"need one run layout per box ({boxes.world_size}), got {len(runs)}")
+        dp = runs[0].world_size
+        for j, (b, run) in enumerate(zip(boxes.boxes, runs, strict=True)):
+            if not isinstance(run, RaggedShard) or run.world_size != dp:
+                raise ValueError(f"runs[{j}] must be a RaggedShard over {dp} ranks, got {run!r}")
+            if b.start or b.length != b.box_numel or run.numel != b.box_numel:
+                raise ValueError(f"runs[{j}] holds {run.numel} elements; box {j} is a run of {b.length} of "
+                                 f"{b.box_numel}: each run layout must tile a whole box")
+        out = tuple(Box(boxes.boxes[j].offsets, boxes.boxes[j].sizes, *runs[j].local(i))
+                    for i in range(dp) for j in range(len(runs)))
+        self = object.__new__(cls)
+        object.__setattr__(self, "shape", boxes.shape)
+        object.__setattr__(self, "boxes", out)
+        object.__setattr__(self, "_hash", hash((boxes.shape, out)))
+        object.__setattr__(self, "_spans", None)
+        return self
+
+    @classmethod
     def nested_chunks(cls, shape: Sequence[int], mesh_sizes: Sequence[int],
                       splits: Sequence[Sequence[int]]) -> BoxShard:
         """The boxes of torch.chunk splits nested over mesh axes.

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vefsdp_optim.sharding import Box, BoxShard
+from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
 
 
 @st.composite
@@ -164,3 +164,19 @@ def test_box_exchange_moves_every_element(batch) -> None:
     for rank, (_, _, _, finish) in enumerate(launched):
         for i, (out, d) in enumerate(zip(finish(), dst, strict=True)):
             assert torch.equal(out, full[i][d.local_index(rank)]), (rank, i)
+
+
+def test_runs_in_boxes_equals_the_checked_constructor() -> None:
+    """The dp x tp layout built from checked tp boxes and dp runs equals the one the
+    constructor builds (and checks) box by box; a run that does not tile its box is refused."""
+    tp = BoxShard.nested_chunks((7, 10), (3,), [[], [0]])  # columns over tp 3: 4, 4, 2
+    runs = [RaggedShard.from_boundaries([0, 5, 5, 28]), RaggedShard.shard0((7, 4), 3),
+            RaggedShard.whole(14, 3, 1)]
+    got = BoxShard.runs_in_boxes(tp, runs)
+    boxes = [Box(tp.boxes[j].offsets, tp.boxes[j].sizes, *runs[j].local(i)) for i in range(3) for j in range(3)]
+    want = BoxShard((7, 10), tuple(boxes))
+    assert got == want and hash(got) == hash(want) and got.world_size == 9
+    with pytest.raises(ValueError, match="must tile a whole box"):
+        BoxShard.runs_in_boxes(tp, [runs[0], runs[1], runs[0]])  # 28 elements for a box of 14
+    with pytest.raises(ValueError, match="one run layout per box"):
+        BoxShard.runs_in_boxes(tp, runs[:2])

@@ -9,6 +9,7 @@ their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dt
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import math
@@ -122,10 +123,13 @@ def _owner(it: StepItem) -> int | None:
     """The rank that computes ``it`` whole, or None when it is not an owner item."""
     if not it.moves or not it.requirement.needs_whole:
         return None
-    for r, (_, n) in enumerate(it.compute.extents):
-        if n:
-            return r
-    return None
+    ext = it.compute.extents  # ends nondecreasing: the first rank ending past 0 holds the first element
+    r = bisect.bisect_right(ext, 0, key=_end)
+    return r if r < len(ext) else None
+
+
+def _end(extent: tuple[int, int]) -> int:
+    return extent[0] + extent[1]
 
 
 def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int = 0) -> list[list[StepItem]]:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from vefsdp_optim._torch_compat import host_constants, module_parameters
-from vefsdp_optim.sharding import Box, BoxShard, RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 from ._sharded_tensor import ShardedParameter
 
@@ -94,18 +94,11 @@ class TensorParallel:
 def _dp_tp_layout(tp_boxes: BoxShard, runs: tuple[RaggedShard, ...]) -> BoxShard:
     """The BoxShard over dp x tp of :meth:`TensorParallel.sharded_layout`, one object for
     every parameter with the same tp boxes and dp layouts (a model's layers share a few
-    shapes): it holds dp x tp boxes and checks them when built, O(W log W) (~90 ms at
-    W = 8,192), so building it per parameter made ``fully_shard`` x TP's construction grow
-    with P x W."""
-    tp = tp_boxes.world_size
-    dp = runs[0].world_size
-    boxes = []
-    for i in range(dp):
-        for j in range(tp):
-            b = tp_boxes.boxes[j]
-            start, length = runs[j].local(i)
-            boxes.append(Box(b.offsets, b.sizes, start, length))
-    return BoxShard(tp_boxes.shape, tuple(boxes))
+    shapes): it holds dp x tp boxes, so building it per parameter made ``fully_shard`` x
+    TP's construction grow with P x W. Built from the checked tp boxes and dp runs
+    (``BoxShard.runs_in_boxes``), without the constructor's overlap sweep (~90 ms at
+    W = 8,192)."""
+    return BoxShard.runs_in_boxes(tp_boxes, runs)
 
 # [Note: grads into the buffer]
 # AccumulateGrad adds into an existing ``.grad`` in place when grad mode is off (the
