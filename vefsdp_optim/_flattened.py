@@ -28,26 +28,27 @@ import torch
 
 from vefsdp_optim.sharding import Elementwise
 
+from ._torch_compat import fsdp1_flat_param, is_fsdp_flattened
+
 if TYPE_CHECKING:
     from ._block_optimizer import BlockOptimizer
 
 __all__ = ["check_not_flattened", "flattened_by"]
 
 
-def flattened_by(p: torch.Tensor) -> tuple[str, tuple[torch.Size, ...] | None] | None:
-    """How ``p`` was flattened and the original shapes it records (None: not recorded),
-    or None for a parameter no known sharding has flattened."""
-    if getattr(p, "_is_flat_param", False):  # FSDP1's FlatParameter
-        shapes: tuple[torch.Size, ...] | None = None  # None: not (yet) recorded on it
-        if hasattr(p, "_shapes") and hasattr(p, "_unpadded_unsharded_size"):  # the same on every rank
-            shapes = (*(torch.Size(s) for s in p._shapes), torch.Size(p._unpadded_unsharded_size))
-        return "an FSDP1 FlatParameter (FullyShardedDataParallel, use_orig_params=False)", shapes
-    if getattr(p, "_fsdp_flattened", False) and p.dim() <= 1:
+def flattened_by(p: torch.Tensor) -> tuple[str, tuple[torch.Size, ...] | None, tuple[str, ...]] | None:
+    """How ``p`` was flattened, the original shapes it records (None: not recorded) and the
+    names of the parameters it holds, or None for a parameter no known sharding has
+    flattened."""
+    flat = fsdp1_flat_param(p)
+    if flat is not None:
+        return "an FSDP1 FlatParameter (FullyShardedDataParallel, use_orig_params=False)", *flat
+    if is_fsdp_flattened(p) and p.dim() <= 1:
         return ("a 1-D view of an FSDP1 flat shard (FullyShardedDataParallel, use_orig_params=True), "
-                "whose original shape FSDP1 does not record on it"), None
+                "whose original shape FSDP1 does not record on it"), None, ()
     ds_shape = getattr(p, "ds_shape", None)
     if ds_shape is not None and getattr(p, "ds_id", None) is not None and tuple(ds_shape) != tuple(p.shape):
-        return "a DeepSpeed ZeRO-3 partition", (torch.Size(ds_shape),)
+        return "a DeepSpeed ZeRO-3 partition", (torch.Size(ds_shape),), ()
     return None
 
 
@@ -59,7 +60,7 @@ def check_not_flattened(opt: BlockOptimizer, group: dict[str, Any], gi: int) -> 
         found = flattened_by(p)
         if found is None or opt.updates_elementwise(group):
             continue
-        how, shapes = found
+        how, shapes, fqns = found
         if shapes is not None:
             blocky = [tuple(s) for s in shapes if not isinstance(opt.requirement(s, group), Elementwise)]
             if not blocky:
@@ -68,7 +69,6 @@ def check_not_flattened(opt: BlockOptimizer, group: dict[str, Any], gi: int) -> 
         else:
             why = "it may be a flattened matrix, which needs the whole matrix or blocks of it"
         names = group.get("param_names")
-        fqns = getattr(p, "_fqns", None)
         who = repr(names[pi]) if names else f"{pi} (shape {tuple(p.shape)})"
         held = f", holding {list(fqns)}" if fqns else ""
         name = type(opt).__name__

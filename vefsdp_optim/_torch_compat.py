@@ -42,6 +42,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as MEM_FORMAT_ENCODING
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._common_utils import _is_fsdp_flattened as is_fsdp_flattened
+from torch.distributed.fsdp._flat_param import FlatParameter
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.optim.optimizer import _device_dtype_check_for_fused as device_dtype_check_for_fused
 from torch.optim.optimizer import _to_scalar as to_scalar
@@ -62,7 +64,7 @@ __all__ = [
     "module_parameters", "module_buffers", "module_apply",
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
     "DataParallelMeshDims",
-    "require_data_parallel_mesh_dims", "capturable_devices",
+    "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened", "fsdp1_flat_param",
 ]
 
 TORCH_RANGE = ">=2.11,<2.16"  # pyproject.toml's pin
@@ -157,6 +159,15 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.distributed._tools.mem_tracker.MemTracker": CHECKED,
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker": CHECKED,
     "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats": CHECKED,
+    # FSDP1's flattened parameters, refused by the block optimizers (_flattened.py, [Note:
+    # flattened parameters]): the mark FSDP1 sets on what it flattened, its FlatParameter
+    # and what that records of the parameters it holds (instance attributes, declared on
+    # the class)
+    "torch.distributed.fsdp._common_utils._is_fsdp_flattened": CHECKED,
+    "torch.distributed.fsdp._flat_param.FlatParameter": CHECKED,
+    "torch.distributed.fsdp._flat_param.FlatParameter._shapes": CHECKED,
+    "torch.distributed.fsdp._flat_param.FlatParameter._fqns": CHECKED,
+    "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": CHECKED,
 }
 
 # Private names the library *defines*, on its subclass of torch's FSDPModule
@@ -384,3 +395,15 @@ def require_data_parallel_mesh_dims(what: str) -> type:
             f"torch {torch.__version__} has none. Pass the data-parallel submesh itself as "
             "mesh= (e.g. mesh['dp_shard'], or a flattened one), or install torch>=2.12")
     return DataParallelMeshDims
+
+
+def fsdp1_flat_param(p: torch.Tensor) -> tuple[tuple[torch.Size, ...] | None, tuple[str, ...]] | None:
+    """For FSDP1's FlatParameter: the shapes of the parameters it holds and its whole
+    (unsharded, unpadded) flat size, the same on every rank (None while FSDP1 has not
+    recorded them), and their names; None for any other tensor."""
+    if not isinstance(p, FlatParameter):
+        return None
+    shapes = None
+    if hasattr(p, "_shapes") and hasattr(p, "_unpadded_unsharded_size"):
+        shapes = (*(torch.Size(s) for s in p._shapes), torch.Size(p._unpadded_unsharded_size))
+    return shapes, tuple(getattr(p, "_fqns", ()))
