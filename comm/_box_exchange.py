@@ -106,7 +106,9 @@ def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, 
 # view (size, stride, offset) of a local buffer, of the send or receive buffer, or of an
 # output. A step makes the views with ``as_strided`` and moves them all with one
 # ``torch._foreach_copy_`` per side: the same copies of the same elements, so the same
-# bits, and on a GPU a few multi-tensor kernels instead of W copies.
+# bits, and on a GPU a few multi-tensor kernels instead of W copies. Consecutive places
+# that step evenly through one buffer are merged into one view of one more dimension
+# (``_merged``): an owner's pieces of an evenly cut dp x tp grid are then one view.
 
 
 class Views(NamedTuple):
@@ -130,6 +132,32 @@ def _places(views: list[torch.Tensor], root: torch.Tensor, i: int) -> list[tuple
             raise AssertionError("a box piece that is not a view of its buffer")
         out.append((i, tuple(v.shape), tuple(v.stride()), v.storage_offset() - root.storage_offset()))
     return out
+
+
+def _merged(places: list[tuple[int, tuple, tuple, int]]) -> list[tuple[int, tuple, tuple, int]]:
+    """The same elements in the same order as fewer views ([Note: batched box pieces]): a
+    run of consecutive views of one buffer with one size and stride whose offsets step
+    by a constant is one view with a leading dimension of the run's length; repeated, so
+    an owner's W pieces of an evenly cut dp x tp grid become one [dp, tp, rows, cols] view."""
+    while True:
+        out: list[tuple[int, tuple, tuple, int]] = []
+        j = 0
+        while j < len(places):
+            i, size, stride, off = places[j]
+            k = j + 1
+            if k < len(places) and places[k][:3] == (i, size, stride):
+                step = places[k][3] - off  # > 0 only: as_strided takes no negative stride
+                while (step > 0 and k < len(places) and places[k][:3] == (i, size, stride)
+                       and places[k][3] - off == (k - j) * step):
+                    k += 1
+            if k - j > 1:
+                out.append((i, (k - j, *size), (step, *stride), off))
+            else:
+                out.append(places[j])
+            j = k
+        if len(out) == len(places):
+            return out
+        places = out
 
 
 def _packed(places: list[tuple[int, tuple, tuple, int]]) -> Views:
@@ -199,9 +227,10 @@ def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | B
     meta = torch.device("meta")
     ins = [torch.empty(s.local_numel(rank), device=meta) for s in src]
     outs = [torch.empty(n, device=meta) for n in out_numels]
-    send_from = [v for p, i in sends for v in _places(_gather_views(ins[i], src[i], dst[i], rank, p), ins[i], i)]
-    recv_to = [v for p, i, _ in recvs if p != rank
-               for v in _places(_scatter_targets(outs[i], src[i], dst[i], p, rank), outs[i], i)]
+    send_from = _merged([v for p, i in sends
+                         for v in _places(_gather_views(ins[i], src[i], dst[i], rank, p), ins[i], i)])
+    recv_to = _merged([v for p, i, _ in recvs if p != rank
+                       for v in _places(_scatter_targets(outs[i], src[i], dst[i], p, rank), outs[i], i)])
     if (sum(math.prod(sz) for _, sz, _, _ in recv_to) != sum(recv_counts)
             or sum(math.prod(sz) for _, sz, _, _ in send_from) != sum(send_counts)):
         raise AssertionError("the pieces do not fill the send and receive buffers")

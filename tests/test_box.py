@@ -180,3 +180,26 @@ def test_runs_in_boxes_equals_the_checked_constructor() -> None:
         BoxShard.runs_in_boxes(tp, [runs[0], runs[1], runs[0]])  # 28 elements for a box of 14
     with pytest.raises(ValueError, match="one run layout per box"):
         BoxShard.runs_in_boxes(tp, runs[:2])
+
+
+def test_merged_box_pieces_are_the_same_elements_in_order() -> None:
+    """[Note: batched box pieces]: the merged places read the same elements in the same
+    order as the pieces one by one; an owner's W - 1 received pieces of an evenly cut
+    dp x tp grid are two views (its own piece stays out of the run), W = 512 included, and
+    an uneven cut only a few."""
+    from vefsdp_optim.comm._box_exchange import _merged, box_plan
+
+    for rows, dp, tp, want in [(8, 4, 2, 2), (12, 4, 3, 2), (11, 4, 2, 4), (13, 5, 3, 5), (128, 64, 8, 2)]:
+        grid = BoxShard.nested_chunks((rows, 6), (dp, tp), [[0], [1]])
+        whole = RaggedShard.whole(rows * 6, dp * tp, 0)
+        plan = box_plan((grid,), (whole,), 0, dp * tp)  # rank 0 owns the matrix
+        assert len(plan.recv_to.views) <= want, (rows, dp, tp, plan.recv_to.views)
+        out = torch.arange(rows * 6.0)
+        got = torch.cat([v.reshape(-1) for v in plan.recv_to.of([out])])
+        # the pieces one by one, as each peer's box in the owner's flat tensor
+        ones = [out.view(rows, 6)[b.offsets[0]:b.offsets[0] + b.sizes[0], b.offsets[1]:b.offsets[1] + b.sizes[1]]
+                for b in grid.boxes[1:] if b.length]
+        assert torch.equal(got, torch.cat([v.reshape(-1) for v in ones]))
+    # a run ends where the offsets stop stepping evenly; a backward step starts none
+    places = [(0, (2,), (1,), 0), (0, (2,), (1,), 4), (0, (2,), (1,), 6), (0, (2,), (1,), 2)]
+    assert _merged(places) == [(0, (2, 2), (4, 1), 0), places[2], places[3]]
