@@ -132,6 +132,17 @@ class _RaggedPlan(NamedTuple):
     joined_numel: int
 
 
+def _runs(pieces: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """``(tensor, lo, hi)`` pieces with each run of consecutive ranges of one tensor as one."""
+    out: list[tuple[int, int, int]] = []
+    for i, lo, hi in pieces:
+        if out and out[-1][0] == i and out[-1][2] == lo:
+            out[-1] = (i, out[-1][1], hi)
+        else:
+            out.append((i, lo, hi))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=1024)
 def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], rank: int) -> _RaggedPlan:
     w = src[0].world_size
@@ -164,11 +175,16 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
             at = -(-at // _JOIN_ALIGN) * _JOIN_ALIGN
             n = sum(hi - lo for _, lo, hi in pieces)
             joined.append((i, at, n))
-            for piece in pieces:
-                joined_pieces.append(piece)
-                joined_dst.append((at, at + piece[2] - piece[1]))
-                at += piece[2] - piece[1]
-    return _RaggedPlan(tuple(sends), send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble),
+            for b, lo, hi in pieces:  # consecutive pieces of one buffer: one copy ([Note: joined outputs])
+                if (joined_pieces and joined_pieces[-1][0] == b and joined_pieces[-1][2] == lo
+                        and joined_dst[-1][1] == at):
+                    joined_pieces[-1] = (b, joined_pieces[-1][1], hi)
+                    joined_dst[-1] = (joined_dst[-1][0], at + hi - lo)
+                else:
+                    joined_pieces.append((b, lo, hi))
+                    joined_dst.append((at, at + hi - lo))
+                at += hi - lo
+    return _RaggedPlan(_runs(sends), send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble),
                        tuple(joined), tuple(joined_pieces), tuple(joined_dst), at)
 
 
@@ -179,7 +195,9 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 # starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned like a fresh tensor
 # ([Note: aligned gradients]: CPU kernels round by the address of their operands), and
 # consecutive where an output's length is a multiple of it, so that a batch of equal
-# outputs is a view of the buffer (muon_orthogonalize_batched's).
+# outputs is a view of the buffer (muon_orthogonalize_batched's). Pieces that lie one
+# after another in their buffer are one copy: an owner's W row pieces of a matrix,
+# received in rank order, are one range of the receive buffer.
 _JOIN_ALIGN = 64  # elements: 64 bytes or more for every dtype
 
 
