@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 FAST = [("AdamW8bit", "ours", 1), ("Shampoo", "fsdp2", 2)]
 # the rest of the optimizers and meshes (tests/test_fake_mode.py checks every optimizer's
@@ -103,3 +104,59 @@ def test_bad_input() -> None:
         estimate_rank(CONFIGS["debug"], 0, dp=2, sharding="fsdp1")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         estimate_rank(CONFIGS["debug"], 0, dp=2, optimizer="Lion")
+
+
+# Meta-Llama-3-8B's and -70B's config.json (the shape keys, as published with the weights)
+HF_LLAMA3 = {
+    "llama3-8b": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                  "hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 500000.0},
+    "llama3-70b": {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                   "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+                   "hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 500000.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_LLAMA3))
+def test_models_from_hf_and_torchtitan_configs(name: str) -> None:
+    """A Hugging Face config.json and torchtitan's llama3 fields give the same model as the
+    built-in flavor (torchtitan's): every parameter's shape, and the parameter count, which
+    is Meta's published 8.03 B / 70.55 B."""
+    from vefsdp_optim.estimate import CONFIGS, Transformer, config_from_dict
+
+    want = CONFIGS[name]
+    titan = {"dim": want.dim, "n_layers": want.n_layers, "n_heads": want.n_heads, "n_kv_heads": want.n_kv_heads,
+             "vocab_size": want.vocab_size, "ffn_dim_multiplier": want.ffn_dim_multiplier,
+             "multiple_of": want.multiple_of, "norm_eps": 1e-5, "rope_theta": 500000}
+    for cfg in (config_from_dict(HF_LLAMA3[name]), config_from_dict(titan)):
+        assert cfg.hidden_dim == want.hidden_dim and cfg.num_params() == want.num_params()
+        with torch.device("meta"):
+            got, ref = Transformer(cfg), Transformer(want)
+        assert [(n, p.shape) for n, p in got.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
+    assert round(want.num_params() / 1e9, 2) == {"llama3-8b": 8.03, "llama3-70b": 70.55}[name]
+
+
+def test_config_file_on_the_cli_and_its_errors(tmp_path) -> None:
+    from vefsdp_optim.estimate import config_from_dict
+
+    hf = dict(HF_LLAMA3["llama3-8b"], hidden_size=256, num_hidden_layers=2, num_attention_heads=16,
+              num_key_value_heads=4, intermediate_size=768, vocab_size=2048)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    proc = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", "--config", str(path), "--seq", "16",
+                           "--dp", "2", "--one", "0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["params"] == config_from_dict(hf).num_params() and out["peak"]["Total"] > 0
+    for bad, err, match in [
+        (dict(hf, tie_word_embeddings=True), NotImplementedError, "tie_word_embeddings=true is not modeled"),
+        (dict(hf, model_type="gpt2"), ValueError, "model_type 'gpt2' is not modeled; accepted: llama, mistral"),
+        (dict(hf, head_dim=32), NotImplementedError, "head_dim 32 is not modeled"),
+        (dict(hf, num_local_experts=8), NotImplementedError, r"mixture-of-experts configs \(num_local_experts\)"),
+        ({"dim": 64, "n_layers": 2, "n_heads": 4, "moe_args": {}}, ValueError,
+         r"unknown model config keys \['moe_args'\]"),
+        ({"dim": 64, "n_heads": 4}, ValueError, r"lacks \['n_layers'\]"),
+        ([1, 2], TypeError, "must be a JSON object"),
+    ]:
+        with pytest.raises(err, match=match):
+            config_from_dict(bad)

@@ -3,6 +3,10 @@
     python -m vefsdp_optim.estimate --model llama3-70b --dp 128 --tp 8 \\
         --sharding fsdp2 --optimizer Muon --ranks 0,511,1023
 
+``--config config.json`` takes the model from a Hugging Face ``config.json`` of a
+LLaMA-shaped model (llama, mistral) or from torchtitan's llama3 fields instead of
+``--model`` (``config_from_dict``).
+
 Each rank asked for is played by its own process, as torchtitan's estimator does: the
 model, its sharding and the optimizer are built on fake tensors (FakeTensorMode) under
 torch's fake process group, two training steps run (the first makes the optimizer's
@@ -29,7 +33,8 @@ from ._estimate import (
            real_tensors_on_the_fake_group,
            state_by_kind,
 )
-from ._model import CONFIGS, ModelConfig, Transformer
+from ._model import CONFIGS, ModelConfig, Transformer, config_from_dict
 
-__all__ = ["CONFIGS", "ModelConfig", "OPTIMIZERS", "STATE_KINDS", "Transformer", "estimate_rank", "main",
+__all__ = ["CONFIGS", "ModelConfig", "OPTIMIZERS", "STATE_KINDS", "Transformer", "config_from_dict", "estimate_rank",
+           "main",
            "real_tensors_on_the_fake_group", "state_by_kind"]

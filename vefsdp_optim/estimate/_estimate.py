@@ -18,7 +18,15 @@ from .._torch_compat import (
     fake_tensor_mode,
     global_peak_memory_tracker,
 )
-from ._model import CONFIGS, ModelConfig, Transformer, check_config, tp_plan, tp_plan_root
+from ._model import (
+    CONFIGS,
+    ModelConfig,
+    Transformer,
+    check_config,
+    config_from_dict,
+    tp_plan,
+    tp_plan_root,
+)
 
 __all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "real_tensors_on_the_fake_group", "state_by_kind"]
 
@@ -250,7 +258,11 @@ def _parse_kwargs(pairs: list[str]) -> dict[str, Any]:
 def _config(args: argparse.Namespace) -> ModelConfig:
     import dataclasses
 
-    cfg = CONFIGS[args.model]
+    if args.config:
+        with open(args.config) as f:
+            cfg = config_from_dict(json.load(f))
+    else:
+        cfg = CONFIGS[args.model]
     return dataclasses.replace(cfg, n_layers=args.layers) if args.layers else cfg
 
 
@@ -291,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m vefsdp_optim.estimate", description=__doc__)
     p.add_argument("--model", choices=sorted(CONFIGS), default="llama3-8b")
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="the model from a file instead: a Hugging Face config.json of a LLaMA-shaped model, "
+                        "or torchtitan's llama3 TransformerModelArgs fields")
     p.add_argument("--layers", type=int, default=0, help="override the model's layer count")
     p.add_argument("--dp", type=int, required=True, help="data-parallel ranks (sharded, or replicas x shards)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["CONFIGS", "ModelConfig", "Transformer", "check_config", "tp_plan", "tp_plan_root"]
+__all__ = ["CONFIGS", "ModelConfig", "Transformer", "check_config", "config_from_dict", "tp_plan", "tp_plan_root"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class ModelConfig:
     vocab_size: int = 128256
     ffn_dim_multiplier: float | None = None
     multiple_of: int = 256
+    ffn_dim: int | None = None  # the MLP's width where a config gives it (HF's intermediate_size)
 
     @property
     def head_dim(self) -> int:
@@ -32,7 +33,10 @@ class ModelConfig:
 
     @property
     def hidden_dim(self) -> int:
-        """The MLP's width, as torchtitan's FeedForward computes it."""
+        """The MLP's width: ``ffn_dim`` where given, else as torchtitan's FeedForward
+        computes it."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -145,3 +149,55 @@ def check_config(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tp={tp} must divide the heads ({cfg.n_heads}) and the kv heads ({cfg.n_kv_heads})")
     if math.gcd(cfg.hidden_dim, tp) != tp:
         raise ValueError(f"tp={tp} must divide the MLP width {cfg.hidden_dim}")
+
+
+# torchtitan's TransformerModelArgs fields that do not change a parameter's shape
+_TITAN_SHAPELESS = {"norm_eps", "rope_theta", "rope_scaling_args", "max_seq_len", "depth_init", "use_flex_attn",
+                    "attn_mask_type", "eos_id", "attn_type"}
+_TITAN_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of"}
+_HF_LLAMA_TYPES = ("llama", "mistral")
+_HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """A model from a Hugging Face ``config.json`` of a LLaMA-shaped model (``model_type``
+    llama or mistral: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``) or from torchtitan's
+    llama3 ``TransformerModelArgs`` fields (``dim``, ``n_layers``, ``n_heads``,
+    ``n_kv_heads``, ``vocab_size``, ``ffn_dim_multiplier``, ``multiple_of``). What this
+    model does not have (tied embeddings, biases, another head size, experts) raises,
+    naming the key: the estimate would be of another model."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a model config must be a JSON object, got {type(d).__name__}")
+    moe = [k for k in _HF_MOE_KEYS if d.get(k)]
+    if moe:
+        raise NotImplementedError(f"mixture-of-experts configs ({', '.join(moe)}) are not modeled yet; "
+                                  "accepted: dense LLaMA-shaped models")
+    if "hidden_size" in d:  # Hugging Face
+        kind = d.get("model_type")
+        if kind not in _HF_LLAMA_TYPES:
+            raise ValueError(f"model_type {kind!r} is not modeled; accepted: {', '.join(_HF_LLAMA_TYPES)} "
+                             "(or torchtitan's llama3 fields)")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise NotImplementedError(f"{key}=true is not modeled (the estimate's model has an untied "
+                                          "output head and no biases)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not modeled; accepted: 'silu'")
+        dim, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        if d.get("head_dim") not in (None, dim // heads):
+            raise NotImplementedError(f"head_dim {d['head_dim']} is not modeled; accepted: hidden_size / "
+                                      f"num_attention_heads = {dim // heads}")
+        return ModelConfig(dim=dim, n_layers=int(d["num_hidden_layers"]), n_heads=heads,
+                           n_kv_heads=int(d.get("num_key_value_heads") or heads), vocab_size=int(d["vocab_size"]),
+                           ffn_dim=int(d["intermediate_size"]))
+    unknown = sorted(set(d) - _TITAN_FIELDS - _TITAN_SHAPELESS)
+    if unknown:
+        raise ValueError(f"unknown model config keys {unknown}; accepted: a Hugging Face config.json "
+                         f"(hidden_size, ...) or torchtitan's fields {sorted(_TITAN_FIELDS)}")
+    missing = sorted({"dim", "n_layers", "n_heads"} - set(d))
+    if missing:
+        raise ValueError(f"model config lacks {missing}")
+    kw = {k: d[k] for k in _TITAN_FIELDS if d.get(k) is not None}
+    kw.setdefault("n_kv_heads", kw["n_heads"])
+    return ModelConfig(**kw)
