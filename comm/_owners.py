@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from vefsdp_optim._torch_compat import host_constants
+from vefsdp_optim._torch_compat import host_scratch
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["OwnerAssignment", "assign_owners"]
@@ -40,7 +40,7 @@ class OwnerAssignment(NamedTuple):
 def _held(layout: RaggedShard | BoxShard) -> torch.Tensor:
     """Each rank's elements of ``layout`` (int64, W long), once per layout: parameters of
     one shape share theirs."""
-    with host_constants():
+    with host_scratch():
         return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)], dtype=torch.int64,
                             device="cpu")
 
@@ -78,9 +78,9 @@ def assign_owners(
     slack = tolerance * total / w
     owners = [0] * len(layouts)
     # the per-rank scans run as tensor ops over W float64 loads on the host (real tensors
-    # under FakeTensorMode too): the same IEEE sums and comparisons as Python floats, so
-    # the same owners ([Note: owner assignment])
-    with host_constants():
+    # under FakeTensorMode too, seen by no dispatch mode): the same IEEE sums and
+    # comparisons as Python floats, so the same owners ([Note: owner assignment])
+    with host_scratch():
         load = torch.zeros(w, dtype=torch.float64, device="cpu")
         inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
         for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):

@@ -27,6 +27,7 @@ by ``_sharded_dispatch`` as the dispatcher spells them) and torch's public API.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,7 @@ __all__ = [
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
     "DataParallelMeshDims",
     "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened", "fsdp1_flat_param",
+    "host_scratch",
 ]
 
 TORCH_RANGE = ">=2.11,<2.16"  # pyproject.toml's pin
@@ -148,6 +150,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._subclasses.fake_tensor.unset_fake_temporarily": CHECKED,
     "torch._C._get_dispatch_mode": CHECKED,
     "torch._C._TorchDispatchModeKey.FAKE": CHECKED,
+    # the owner choice's host tensors, hidden from every dispatch mode (comm._owners,
+    # host_scratch): torch's memory trackers would count them
+    "torch.utils._python_dispatch._disable_current_modes": CHECKED,
     # the memory estimate (estimate/_estimate.py): fake tensors, the fake process group,
     # activation checkpointing as torchtitan wraps blocks, and torch's MemTracker keeping
     # the global peak only (global_peak_memory_tracker, which also reads the instance's
@@ -211,6 +216,18 @@ def host_constants() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+@contextlib.contextmanager
+def host_scratch() -> Any:
+    """A context for the library's own host bookkeeping in tensors (the owner choice's
+    per-rank loads): real tensors under FakeTensorMode, and seen by no dispatch mode, so
+    torch's memory trackers count only the training's tensors (an estimate equals the real
+    run's peak to the byte)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with host_constants(), _disable_current_modes():
+        yield
 
 
 def fake_tensor_mode(allow_non_fake_inputs: bool = False) -> Any:
