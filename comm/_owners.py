@@ -39,10 +39,9 @@ class OwnerAssignment(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def _held(layout: RaggedShard | BoxShard) -> torch.Tensor:
     """Each rank's elements of ``layout`` (int64, W long), once per layout: parameters of
-    one shape share theirs."""
-    with host_scratch():
-        return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)], dtype=torch.int64,
-                            device="cpu")
+    one shape share theirs. Called under ``host_scratch`` (by ``assign_owners``)."""
+    return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)], dtype=torch.int64,
+                        device="cpu")
 
 
 def assign_owners(

@@ -9,6 +9,7 @@ once, before the first exchange.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -132,15 +133,20 @@ class _RaggedPlan(NamedTuple):
     joined_numel: int
 
 
-def _runs(pieces: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
-    """``(tensor, lo, hi)`` pieces with each run of consecutive ranges of one tensor as one."""
-    out: list[tuple[int, int, int]] = []
-    for i, lo, hi in pieces:
-        if out and out[-1][0] == i and out[-1][2] == lo:
-            out[-1] = (i, out[-1][1], hi)
+def _coalesced(pieces: list[tuple[int, int, int]], dst: list[tuple[int, int]]
+               ) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]]:
+    """Pieces ``(buffer, lo, hi)`` copied to ranges ``dst`` (``(lo, hi)``, in order), with
+    each run that is consecutive on both sides as one piece: one copy ([Note: joined
+    outputs])."""
+    src_out: list[tuple[int, int, int]] = []
+    dst_out: list[tuple[int, int]] = []
+    for (b, lo, hi), (a, c) in zip(pieces, dst, strict=True):
+        if src_out and src_out[-1][0] == b and src_out[-1][2] == lo and dst_out[-1][1] == a:
+            src_out[-1], dst_out[-1] = (b, src_out[-1][1], hi), (dst_out[-1][0], c)
         else:
-            out.append((i, lo, hi))
-    return tuple(out)
+            src_out.append((b, lo, hi))
+            dst_out.append((a, c))
+    return tuple(src_out), tuple(dst_out)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,17 +181,16 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
             at = -(-at // _JOIN_ALIGN) * _JOIN_ALIGN
             n = sum(hi - lo for _, lo, hi in pieces)
             joined.append((i, at, n))
-            for b, lo, hi in pieces:  # consecutive pieces of one buffer: one copy ([Note: joined outputs])
-                if (joined_pieces and joined_pieces[-1][0] == b and joined_pieces[-1][2] == lo
-                        and joined_dst[-1][1] == at):
-                    joined_pieces[-1] = (b, joined_pieces[-1][1], hi)
-                    joined_dst[-1] = (joined_dst[-1][0], at + hi - lo)
-                else:
-                    joined_pieces.append((b, lo, hi))
-                    joined_dst.append((at, at + hi - lo))
-                at += hi - lo
-    return _RaggedPlan(_runs(sends), send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble),
-                       tuple(joined), tuple(joined_pieces), tuple(joined_dst), at)
+            for piece in pieces:
+                joined_pieces.append(piece)
+                joined_dst.append((at, at + piece[2] - piece[1]))
+                at += piece[2] - piece[1]
+    # the send buffer is the sends one after another
+    starts = list(itertools.accumulate((hi - lo for _, lo, hi in sends), initial=0))
+    send, _ = _coalesced(sends, list(itertools.pairwise(starts)))
+    joined_pieces, joined_dst = _coalesced(joined_pieces, joined_dst)
+    return _RaggedPlan(send, send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble),
+                       tuple(joined), joined_pieces, joined_dst, at)
 
 
 # [Note: joined outputs]

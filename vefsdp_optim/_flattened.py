@@ -56,9 +56,11 @@ def check_not_flattened(opt: BlockOptimizer, group: dict[str, Any], gi: int) -> 
     """Raise ValueError for the first parameter of ``group`` (param group ``gi`` of
     ``opt``) that a sharding flattened and ``opt`` cannot update as one device would
     ([Note: flattened parameters])."""
+    if opt.updates_elementwise(group):
+        return
     for pi, p in enumerate(group["params"]):
         found = flattened_by(p)
-        if found is None or opt.updates_elementwise(group):
+        if found is None:
             continue
         how, shapes, fqns = found
         if shapes is not None:
