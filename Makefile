@@ -24,6 +24,8 @@ VENV_HI ?= .venv-torch-hi
 PY_HI    = $(VENV_HI)/bin/python
 TORCH_HI_PIN ?= torch==2.15.0
 STAMP_HI = $(VENV_HI)/.deps-stamp
+# pyproject.toml's hf extra, installed with torch (outside the editable installs' flock)
+HF_DEPS  = "transformers>=5.0,<6" "accelerate>=1.10"
 
 # The two test venvs are set up side by side (each pip is one busy core, a minute of
 # unpacking torch): their editable installs of this checkout, which write its build/ and
@@ -36,8 +38,8 @@ SETUP_JOBS = $(if $(EDITABLE),-j2,)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[dev,triton]"
+	$(PY) -m pip install -q "$(TORCH_PIN)" $(HF_DEPS)
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[dev,triton,hf]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -45,8 +47,8 @@ venv: $(STAMP)
 $(STAMP_LO): pyproject.toml Makefile
 	test -x $(PY_LO) || $(PYTHON) -m venv $(VENV_LO)
 	$(PY_LO) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
-	$(PY_LO) -m pip install -q "$(TORCH_LO_PIN)"
-	$(EDITABLE) $(PY_LO) -m pip install -q "$(TORCH_LO_PIN)" -e ".[dev,triton]"
+	$(PY_LO) -m pip install -q "$(TORCH_LO_PIN)" $(HF_DEPS)
+	$(EDITABLE) $(PY_LO) -m pip install -q "$(TORCH_LO_PIN)" -e ".[dev,triton,hf]"
 	touch $(STAMP_LO)
 
 venv-lo: $(STAMP_LO)
@@ -54,8 +56,8 @@ venv-lo: $(STAMP_LO)
 $(STAMP_HI): pyproject.toml Makefile
 	test -x $(PY_HI) || $(PYTHON) -m venv $(VENV_HI)
 	$(PY_HI) -m pip install -q --upgrade "pip>=23" "setuptools>=70" wheel
-	PIP_CONSTRAINT=/dev/null $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)"
-	PIP_CONSTRAINT=/dev/null $(EDITABLE) $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" -e ".[dev,triton]"
+	PIP_CONSTRAINT=/dev/null $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" $(HF_DEPS)
+	PIP_CONSTRAINT=/dev/null $(EDITABLE) $(PY_HI) -m pip install -q "$(TORCH_HI_PIN)" -e ".[dev,triton,hf]"
 	touch $(STAMP_HI)
 
 venv-hi: $(STAMP_HI)

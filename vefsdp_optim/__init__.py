@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ._fsdp import ShardedParameter, fully_shard
     from ._muon import Muon
     from ._normuon import NorMuon
+    from ._param_groups import ParamChoice, muon_param_groups, muon_param_report
     from ._registry import get_optimizer, list_optimizers, register_optimizer
     from ._shampoo import Shampoo
     from ._soap import SOAP
@@ -52,6 +53,9 @@ _LAZY: dict[str, str] = {
     "AdamW8bit": "._adam8bit",
     "Adam8bit": "._adam8bit",
     "Muon": "._muon",
+    "muon_param_groups": "._param_groups",
+    "muon_param_report": "._param_groups",
+    "ParamChoice": "._param_groups",
     "NorMuon": "._normuon",
     "Shampoo": "._shampoo",
     "SOAP": "._soap",
@@ -81,6 +85,9 @@ __all__ = [
     "Adam8bit",
     "Muon",
     "NorMuon",
+    "muon_param_groups",
+    "muon_param_report",
+    "ParamChoice",
     "Shampoo",
     "SOAP",
     "BlockOptimizer",
