@@ -163,31 +163,32 @@ def _check_patterns(split_sizes: dict[str, Any], num_heads: dict[str, Any]) -> N
             raise ValueError(f"pattern {pattern!r} is in both split_sizes and num_heads; give one")
 
 
+def _hf_module(module: nn.Module, getter: str) -> nn.Module | None:
+    """What a Hugging Face model's ``get_input_embeddings`` / ``get_output_embeddings``
+    returns, or None (no such method, not implemented, or not a module)."""
+    get = getattr(module, getter, None)
+    try:
+        found = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
 def _embedding_params(module: nn.Module, modules: dict[str, nn.Module]) -> set[int]:
     roots = [m for m in modules.values()
              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or "Embedding" in type(m).__name__]
-    get = getattr(module, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            found = get()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            roots.append(found)
+    found = _hf_module(module, "get_input_embeddings")
+    if found is not None:
+        roots.append(found)
     return {id(p) for m in roots for p in m.parameters()}
 
 
 def _head_params(module: nn.Module, modules: dict[str, nn.Module]) -> dict[int, str]:
     heads: dict[int, str] = {}
-    get = getattr(module, "get_output_embeddings", None)
-    if callable(get):
-        try:
-            found = get()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            heads.update((id(p), "the output head (get_output_embeddings())")
-                         for p in found.parameters())
+    found = _hf_module(module, "get_output_embeddings")
+    if found is not None:
+        heads.update((id(p), "the output head (get_output_embeddings())")
+                     for p in found.parameters())
     for name, m in modules.items():
         leaf = name.rpartition(".")[2]
         if leaf in _HEAD_NAMES and m is not module:
