@@ -93,7 +93,7 @@ def test_resume_at_other_world_size_matrix(tmp_path, kind, a, b):
     (("fully_shard", 3), ("fsdp2", 2)),
     (("fully_shard", 4), ("single", "single")),
     (("single", "single"), ("fully_shard", 3)),
-    (("fsdp2", 2), ("fully_shard", 4)),
+    pytest.param(("fsdp2", 2), ("fully_shard", 4), marks=pytest.mark.slow),  # ~2.6 s
 ])
 def test_resume_across_model_kinds(tmp_path, src, dst):
     _resume_case(tmp_path, src[0], src[1], dst[0], dst[1])

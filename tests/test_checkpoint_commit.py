@@ -239,6 +239,9 @@ for phase in ["before_write", *EXPECT]:
 """
 
 
+# ~6 s of subprocess on 2 cores: the slow tier; the quick tier recovers from interrupted
+# saves in-process (test_interrupted_saves_recover_the_newest)
+@pytest.mark.slow
 def test_killed_saves_recover_the_newest(tmp_path):
     """The process really dies (os._exit) at each phase: no cleanup code runs."""
     code = _KILLED.format(tests=os.path.dirname(__file__), root=str(tmp_path))

@@ -75,7 +75,7 @@ def _case() -> dict[str, object]:
 
 @pytest.mark.skipif(DataParallelMeshDims is None, reason=f"torch {torch.__version__} has no "
                     f"DataParallelMeshDims (torch {_DIMS_SINCE} added it)")
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # W = 3 quick
 def test_dp_mesh_dims_picks_the_data_parallel_submesh(world_size: int) -> None:
     results = run_distributed(_case, world_size)
     for label in ("one_name", "flattened"):  # sharded over the W ranks, not replicated

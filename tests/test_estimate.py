@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-FAST = [("AdamW8bit", "ours", 1), ("Shampoo", "fsdp2", 2)]
+FAST = [("Shampoo", "fsdp2", 2)]
 # the rest of the optimizers and meshes (tests/test_fake_mode.py checks every optimizer's
 # state on fake tensors under both shardings; these check the estimator's whole report)
-SLOW = [("torch.AdamW", "fsdp2", 1), ("AdamW", "fsdp2", 1), ("Muon", "fsdp2", 2), ("NorMuon", "ours", 1),
+SLOW = [("AdamW8bit", "ours", 1), ("torch.AdamW", "fsdp2", 1), ("AdamW", "fsdp2", 1), ("Muon", "fsdp2", 2), ("NorMuon", "ours", 1),
         ("SOAP", "fsdp2", 1), ("Shampoo", "ours", 2)]
 
 
@@ -93,10 +93,11 @@ def test_report_at_w1024() -> None:
 
 
 def test_bad_input() -> None:
-    bad = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", "--model", "debug", "--dp", "4",
-                          "--ranks", "4"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--ranks [4] outside [0, 4)" in bad.stderr
-    from vefsdp_optim.estimate import CONFIGS, estimate_rank
+    from vefsdp_optim.estimate import CONFIGS, estimate_rank, main
+
+    # the CLI refuses before it starts a rank (in this process: what `python -m` runs)
+    with pytest.raises(SystemExit, match=r"--ranks \[4\] outside \[0, 4\)"):
+        main(["--model", "debug", "--dp", "4", "--ranks", "4"])
 
     with pytest.raises(ValueError, match="tp=3 must divide the heads"):
         estimate_rank(CONFIGS["debug"], 0, dp=2, tp=3)
@@ -136,18 +137,30 @@ def test_models_from_hf_and_torchtitan_configs(name: str) -> None:
     assert round(want.num_params() / 1e9, 2) == {"llama3-8b": 8.03, "llama3-70b": 70.55}[name]
 
 
-def test_config_file_on_the_cli_and_its_errors(tmp_path) -> None:
+# a small Llama config.json (the shape keys of Meta-Llama-3-8B's, narrower)
+SMALL_HF = dict(HF_LLAMA3["llama3-8b"], hidden_size=256, num_hidden_layers=2, num_attention_heads=16,
+                num_key_value_heads=4, intermediate_size=768, vocab_size=2048)
+
+
+# ~8 s of subprocess on 2 cores: the slow tier (the quick tier runs the CLI in
+# test_estimate_equals_the_real_run and reads configs in the test below)
+@pytest.mark.slow
+def test_config_file_on_the_cli(tmp_path) -> None:
     from vefsdp_optim.estimate import config_from_dict
 
-    hf = dict(HF_LLAMA3["llama3-8b"], hidden_size=256, num_hidden_layers=2, num_attention_heads=16,
-              num_key_value_heads=4, intermediate_size=768, vocab_size=2048)
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(hf))
+    path.write_text(json.dumps(SMALL_HF))
     proc = subprocess.run([sys.executable, "-m", "vefsdp_optim.estimate", "--config", str(path), "--seq", "16",
                            "--dp", "2", "--one", "0"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["params"] == config_from_dict(hf).num_params() and out["peak"]["Total"] > 0
+    assert out["params"] == config_from_dict(SMALL_HF).num_params() and out["peak"]["Total"] > 0
+
+
+def test_config_errors() -> None:
+    from vefsdp_optim.estimate import config_from_dict
+
+    hf = SMALL_HF
     for bad, err, match in [
         (dict(hf, tie_word_embeddings=True), NotImplementedError, "tie_word_embeddings=true is not modeled"),
         (dict(hf, model_type="gpt2"), ValueError, "model_type 'gpt2' is not modeled; accepted: llama, mistral"),

@@ -177,7 +177,7 @@ def _needs_shard_placement_result(layout: str) -> None:
 
 
 @pytest.mark.parametrize("experts, layout", [
-    (3, "ep2"), (4, "ep2"), (3, "ep2_one_call"),
+    (3, "ep2"), pytest.param(4, "ep2", marks=pytest.mark.slow), (3, "ep2_one_call"),
     pytest.param(4, "ep2_one_call", marks=pytest.mark.slow)])
 def test_ep_fully_shard_equals_fsdp2(experts: int, layout: str) -> None:
     """The experts' gradients (reduced over edp = 2: one sum in either order) equal
@@ -344,7 +344,7 @@ def _resume(tmp_path, src: tuple[str, str], dst: tuple[str, str], names: tuple[s
 
 
 @pytest.mark.parametrize("src, dst", [
-    (("ep2", "ours"), ("ep1", "ours")),
+    pytest.param(("ep2", "ours"), ("ep1", "ours"), marks=pytest.mark.slow),  # ~4 s; ep2 -> single stays
     (("ep2", "ours"), ("single", "ours")),
     pytest.param(("ep2_one_call", "ours"), ("single", "ours"), marks=pytest.mark.slow),
     pytest.param(("ep2", "fsdp2"), ("ep2_one_call", "ours"), marks=pytest.mark.slow),

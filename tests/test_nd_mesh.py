@@ -112,11 +112,12 @@ def test_fsdp2_tp_3x2_bitwise(name: str) -> None:
 
 
 @pytest.mark.parametrize("src, dst", [
-    (("fsdp2_tp", 4), ("fsdp2", 3)),
+    # the quick tier saves from each 2-D mesh and loads onto FSDP2 x TP; the rest ~3 s each
+    pytest.param(("fsdp2_tp", 4), ("fsdp2", 3), marks=pytest.mark.slow),
     (("fsdp2_tp", 4), ("single", "single")),
     (("fsdp2", 3), ("fsdp2_tp", 4)),
     (("fully_shard_tp", 4), ("fully_shard", 3)),
-    (("fully_shard", 3), ("fully_shard_tp", 4)),
+    pytest.param(("fully_shard", 3), ("fully_shard_tp", 4), marks=pytest.mark.slow),
 ])
 def test_checkpoint_across_meshes(tmp_path, src, dst):
     from ckpt_harness import _resume_case

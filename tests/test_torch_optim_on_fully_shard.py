@@ -164,7 +164,7 @@ def test_database_is_covered() -> None:
 
 
 @pytest.mark.parametrize(("world_size", "tier"), [
-    (2, "firsts"),
+    pytest.param(2, "firsts", marks=pytest.mark.slow),  # W = 3 (uneven) stays quick
     (3, "firsts"),
     # every configuration: ~25 s at W = 2 on 2 cores, in the full tier (make test-fast's budget)
     pytest.param(2, "torch", marks=pytest.mark.slow),

@@ -90,6 +90,9 @@ def _check_against_single_device(configs, world_size):
     return results, refs
 
 
+# ~6 s on 2 cores: the slow tier. The quick tier runs the toy's check on a custom optimizer
+# (below) and every built-in against one device bitwise (test_optim_db_ours at W = 3)
+@pytest.mark.slow
 def test_check_every_builtin_optimizer_fully_shard_w2():
     results, refs = _check_against_single_device(_configs("fully_shard", BUILTIN_OPTIMIZERS), 2)
     # the runs trained: the mlp loss fell in 22 steps for every optimizer
