@@ -302,3 +302,15 @@ def test_storage_of_sharded_parameters_is_the_local_shard(world_size: int) -> No
             assert res[f"{kind}_hook_copied"] and res[f"{kind}_grad_storage"], res
         assert res["ours_data_ptr"] == res["fsdp2_data_ptr"] == {0}, res
         assert res["ours_is_local_storage"], res
+
+
+def test_the_fsdp_module_class_has_type_hints_a_subclass_can_evaluate() -> None:
+    # fully_shard makes a subclass of the module's class and FSDPModule; Hugging Face's
+    # PreTrainedModel.__init_subclass__ evaluates typing.get_type_hints over that MRO, so a
+    # hint naming a type-checking-only import failed there (a NameError from fully_shard)
+    import typing
+
+    from vefsdp_optim._fsdp._module import FSDPModule
+
+    for cls in FSDPModule.__mro__:
+        typing.get_type_hints(cls)

@@ -45,7 +45,9 @@ class FSDPModule(_TorchFSDPModule):
     # [FSDPX, this class, torch's FSDPModule, the module's class, ...]: torch's __new__
     # (indexing into containers) constructs the original class from this index
     _orig_cls_mro_index: int = 3
-    _vefsdp_state: FSDPState
+    # _vefsdp_state, the module's FSDPState, is set by fully_shard. Not a class annotation:
+    # subclasses whose __init_subclass__ evaluates the MRO's type hints (Hugging Face's
+    # PreTrainedModel) would fail on a name imported only for type checking.
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters and register the unsharded ones.
