@@ -258,3 +258,27 @@ def test_an_unsharded_model_is_refused(tmp_path) -> None:
 def test_a_second_sharding_is_refused(tmp_path) -> None:
     # on CPU ranks Accelerate ignores fsdp=True without a word: refused before it can
     run_distributed(_refused_twice, 1, str(tmp_path))
+
+
+@pytest.mark.slow  # ~40 s: three fresh processes import transformers' Trainer
+@pytest.mark.parametrize("kind", ["fsdp2", "ours"])
+def test_accelerate_launch_resumes_and_equals_one_device(tmp_path, kind: str) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_launch_job.py")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}  # no user accelerate config
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "3",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port), job, kind, str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    got = torch.load(tmp_path / "result.pt", weights_only=True)
+    want = _one_device("Muon", 3, str(tmp_path / "one"))
+    _same(want, (got["params"], got["losses"], []))
