@@ -120,7 +120,18 @@ class Trainer(transformers.Trainer):
         """The full weights for ``from_pretrained``: gathered on every rank (a collective),
         written by rank 0 (``save_pretrained``, the Trainer's ``_save``)."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        self._save(output_dir, state_dict=_full_state_dict(self.model, keep=self.args.should_save))
+        full = _full_state_dict(self.model, keep=self.args.should_save)
+        if self.args.should_save:  # what the Trainer's own save writes, through public calls
+            os.makedirs(output_dir, exist_ok=True)
+            if isinstance(self.model, transformers.PreTrainedModel):
+                self.model.save_pretrained(output_dir, state_dict=full)
+            else:
+                from safetensors.torch import save_file
+
+                save_file(full, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
