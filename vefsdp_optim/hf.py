@@ -43,14 +43,12 @@ _SCHEDULER = "scheduler.pt"
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` (or a submodule) was sharded by FSDP2's or our ``fully_shard``, or
     holds DTensor parameters (tensor parallelism)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.fsdp import FSDPModule  # ours subclasses it
 
-    from ._fsdp import FSDPModule as OurFSDPModule
+    from ._checkpoint._full_export import _is_sharded
 
-    if any(isinstance(m, (FSDPModule, OurFSDPModule)) for m in model.modules()):
-        return True
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        _is_sharded(p) for p in model.parameters())
 
 
 def _full_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
@@ -58,10 +56,12 @@ def _full_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     joins; DTensor and ShardedParameter both gather with ``full_tensor()``; torch's
     ``get_model_state_dict(full_state_dict=True)`` knows only DTensor). Only a rank with
     ``keep`` holds them, one at a time on the others."""
+    from ._checkpoint._full_export import _is_sharded
+
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, value in model.state_dict().items():
-            if hasattr(value, "full_tensor"):
+            if _is_sharded(value):
                 value = value.full_tensor()
             if keep:
                 out[name] = value.detach().cpu()
@@ -118,7 +118,7 @@ class Trainer(transformers.Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The full weights for ``from_pretrained``: gathered on every rank (a collective),
-        written by rank 0 (``save_pretrained``, the Trainer's ``_save``)."""
+        written by rank 0 (``save_pretrained``, as the Trainer's own save)."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
         full = _full_state_dict(self.model, keep=self.args.should_save)
         if self.args.should_save:  # what the Trainer's own save writes, through public calls
