@@ -326,3 +326,90 @@ def test_chunk_bounds_equal_a_scan_of_every_chunk():
         assert largest == scan(None)
         for o in {tuple(c.offsets) for c in chunks} | {(9, 9)}:
             assert by_offset.get(o, _FRAMING) == scan(o), o
+
+
+def _accepts(check, *args) -> bool:  # noqa: ANN001
+    try:
+        check(*args)
+    except ValueError:
+        return False
+    return True
+
+
+def test_one_pass_checks_equal_the_entry_by_entry_definition(tmp_path):
+    """The metadata checks run one pass per field over all chunks and entries
+    (_chunks_inside, _storage_typed, _confined; O(chunks) in C, not Python per chunk);
+    each must accept exactly what its entry-by-entry definition accepts, on 300 random
+    two-tensor checkpoints with one field broken in each of most: a negative, bool, float
+    or missing offset, a chunk past the tensor's end, a wrong type, an entry past its
+    file's end or its chunk's bound, a transform that is not a str, a bytes entry."""
+    import random
+
+    from torch.distributed.checkpoint import metadata as md
+
+    from vefsdp_optim._checkpoint import _safe_load as S
+    from vefsdp_optim._torch_compat import StorageInfo
+
+    rng = random.Random(0)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    for r in range(4):
+        (root / f"__{r}_0.distcp").touch()
+        os.truncate(root / f"__{r}_0.distcp", 200_000)
+    breaks = ["none", "neg_offset", "bool_offset", "float_size", "outside", "short_offset", "chunk_type",
+              "past_file", "past_chunk", "unknown_offset", "transform", "key_type", "info_offset_neg", "bytes"]
+    seen = {"fast": 0, "refused": 0}
+    for _ in range(300):
+        sdm, storage = {}, {}
+        for t, fqn in enumerate(("a", "b")):
+            world = rng.randint(1, 4)
+            rows = [rng.randint(0, 5) for _ in range(world)]
+            offs = [sum(rows[:i]) for i in range(world)]
+            chunks = [md.ChunkStorageMetadata(torch.Size([o, 0]), torch.Size([n, 3]))
+                      for o, n in zip(offs, rows, strict=True)]
+            props = md.TensorProperties(dtype=torch.float32)
+            sdm[fqn] = md.TensorStorageMetadata(props, torch.Size([sum(rows), 3]), chunks)
+            for r, c in enumerate(chunks):
+                storage[md.MetadataIndex(fqn, c.offsets, r)] = StorageInfo(
+                    f"__{r}_0.distcp", t * 2000, c.sizes[0] * 12 + rng.randint(0, 100))
+        what = rng.choice(breaks)
+        chunk = sdm["b"].chunks[-1]
+        idx, info = list(storage.items())[-1]
+        if what == "neg_offset":
+            chunk.offsets = torch.Size([-1, 0])
+        elif what == "bool_offset":
+            chunk.offsets = torch.Size([chunk.offsets[0], False])
+        elif what == "float_size":
+            chunk.sizes = (float(chunk.sizes[0]), 3)
+        elif what == "outside":
+            chunk.sizes = torch.Size([chunk.sizes[0] + 1, 3])
+        elif what == "short_offset":
+            chunk.offsets = torch.Size([chunk.offsets[0]])
+        elif what == "chunk_type":
+            sdm["b"].chunks[-1] = (chunk.offsets, chunk.sizes)
+        elif what == "past_file":
+            info.offset = 200_000 - info.length + 1
+        elif what == "past_chunk":
+            info.length = S._FRAMING + chunk.sizes[0] * 12 + 1
+        elif what == "unknown_offset":
+            storage[md.MetadataIndex("b", torch.Size([99, 0]), 0)] = StorageInfo("__0_0.distcp", 0, S._FRAMING + 1)
+        elif what == "transform":
+            info.transform_descriptors = [1]
+        elif what == "key_type":
+            storage[("b", None)] = storage.pop(idx)
+        elif what == "info_offset_neg":
+            info.offset = -1
+        elif what == "bytes":
+            sdm["c"] = md.BytesStorageMetadata()
+            storage[md.MetadataIndex("c")] = StorageInfo("__0_0.distcp", 0, 200_000)
+        meta = md.Metadata(state_dict_metadata=sdm, storage_data=storage)
+        for fqn, entry in sdm.items():
+            if isinstance(entry, md.TensorStorageMetadata):
+                assert S._chunks_inside(entry) == _accepts(S._check_each_chunk, fqn, entry, "w"), (what, fqn)
+        typed = S._storage_typed(storage)
+        assert typed == _accepts(S._check_each_storage_entry, storage, "w"), what
+        if typed and all(S._chunks_inside(e) for e in sdm.values() if isinstance(e, md.TensorStorageMetadata)):
+            fast = S._confined(meta, str(root), "w")
+            assert fast == _accepts(S._confine_each_entry, meta, str(root), "w"), what
+            seen["fast" if fast else "refused"] += 1
+    assert seen["fast"] > 50 and seen["refused"] > 20, seen
