@@ -12,17 +12,31 @@ mesh with tp 8, our ``fully_shard``, ours x TP) and an optimizer (ours, or the p
 columns (the costs that grow with W depend on the row counts and the number of
 parameters, not on the columns).
 
+The peers run in the same sweep: FSDP2 (and HSDP) + ``torch.optim.AdamW``, and Dion's Muon on
+FSDP2 (``dion.Muon``, from the checkout ``VEFSDP_DION_SRC`` names; "failed: peer not
+installed" without it; its collectives are not counted, since its ``torch.compile``
+refuses the counting dispatch mode). SOAP preconditions sides up to 1,024
+(``max_precond_dim``), so that no 8,192 x 8,192 eigendecomposition, compute a GPU does in
+a tenth of a second, hides the host work.
+
 Per run: construction (sharding and the optimizer), the first step (re-plan included),
 the median steady step, peak RSS, the library's own host allocations (tracemalloc over
 the steady steps, ``--tracemalloc``), and the collective calls of one steady step with
 the longest split list any of them passed. Ratios against the smallest W of the same
 configuration are the goals of the scale issue: steady step at the largest W <= 1.1x
 the W = 1,024 figure, construction and first step <= 1.5x, host memory <= 1.2x W = 64.
+
+Beside the runs: the load over all W ranks from the plans alone (``plan_load``: Shampoo's
+and SOAP's tiles, Muon's owners, and Dion's megabatch assignment), the checkpoint load's
+metadata paths on synthetic DCP metadata with W chunks per tensor
+(``checkpoint_metadata``), and a plot of step time and peak RSS against W
+(``scale.png`` beside ``--out``, with matplotlib: the ``plot`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -50,12 +64,27 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "fsdp2 + AdamW8bit": ("fsdp2", "adamw8bit"),
     "fsdp2 + Muon": ("fsdp2", "muon"),
     "fsdp2 + Shampoo": ("fsdp2", "shampoo"),
+    "fsdp2 + SOAP": ("fsdp2", "soap"),
+    "fsdp2 + NorMuon": ("fsdp2", "normuon"),
+    "fsdp2 + dion.Muon (peer)": ("fsdp2", "dion_muon"),
+    "hsdp + torch.optim.AdamW (peer)": ("hsdp", "torch_adamw"),
+    "hsdp + AdamW": ("hsdp", "adamw"),
+    "hsdp + Muon": ("hsdp", "muon"),
+    "hsdp + Shampoo": ("hsdp", "shampoo"),
     "fsdp2 x tp + Muon": ("fsdp2_tp", "muon"),
     "fsdp2 x tp + Shampoo": ("fsdp2_tp", "shampoo"),
     "ours + AdamW": ("ours", "adamw"),
+    "ours + AdamW8bit": ("ours", "adamw8bit"),
     "ours + Muon": ("ours", "muon"),
+    "ours + NorMuon": ("ours", "normuon"),
+    "ours + Shampoo": ("ours", "shampoo"),
+    "ours + SOAP": ("ours", "soap"),
     "ours x tp + Muon": ("ours_tp", "muon"),
+    "ours x tp + Shampoo": ("ours_tp", "shampoo"),
 }
+SOAP_MAX_PRECOND = 1024
+# HSDP: replicas of SHARD ranks each (LLaMA-3-70B's 16 x 64 at W = 1,024)
+SHARD = 64
 QUICK_WORLDS = (64, 1024, 8192)
 FULL_WORLDS = (64, 1024, 4096, 8192, 10000)
 
@@ -86,7 +115,7 @@ def _model(layers: int) -> Any:
     return Model()
 
 
-def _optimizer(name: str, model: Any) -> Any:
+def _optimizer(name: str, model: Any, mesh: Any) -> Any:
     import torch
 
     import vefsdp_optim
@@ -100,10 +129,23 @@ def _optimizer(name: str, model: Any) -> Any:
         return vefsdp_optim.AdamW8bit(params, lr=1e-3)
     if name == "shampoo":
         return vefsdp_optim.Shampoo(params, lr=1e-3)
-    if name == "muon":
-        mats = [p for p in params if p.ndim == 2]
-        rest = [p for p in params if p.ndim != 2]
-        return vefsdp_optim.Muon([{"params": mats}, {"params": rest, "use_muon": False}], lr=1e-3)
+    if name == "soap":  # sides up to 1,024 preconditioned: no 8,192^2 eigendecomposition at each
+        # first step (real compute, a GPU's tenth of a second, that would hide the host work)
+        return vefsdp_optim.SOAP(params, lr=1e-3, max_precond_dim=SOAP_MAX_PRECOND)
+    mats = [p for p in params if p.ndim == 2]
+    rest = [p for p in params if p.ndim != 2]
+    if name in ("muon", "normuon"):
+        cls = vefsdp_optim.Muon if name == "muon" else vefsdp_optim.NorMuon
+        return cls([{"params": mats}, {"params": rest, "use_muon": False}], lr=1e-3)
+    if name == "dion_muon":  # the peer: Dion's Muon on FSDP2 (its source from VEFSDP_DION_SRC)
+        from ._common import DION_NOT_INSTALLED, dion_src, import_dion
+
+        src = dion_src()
+        if src is None:
+            raise RuntimeError(DION_NOT_INSTALLED)
+        dion = import_dion(src)
+        return dion.Muon([{"params": mats}, {"params": rest, "algorithm": "adamw"}], distributed_mesh=mesh,
+                         lr=1e-3, mu=0.95, nesterov=True, flatten=False, use_polar_express=False)
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -178,6 +220,10 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], plan)
         dp_mesh = mesh["dp"]
+    elif sharding == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp_mesh = init_device_mesh("cpu", (world // SHARD, SHARD), mesh_dim_names=("replicate", "shard"))
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -189,7 +235,7 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    opt = _optimizer(opt_name, model)
+    opt = _optimizer(opt_name, model, dp_mesh)
     construct = time.perf_counter() - t0
     x, xw = torch.randn(2, COLS), torch.randn(2, WIDE)
 
@@ -206,7 +252,9 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
         return time.perf_counter() - t
 
     first = step()
-    with counter.mode:
+    # Dion's torch.compile refuses a dispatch mode (fullgraph): its collectives are not counted
+    counted = opt_name != "dion_muon"
+    with counter.mode if counted else contextlib.nullcontext():
         step()
     calls, longest = dict(counter.calls), counter.longest_split
     if trace:
@@ -220,13 +268,13 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {"config": config, "world": world, "rank": rank, "layers": layers,
             "construct_s": construct, "first_step_s": first, "steady_step_s": statistics.median(times),
-            "fake_group_s": counter.seconds, "optimizer_step_s": statistics.median(opt_times),
+            "fake_group_s": counter.seconds if counted else None, "optimizer_step_s": statistics.median(opt_times),
             # the optimizer's own host work: its step less the fake group's time in it
-            "optimizer_host_s": max(0.0, statistics.median(opt_times) - counter.optimizer_seconds),
-            "host_step_s": max(0.0, statistics.median(times) - counter.seconds),
+            "optimizer_host_s": max(0.0, statistics.median(opt_times) - counter.optimizer_seconds) if counted else None,
+            "host_step_s": max(0.0, statistics.median(times) - counter.seconds) if counted else None,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "traced_peak_mb": None if lib_peak is None else lib_peak / 2**20,
-            "local_elements": local, "collectives_per_step": sum(calls.values()),
+            "local_elements": local, "collectives_per_step": sum(calls.values()) if counted else None,
             "calls": calls, "longest_split": longest}
 
 
@@ -276,15 +324,83 @@ def plan_load(world: int, band: int = 1024, layers: int = LLAMA70B_LAYERS) -> li
     ns = [0.0] * world
     for o, c in zip(owners, costs, strict=True):
         ns[o] += c
+    # Dion's Muon (megabatch_base.megabatch_orthogonalize_async): all N matrices of one shape
+    # are padded to a multiple of W and rank r orthogonalizes matrices r * N' / W ... of them,
+    # so each of the first ceil(N / W)-sized slices falls to the lowest ranks, shape by shape
+    dion = [0.0] * world
+    for shape in LLAMA70B_SHAPES.values():
+        per_rank = -(-layers // world)
+        for r in range(min(world, -(-layers // per_rank))):
+            dion[r] += min(per_rank, layers - r * per_rank) * muon_blocks_cost(shape)
     rows = []
     for what, load, unit in (("Shampoo / SOAP tile elements", tiles, biggest_tile),
-                             ("Muon Newton-Schulz cost", ns, max(costs))):
+                             ("Muon Newton-Schulz cost", ns, max(costs)),
+                             ("Dion's Muon Newton-Schulz cost (peer)", dion, max(costs))):
         mean = sum(load) / world
         rows.append({"plan": what, "world": world, "busiest / even share": max(load) / mean,
                      "busiest - even share, in largest units": (max(load) - mean) / unit,
                      "goal: busiest <= 1.25 x even + one unit": max(load) <= 1.25 * mean + unit,
-                     "ranks with work": sum(1 for x in load if x) / world})
+                     "ranks with work": sum(1 for x in load if x) / world, "busiest": max(load)})
     return rows
+
+
+def checkpoint_metadata(world: int, tensors: int = 32, rows_per_rank: int = 4) -> dict[str, Any]:
+    """The metadata paths of a checkpoint saved by ``world`` ranks, on synthetic DCP
+    metadata with one chunk per rank of each tensor (the row shards FSDP2 saves), one data
+    file per rank (sparse files of the right size): the load's type and storage check
+    (``read_dcp_metadata`` less the unpickling, which DCP's own reader does too), per
+    tensor, and the coordinator's assignment of each file to
+    one reader who hashes it (``SafeReader.prepare_global_plan``, W read plans)."""
+    import pickle
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from vefsdp_optim._checkpoint._safe_load import SafeReader, read_dcp_metadata
+
+    cols, item = 16, 4
+    state, storage = {}, {}
+    with tempfile.TemporaryDirectory() as root:
+        for r in range(world):
+            with open(os.path.join(root, f"__{r}_0.distcp"), "wb") as f:
+                f.truncate(tensors * (rows_per_rank * cols * item + 2048))
+        for t in range(tensors):
+            fqn = f"layers.{t}.weight"
+            chunks = [md.ChunkStorageMetadata(torch.Size([r * rows_per_rank, 0]), torch.Size([rows_per_rank, cols]))
+                      for r in range(world)]
+            state[fqn] = md.TensorStorageMetadata(md.TensorProperties(dtype=torch.float32),
+                                                  torch.Size([world * rows_per_rank, cols]), chunks)
+            for r, c in enumerate(chunks):
+                storage[md.MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(
+                    f"__{r}_0.distcp", t * (rows_per_rank * cols * item + 2048), rows_per_rank * cols * item + 1024)
+        with open(os.path.join(root, ".metadata"), "wb") as f:
+            pickle.dump(md.Metadata(state_dict_metadata=state, storage_data=storage), f)
+        t0 = time.perf_counter()
+        with open(os.path.join(root, ".metadata"), "rb") as f:
+            pickle.load(f)  # what DCP's own reader does with it
+        unpickle = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta = read_dcp_metadata(root)
+        check = time.perf_counter() - t0 - unpickle  # our restricted unpickler costs the same
+        files = {f"__{r}_0.distcp": {"size": os.path.getsize(os.path.join(root, f"__{r}_0.distcp")), "sha256": ""}
+                 for r in range(world)}
+        reader = SafeReader(root, files=files, checked=[".metadata"])
+        reader.read_metadata()
+        reader.set_up_storage_reader(meta, is_coordinator=True)
+        plans = [LoadPlan([ReadItem(LoadItemType.TENSOR, md.MetadataIndex(fqn, c.offsets, r), c.offsets,
+                                    md.MetadataIndex(fqn, c.offsets, r), c.offsets, c.sizes)
+                           for fqn, e in state.items() for c in e.chunks[r:r + 1]]) for r in range(world)]
+        t0 = time.perf_counter()
+        reader.prepare_global_plan(plans)
+        assign = time.perf_counter() - t0
+    return {"checkpoint": "load metadata", "world": world, "chunks per tensor": world,
+            "unpickle (DCP's own) ms / tensor": unpickle * 1e3 / tensors,
+            "type and storage check ms / tensor": check * 1e3 / tensors, "goal: <= 5 ms at 1,024 chunks": (
+                check * 1e3 / tensors <= 5.0) if world == 1024 else None,
+            "hash assignment ms (W plans)": assign * 1e3}
 
 
 def _spawn_one(config: str, world: int, rank: int, layers: int, steps: int, trace: bool,
@@ -323,15 +439,48 @@ def sweep(quick: bool = True, only: list[str] | None = None, worlds: tuple[int, 
                     for k in ("construct_s", "first_step_s", "steady_step_s", "host_step_s", "optimizer_step_s",
                               "optimizer_host_s", "peak_rss_mb"):
                         row[k.removesuffix("_s").removesuffix("_mb") + f" / W={base['world']}"] = (
-                            row[k] / base[k] if base[k] else None)
+                            row[k] / base[k] if base[k] and row[k] is not None else None)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "calls"}), flush=True)
     for w in worlds:
         rows.extend(plan_load(w))
+    for w in worlds:
+        rows.append(checkpoint_metadata(w))
     notes = [f"one process per (configuration, W, rank) under torch's fake process group; {layers} layers of "
              f"LLaMA-3-70B's row counts ({ROWS}), columns {COLS} ({WIDE} for {ROW_PARALLEL}), tp {TP}",
              "steady step: the median of the steps after the first; ratios against the smallest W that ran"]
     return {"name": "scale", "rows": rows, "notes": notes, "machine": machine_info()}
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> str:
+    """Two panels, one line per configuration against W (log): the rank's steady step
+    (and its host work without the fake group's copies, dashed) and its peak RSS. Returns
+    ``path``, or a one-line note when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"{path} skipped: matplotlib is not installed (pip install 'vefsdp-optim[plot]')"
+    runs = [r for r in rows if "config" in r and "status" not in r and r.get("rank") == 0]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
+    for config in dict.fromkeys(r["config"] for r in runs):
+        mine = sorted((r for r in runs if r["config"] == config), key=lambda r: r["world"])
+        ws = [r["world"] for r in mine]
+        (line,) = ax_t.plot(ws, [r["steady_step_s"] for r in mine], marker="o", lw=1.2, label=config)
+        ax_t.plot(ws, [r["host_step_s"] for r in mine], ls="--", lw=0.8, color=line.get_color())
+        ax_m.plot(ws, [r["peak_rss_mb"] for r in mine], marker="o", lw=1.2, label=config)
+    for ax, what in ((ax_t, "steady step, s (dashed: less the fake group's copies)"), (ax_m, "peak RSS, MB")):
+        ax.set_xscale("log")
+        ax.set_xlabel("W (ranks; this process plays rank 0)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3, which="both")
+    ax_m.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -360,13 +509,15 @@ def main(argv: list[str] | None = None) -> None:
     worlds = tuple(int(w) for w in a.worlds.split(",") if w) or None
     res = sweep(a.quick, only, worlds, a.layers, a.steps, a.tracemalloc)
     print(markdown_table([r for r in res["rows"] if "plan" in r]))
-    res_rows = [r for r in res["rows"] if "plan" not in r]
+    res_rows = [r for r in res["rows"] if "config" in r]
     cols = ["config", "world", "rank", "construct_s", "first_step_s", "steady_step_s", "fake_group_s",
             "host_step_s", "optimizer_step_s", "optimizer_host_s", "peak_rss_mb",
             "local_elements", "collectives_per_step", "longest_split", "status"]
     print(markdown_table(res_rows, [c for c in cols if any(c in r for r in res_rows)]))
+    print(markdown_table([r for r in res["rows"] if "checkpoint" in r]))
     if a.out:
         write_json(a.out, res)
+        print(plot(res["rows"], os.path.splitext(a.out)[0] + ".png"))
 
 
 if __name__ == "__main__":

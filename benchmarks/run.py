@@ -66,9 +66,11 @@ TITLES = {
     "soap": "SOAP vs the reference SOAP's step, one device (VEFSDP_SOAP_REF)",
     "nd_mesh": "Optimizer steps on FSDP2 x tensor parallel (dp 2 x tp 2)",
     "profile": "Profile-guided optimization",
-    "scale": "One rank of a W-rank job under torch's fake process group (W = 64 to 8,192)",
+    "scale": "One rank of a W-rank job under torch's fake process group (W = 64 to 10,000; VEFSDP_DION_SRC)",
 }
 TIMEOUT_S = {True: 900, False: 3600}
+# the scale sweep runs one process per (configuration, W, rank): 66 in quick mode
+TIMEOUT_S_OF = {"scale": {True: 3600, False: 14400}}
 _SKIP_TABLES = {"rows", "notes", "headline", "groups_detail", "per_rank"}
 
 
@@ -84,12 +86,13 @@ def _run_one(name: str, module: str, quick: bool, out_dir: Path) -> dict[str, An
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", f"benchmarks.{module}", "--quick" if quick else "--full",
            "--out", str(out)]
+    limit = TIMEOUT_S_OF.get(name, TIMEOUT_S)[quick]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S[quick])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
     except subprocess.TimeoutExpired:
-        rc, tail = -1, f"timed out after {TIMEOUT_S[quick]} s"
+        rc, tail = -1, f"timed out after {limit} s"
     wall = time.perf_counter() - t0
     if rc != 0 or not out.exists():
         return {"name": name, "rows": [], "notes": [], "wall_s": wall,
