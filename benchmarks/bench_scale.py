@@ -348,7 +348,7 @@ def checkpoint_metadata(world: int, tensors: int = 32, rows_per_rank: int = 4) -
     """The metadata paths of a checkpoint saved by ``world`` ranks, on synthetic DCP
     metadata with one chunk per rank of each tensor (the row shards FSDP2 saves), one data
     file per rank (sparse files of the right size): the load's type and storage check
-    (``read_dcp_metadata`` less the unpickling, which DCP's own reader does too), per
+    (what ``read_dcp_metadata`` adds to the unpickling that DCP's own reader does), per
     tensor, and the coordinator's assignment of each file to
     one reader who hashes it (``SafeReader.prepare_global_plan``, W read plans)."""
     import pickle
@@ -359,7 +359,12 @@ def checkpoint_metadata(world: int, tensors: int = 32, rows_per_rank: int = 4) -
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from vefsdp_optim._checkpoint._safe_load import SafeReader, read_dcp_metadata
+    from vefsdp_optim._checkpoint._safe_load import (
+        SafeReader,
+        _check_types,
+        _confine,
+        read_dcp_metadata,
+    )
 
     cols, item = 16, 4
     state, storage = {}, {}
@@ -380,11 +385,13 @@ def checkpoint_metadata(world: int, tensors: int = 32, rows_per_rank: int = 4) -
             pickle.dump(md.Metadata(state_dict_metadata=state, storage_data=storage), f)
         t0 = time.perf_counter()
         with open(os.path.join(root, ".metadata"), "rb") as f:
-            pickle.load(f)  # what DCP's own reader does with it
+            raw = pickle.load(f)  # what DCP's own reader does with it
         unpickle = time.perf_counter() - t0
         t0 = time.perf_counter()
+        _check_types(raw, root)  # what read_dcp_metadata adds to it
+        _confine(raw, root, root)
+        check = time.perf_counter() - t0
         meta = read_dcp_metadata(root)
-        check = time.perf_counter() - t0 - unpickle  # our restricted unpickler costs the same
         files = {f"__{r}_0.distcp": {"size": os.path.getsize(os.path.join(root, f"__{r}_0.distcp")), "sha256": ""}
                  for r in range(world)}
         reader = SafeReader(root, files=files, checked=[".metadata"])
@@ -453,8 +460,8 @@ def sweep(quick: bool = True, only: list[str] | None = None, worlds: tuple[int, 
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> str:
-    """Two panels, one line per configuration against W (log): the rank's steady step
-    (and its host work without the fake group's copies, dashed) and its peak RSS. Returns
+    """Three panels, one line per configuration against W (log): the rank's steady step,
+    its optimizer step alone and its peak RSS. Returns
     ``path``, or a one-line note when matplotlib is not installed."""
     try:
         import matplotlib
@@ -464,19 +471,22 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
     except ImportError:
         return f"{path} skipped: matplotlib is not installed (pip install 'vefsdp-optim[plot]')"
     runs = [r for r in rows if "config" in r and "status" not in r and r.get("rank") == 0]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
-    for config in dict.fromkeys(r["config"] for r in runs):
+    panels = (("steady_step_s", "steady step, s"), ("optimizer_step_s", "optimizer step alone, s"),
+              ("peak_rss_mb", "peak RSS, MB"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(18, 5.5))
+    styles = ("-", "--", ":", "-.")
+    for i, config in enumerate(dict.fromkeys(r["config"] for r in runs)):
         mine = sorted((r for r in runs if r["config"] == config), key=lambda r: r["world"])
-        ws = [r["world"] for r in mine]
-        (line,) = ax_t.plot(ws, [r["steady_step_s"] for r in mine], marker="o", lw=1.2, label=config)
-        ax_t.plot(ws, [r["host_step_s"] for r in mine], ls="--", lw=0.8, color=line.get_color())
-        ax_m.plot(ws, [r["peak_rss_mb"] for r in mine], marker="o", lw=1.2, label=config)
-    for ax, what in ((ax_t, "steady step, s (dashed: less the fake group's copies)"), (ax_m, "peak RSS, MB")):
+        for ax, (key, _) in zip(axes, panels, strict=True):
+            ax.plot([r["world"] for r in mine], [r[key] for r in mine], marker="o", ms=3, lw=1.1,
+                    ls=styles[i // 10 % len(styles)], label=config)
+    for ax, (_, what) in zip(axes, panels, strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("W (ranks; this process plays rank 0)")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3, which="both")
-    ax_m.legend(fontsize=7, ncol=2)
+    axes[1].set_yscale("log")
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

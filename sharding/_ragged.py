@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,9 @@ class RaggedShard:
     extents: tuple[tuple[int, int], ...]
     # hash(extents), computed once: every optimizer step looks layouts up in caches
     _hash: int = field(init=False, repr=False, compare=False)
+    # the W + 1 boundaries, built on first use (None until then): a plan asks for them
+    # once per (parameter, peer range), and building them is O(W)
+    _bounds: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
         return self._hash
@@ -46,6 +51,10 @@ class RaggedShard:
         return self.extents == other.extents
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_bounds", None)
+        if _tile_exactly(self.extents):  # the checks below, in C: O(W) at W in the thousands
+            object.__setattr__(self, "_hash", hash(self.extents))
+            return
         ext = tuple(
             (_as_int("extent start", s), _as_int("extent length", n)) for s, n in self.extents
         )
@@ -74,17 +83,23 @@ class RaggedShard:
         self = object.__new__(cls)
         object.__setattr__(self, "extents", extents)
         object.__setattr__(self, "_hash", hash(extents))
+        object.__setattr__(self, "_bounds", None)
         return self
 
     @classmethod
     def from_boundaries(cls, boundaries: Sequence[int]) -> RaggedShard:
         """From W + 1 nondecreasing cut points ``0 = b_0 <= ... <= b_W = numel``."""
-        b = [_as_int("boundary", x) for x in boundaries]
+        b = list(boundaries)
+        if set(map(type, b)) != {int}:
+            b = [_as_int("boundary", x) for x in b]
         if len(b) < 2 or b[0] != 0:
             raise ValueError(f"boundaries must start at 0 and have W + 1 >= 2 entries, got {b}")
-        if any(y < x for x, y in zip(b, b[1:], strict=False)):
+        if not all(map(operator.le, b, b[1:])):
             raise ValueError(f"boundaries must be nondecreasing, got {b}")
-        return cls(tuple((x, y - x) for x, y in zip(b, b[1:], strict=False)))
+        # checked ints that tile [0, b_W]: the constructor's checks would find nothing
+        self = cls._trusted(tuple(zip(b, map(operator.sub, b[1:], b), strict=False)))
+        object.__setattr__(self, "_bounds", tuple(b))
+        return self
 
     @classmethod
     def shard0(cls, shape: Sequence[int], world_size: int) -> RaggedShard:
@@ -126,7 +141,9 @@ class RaggedShard:
     @property
     def boundaries(self) -> tuple[int, ...]:
         """W + 1 cut points: rank r holds ``[b[r], b[r + 1])``."""
-        return (0, *(s + n for s, n in self.extents))
+        if self._bounds is None:
+            object.__setattr__(self, "_bounds", (0, *itertools.accumulate(map(_LENGTH, self.extents))))
+        return self._bounds
 
     def local(self, rank: int) -> tuple[int, int]:
         """``(start, length)`` of ``rank``'s slice."""
@@ -195,6 +212,23 @@ class RaggedShard:
         if unit < 1:
             raise ValueError(f"unit must be >= 1, got {unit}")
         return unit
+
+
+_START, _LENGTH = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _tile_exactly(extents: object) -> bool:
+    """Whether ``extents`` is a non-empty tuple of (int, int) tuples (ints, not bools)
+    with lengths >= 0 and each start the previous end, from 0: the constructor's checks
+    in one pass per field in C. False sends it to the checks that name what is wrong."""
+    if type(extents) is not tuple or not extents or set(map(type, extents)) != {tuple}:
+        return False
+    if set(map(len, extents)) != {2}:
+        return False
+    starts, lengths = tuple(map(_START, extents)), tuple(map(_LENGTH, extents))
+    if set(map(type, starts)) != {int} or set(map(type, lengths)) != {int} or min(lengths) < 0:
+        return False
+    return starts == tuple(itertools.accumulate(lengths[:-1], initial=0))
 
 
 def _check_world(world_size: object) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import itertools
 import math
 import operator
 import os
@@ -24,7 +25,6 @@ import torch.distributed as dist
 
 from vefsdp_optim.comm import Route, ShardedView, assign_owners, same_on_all_ranks
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
-from vefsdp_optim.sharding._ragged import holders_between
 
 __all__ = [
     "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "check_every_step",
@@ -449,11 +449,15 @@ def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
     updated, and the ``(rank, elements)`` of each block ([Note: spread compute blocks])."""
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
     b = layout.boundaries  # W + 1 points, built once for every block's holders
-    owners, prev = [], 0
-    for t in range(-(-n // unit)):
-        lo, size = t * unit, min(unit, n - t * unit)
-        cand = holders_between(b, lo, lo + size)
-        o = min(range(max(cand.start, prev), cand.stop), key=load.__getitem__)
+    # every block's holders (holders_between's bisections, in C over all blocks at once)
+    starts = range(0, n, unit)
+    first = map(bisect.bisect_right, itertools.repeat(b), starts)
+    last = map(bisect.bisect_left, itertools.repeat(b), itertools.chain(starts[1:], (n,) if n else ()))
+    owners, prev, get = [], 0, load.__getitem__
+    for t, (c0, c1) in enumerate(zip(first, last, strict=True)):
+        size = min(unit, n - t * unit)
+        lo, hi = max(c0 - 1, 0, prev), min(c1 - 1, w - 1) + 1
+        o = lo if hi - lo == 1 else min(range(lo, hi), key=get)
         load[o] += size
         owners.append((o, size))
         prev = o
