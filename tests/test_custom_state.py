@@ -148,3 +148,30 @@ def test_undeclared_or_mismatched_state_fails_at_the_first_step(spec, match) -> 
     p.grad = torch.ones(10)
     with pytest.raises(ValueError, match=match):
         opt.step()
+
+
+def test_block_state_geometry_against_its_definition() -> None:
+    """A state kept in blocks of ``kind`` elements follows its layout in blocks: each
+    boundary rounded up to blocks, and a layout that cuts a block anywhere but at the
+    tensor's end is refused (the one-pass check in _entry_geometry against the rank by
+    rank definition, on every layout of up to 4 ranks over 0-9 elements)."""
+    import itertools
+
+    from vefsdp_optim._checkpoint._format import _entry_geometry
+    from vefsdp_optim.comm import sharded_view
+    from vefsdp_optim.sharding import RaggedShard
+
+    view = sharded_view(torch.zeros(1))
+    for n in range(10):
+        for w in range(1, 5):
+            for cuts in itertools.combinations_with_replacement(range(n + 1), w - 1):
+                layout = RaggedShard.from_boundaries([0, *cuts, n])
+                for kind in (1, 3, 4):
+                    cut = any(b % kind and b != n for b in layout.boundaries)
+                    if cut:
+                        with pytest.raises(AssertionError, match=f"cuts blocks of {kind}"):
+                            _entry_geometry(kind, view, layout)
+                        continue
+                    shape, blocks = _entry_geometry(kind, view, layout)
+                    assert blocks.boundaries == tuple(-(-b // kind) for b in layout.boundaries)
+                    assert shape == torch.Size((-(-n // kind),))

@@ -8,6 +8,9 @@ shape does not depend on the world size, and back.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -264,10 +267,13 @@ def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard | Bo
     if isinstance(layout, BoxShard):
         raise ValueError(f"state kept in blocks of {kind} cannot follow a tensor-parallel box layout (it "
                          "cuts blocks); state_layout must return the compute layout of the requirement")
-    n = layout.numel
-    if any(b % kind and b != n for b in layout.boundaries):
+    n, bounds = layout.numel, layout.boundaries
+    # every boundary but those at the end is a multiple of kind (in C: O(W) per parameter)
+    if set(map(operator.mod, bounds[:bisect.bisect_left(bounds, n)], itertools.repeat(kind))) - {0}:
         raise AssertionError(f"state layout {layout.extents} cuts blocks of {kind}")
-    blocks = RaggedShard.from_boundaries([-(-b // kind) for b in layout.boundaries])
+    # each boundary in blocks, rounded up: -(-b // kind)
+    blocks = RaggedShard.from_boundaries(
+        list(map(operator.neg, map(operator.floordiv, map(operator.neg, bounds), itertools.repeat(kind)))))
     return torch.Size((blocks.numel,)), blocks
 
 
