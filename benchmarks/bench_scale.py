@@ -83,7 +83,8 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "ours x tp + Shampoo": ("ours_tp", "shampoo"),
 }
 SOAP_MAX_PRECOND = 1024
-# HSDP: replicas of SHARD ranks each (LLaMA-3-70B's 16 x 64 at W = 1,024)
+# HSDP: replicas of SHARD ranks each (LLaMA-3-70B's 16 x 64 at W = 1,024; where W is no
+# multiple of it, of its largest divisor below SHARD)
 SHARD = 64
 QUICK_WORLDS = (64, 1024, 8192)
 FULL_WORLDS = (64, 1024, 4096, 8192, 10000)
@@ -223,7 +224,8 @@ def run_one(config: str, world: int, rank: int, layers: int, steps: int, trace: 
     elif sharding == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
 
-        dp_mesh = init_device_mesh("cpu", (world // SHARD, SHARD), mesh_dim_names=("replicate", "shard"))
+        shard = max(d for d in range(1, SHARD + 1) if world % d == 0)  # 50 at W = 10,000
+        dp_mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
