@@ -23,6 +23,7 @@ __all__ = [
     "all_gather_flat",
     "all_reduce_avg",
     "check_plan_consistent",
+    "first_difference",
     "reduce_scatter_flat",
     "same_on_all_ranks",
     "supports_native_avg",
@@ -291,6 +292,41 @@ def same_on_all_ranks(key: str | int, group: dist.ProcessGroup, device: torch.de
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     most, least = both.tolist()  # a check at setup or a layout change: one host read
     return most == -least
+
+
+_MASK62 = (1 << 62) - 1
+
+
+def first_difference(keys: list[int], flags: list[bool], group: dist.ProcessGroup,
+                     device: torch.device | None = None) -> tuple[int, list[int], list[int]]:
+    """Where the ranks of ``group``, which disagree (:func:`same_on_all_ranks` said so),
+    first differ in ``keys`` (one int per position, the same meaning on every rank), the
+    same on every rank: ``(position, ranks whose key there differs from rank 0's, ranks
+    whose flag there is set)``; position -1 where the lists agree up to the shortest's
+    length and differ in length (the ranks then: those whose length differs from rank 0's).
+    What each rank sends is O(len(keys) + W) int64 in four collectives (the
+    lengths, the keys' maximum and minimum, rank 0's key at the position, one slot per
+    rank), never every rank's keys: an error path that stays in memory at W = 10,000."""
+    w, me = group.size(), dist.get_rank(group)
+    dev = device or group_device(group)
+    lengths = torch.tensor([len(keys), -len(keys)], dtype=torch.int64, device=dev)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
+    longest, shortest = lengths.tolist()  # the error path: host reads are fine here
+    shortest = -shortest
+    mine = [k & _MASK62 for k in keys[:shortest]]
+    both = torch.tensor(mine + [-k for k in mine], dtype=torch.int64, device=dev)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    most = both.tolist()
+    at = next((i for i in range(shortest) if most[i] != -most[shortest + i]), shortest)
+    counts = at == shortest  # the lists agree but for their lengths (longest != shortest)
+    key = len(keys) if counts else keys[at] & _MASK62
+    first = torch.tensor([key], dtype=torch.int64, device=dev)
+    dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
+    slots = torch.zeros(w, dtype=torch.int64, device=dev)
+    slots[me] = (key != int(first.tolist()[0])) + 2 * bool(not counts and flags[at])
+    dist.all_reduce(slots, group=group)
+    per_rank = slots.tolist()
+    return -1 if counts else at, [r for r in range(w) if per_rank[r] & 1], [r for r in range(w) if per_rank[r] & 2]
 
 
 def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | None) -> None:

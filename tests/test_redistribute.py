@@ -194,6 +194,37 @@ def _mismatch_checks() -> list[str]:
     return out
 
 
+def _first_differences() -> list:
+    from vefsdp_optim.comm._collectives import first_difference
+
+    rank, w, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    base = [11, 22, 33, 44, 2**63 - 5, -7]  # any ints: hashes, negative ones included
+    out = []
+    keys = list(base)
+    if rank == w - 1:
+        keys[2] = 99  # the last rank differs at position 2 (and later at 4)
+        keys[4] = 0
+    out.append(first_difference(keys, [r == rank for r in range(6)], group))
+    keys = list(base)
+    if rank == 0:
+        keys[1] = 0  # rank 0 differs: every other rank differs from it
+    out.append(first_difference(keys, [rank % 2 == 0] * 6, group))
+    out.append(first_difference(base + ([5] if rank == 1 else []), [False] * 7, group))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_first_difference_names_the_position_and_ranks(world_size: int) -> None:
+    """The error path of the step's consistency check: the first position where the ranks'
+    keys differ and the ranks that differ from rank 0, the same on every rank, from O(P + W)
+    int64 per rank (not every rank's keys), checked against the definition."""
+    w = world_size
+    for res in run_distributed(_first_differences, world_size):
+        assert res[0] == (2, [w - 1], [2] if w > 2 else []), res
+        assert res[1] == (1, list(range(1, w)), list(range(0, w, 2))), res
+        assert res[2] == (-1, [1], []), res
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_redistribute_random_cases(world_size: int) -> None:
     results = run_distributed(_redistribute_cases, world_size, 150, 1234 + world_size)

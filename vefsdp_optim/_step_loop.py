@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vefsdp_optim.comm import Route, ShardedView, assign_owners, same_on_all_ranks
+from vefsdp_optim.comm._collectives import first_difference
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
@@ -229,28 +230,26 @@ def check_consistent(entries: list[StepEntry]) -> None:
         es = by_process_group[key]
         process_group = es[0].process_group
         # ints only: hash(None) and str hashes differ between processes
-        mine = hash(tuple((e.position, e.shape, _layout_key(e.layout),
-                           _layout_key(e.compute) if e.compute is not None else ()) for e in es))
-        if same_on_all_ranks(mine, process_group, es[0].device):  # [Note: agreement in O(1) bytes]
+        keys = [hash((e.position, e.shape, _layout_key(e.layout),
+                      _layout_key(e.compute) if e.compute is not None else ())) for e in es]
+        if same_on_all_ranks(hash(tuple(keys)), process_group, es[0].device):  # [Note: agreement in O(1) bytes]
             continue
-        seen: list[Any] = [None] * process_group.size()
-        dist.all_gather_object(seen, {e.position: (e.shape, e.compute is not None, e.compute)
-                                      for e in es}, group=process_group)
-        diffs = []
-        for pos in sorted({p for d in seen for p in d}):
-            per_rank = [d.get(pos) for d in seen]
-            if any(v != per_rank[0] for v in per_rank):
-                shape = next(v[0] for v in per_rank if v is not None)
-                with_grad = [r for r, v in enumerate(per_rank) if v is not None and v[1]]
-                without = [r for r, v in enumerate(per_rank) if v is None or not v[1]]
-                diffs.append(f"param group {pos[0]} parameter {pos[1]} (shape {shape}): a gradient on "
-                             f"ranks {with_grad}, none on ranks {without}" if with_grad and without else
-                             f"param group {pos[0]} parameter {pos[1]} (shape {shape}): layouts differ "
-                             "between ranks")
+        # the first parameter and the ranks that differ, in O(P + W) int64 per rank: a
+        # gather of every rank's layouts would be O(P x W) objects of W extents each
+        at, differ, with_grad = first_difference(keys, [e.compute is not None for e in es], process_group,
+                                                 es[0].device)
+        if at < 0:
+            diff = f"ranks {differ} step another number of parameters in this process group than rank 0"
+        else:
+            e = es[at]
+            without = [r for r in range(process_group.size()) if r not in set(with_grad)]
+            what = f"param group {e.position[0]} parameter {e.position[1]} (shape {e.shape})"
+            diff = (f"{what}: a gradient on ranks {with_grad}, none on ranks {without}" if with_grad and without
+                    else f"{what}: layouts differ between ranks: ranks {differ} differ from rank 0")
         raise ValueError(
-            "ranks disagree on what this optimizer step updates, so its exchange would hang: "
-            + "; ".join(diffs[:8]) + ". Every rank must step the same parameters: set .grad to None "
-            "(or zero it) on every rank alike")
+            f"ranks disagree on what this optimizer step updates, so its exchange would hang: {diff} (the "
+            "first difference). Every rank must step the same parameters: set .grad to None (or zero it) "
+            "on every rank alike")
 
 
 def _layout_key(layout: RaggedShard | BoxShard) -> tuple[int, int]:
