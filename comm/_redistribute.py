@@ -128,7 +128,9 @@ class _RaggedPlan(NamedTuple):
     # (output, offset, numel) in output order; all their pieces in that order, each with
     # its destination (lo, hi) in the buffer; the buffer's numel
     joined: tuple[tuple[int, int, int], ...]
-    joined_pieces: tuple[tuple[int, int, int], ...]
+    # (buffer, lo, hi, count, stride): count pieces of hi - lo elements, stride apart from
+    # lo ([Note: joined outputs]: a run that steps evenly through its buffer is one view)
+    joined_pieces: tuple[tuple[int, int, int, int, int], ...]
     joined_dst: tuple[tuple[int, int], ...]
     joined_numel: int
 
@@ -147,6 +149,34 @@ def _coalesced(pieces: list[tuple[int, int, int]], dst: list[tuple[int, int]]
             src_out.append((b, lo, hi))
             dst_out.append((a, c))
     return tuple(src_out), tuple(dst_out)
+
+
+def _strided(pieces: tuple[tuple[int, int, int], ...], dst: tuple[tuple[int, int], ...]
+             ) -> tuple[tuple[tuple[int, int, int, int, int], ...], tuple[tuple[int, int], ...]]:
+    """Coalesced pieces ``(buffer, lo, hi)`` with each run of equal pieces that step evenly
+    through one buffer, copied to consecutive ranges, as one ``(buffer, lo, lo + n,
+    count, stride)`` to one range ([Note: joined outputs]): an owner's pieces of one tensor
+    from each of W peers, which each sent two tensors, lie every other piece in the
+    receive buffer."""
+    out: list[list[int]] = []
+    dst_out: list[tuple[int, int]] = []
+    for (b, lo, hi), (a, c) in zip(pieces, dst, strict=True):
+        if out:
+            pb, plo, phi, count, stride = out[-1]
+            n = phi - plo
+            if (pb == b and hi - lo == n and dst_out[-1][1] == a and lo - plo - (count - 1) * stride > n
+                    and (count == 1 or lo - plo == count * stride)):
+                out[-1][3:] = [count + 1, lo - plo if count == 1 else stride]
+                dst_out[-1] = (dst_out[-1][0], c)
+                continue
+        out.append([b, lo, hi, 1, 0])
+        dst_out.append((a, c))
+    return tuple(tuple(x) for x in out), tuple(dst_out)
+
+
+def _piece(buf: torch.Tensor, lo: int, hi: int, count: int, stride: int) -> torch.Tensor:
+    """The view of a :func:`_strided` piece of the 1-D ``buf``: ``(count, hi - lo)``."""
+    return buf[lo:hi] if count == 1 else buf[lo:].as_strided((count, hi - lo), (stride, 1))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -188,7 +218,7 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
     # the send buffer is the sends one after another
     starts = list(itertools.accumulate((hi - lo for _, lo, hi in sends), initial=0))
     send, _ = _coalesced(sends, list(itertools.pairwise(starts)))
-    joined_pieces, joined_dst = _coalesced(joined_pieces, joined_dst)
+    joined_pieces, joined_dst = _strided(*_coalesced(joined_pieces, joined_dst))
     return _RaggedPlan(send, send_counts, recv_counts, pos, tuple(tuple(ps) for ps in assemble),
                        tuple(joined), joined_pieces, joined_dst, at)
 
@@ -202,7 +232,9 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 # consecutive where an output's length is a multiple of it, so that a batch of equal
 # outputs is a view of the buffer (muon_orthogonalize_batched's). Pieces that lie one
 # after another in their buffer are one copy: an owner's W row pieces of a matrix,
-# received in rank order, are one range of the receive buffer.
+# received in rank order, are one range of the receive buffer. Equal pieces that step
+# evenly through their buffer (an owner's pieces of one tensor from W peers that each
+# sent it two tensors: every other piece of the receive buffer) are one strided view.
 _JOIN_ALIGN = 64  # elements: 64 bytes or more for every dtype
 
 
@@ -310,8 +342,9 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
                   if len(ps) == 1 else None for ps in plan.assemble]
         if plan.joined:  # [Note: joined outputs]
             flat = ref.new_empty(plan.joined_numel)
-            foreach_copy_([flat[lo:hi] for lo, hi in plan.joined_dst],
-                          [recv_buf[lo:hi] if i < 0 else locals[i][lo:hi] for i, lo, hi in plan.joined_pieces])
+            foreach_copy_([flat[lo:hi] if ps[3] == 1 else flat[lo:hi].view(ps[3], ps[2] - ps[1])
+                           for (lo, hi), ps in zip(plan.joined_dst, plan.joined_pieces, strict=True)],
+                          [_piece(recv_buf if ps[0] < 0 else locals[ps[0]], *ps[1:]) for ps in plan.joined_pieces])
             for k, a, n in plan.joined:
                 result[k] = flat[a:a + n]
         return [ref.new_empty(0) if r is None else r for r in result]

@@ -213,6 +213,62 @@ def _first_differences() -> list:
     return out
 
 
+def _two_tensors_to_one_owner() -> list[bool]:
+    """Rank 0 gathers two row-sharded tensors whole: every peer sends it a piece of each,
+    so each tensor's pieces lie every other piece of its receive buffer (one strided view
+    where two or more peers sent equal pieces). Per shape: whether a strided view was
+    planned, then each tensor's equality with the whole."""
+    from vefsdp_optim.comm._redistribute import _ragged_plan
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    out = []
+    for rows in ((6 * w, 5), (4 * w + 1, 3)):
+        full = [torch.arange(rows[0] * rows[1], dtype=torch.float32) * k for k in (1.0, -2.0)]
+        src = tuple(RaggedShard.shard0(rows, w) for _ in full)
+        dst = tuple(RaggedShard.whole(rows[0] * rows[1], w, 0) for _ in full)
+        locals_ = [f[slice(*src[0].flat_span(rank))].clone() for f in full]
+        got = redistribute(locals_, list(src), list(dst), dist.group.WORLD)
+        if rank == 0:
+            plan = _ragged_plan(src, dst, 0)
+            out.append(any(ps[3] > 1 for ps in plan.joined_pieces))  # the strided path ran
+            out.extend(torch.equal(g, f) for g, f in zip(got, full, strict=True))
+    return out
+
+
+def test_strided_runs_cover_their_pieces() -> None:
+    """_strided's runs, expanded, are the coalesced pieces and their destinations (random
+    pieces of a few buffers, some stepping evenly)."""
+    from vefsdp_optim.comm._redistribute import _strided
+
+    rng = random.Random(0)
+    for _ in range(300):
+        pieces, dst, at = [], [], 0
+        for _ in range(rng.randint(1, 12)):
+            b, n = rng.choice([-1, 0, 1]), rng.choice([0, 3, 4])
+            lo = rng.choice([0, 5, 9, 20]) if not pieces or rng.random() < 0.3 else pieces[-1][1] + rng.choice([7, 8])
+            pieces.append((b, lo, lo + n))
+            d = at + rng.choice([0, 0, 2])
+            dst.append((d, d + n))
+            at = d + n
+        runs, ranges = _strided(tuple(pieces), tuple(dst))
+        back, back_dst = [], []
+        for (b, lo, hi, count, stride), (d0, d1) in zip(runs, ranges, strict=True):
+            n = hi - lo
+            assert d1 - d0 == count * n
+            for k in range(count):
+                back.append((b, lo + k * stride, lo + k * stride + n))
+                back_dst.append((d0 + k * n, d0 + (k + 1) * n))
+        assert back == pieces and back_dst == dst, (pieces, runs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_strided_pieces_equal_the_whole_tensor(world_size: int) -> None:
+    res = run_distributed(_two_tensors_to_one_owner, world_size)[0]
+    assert res[1:3] == [True, True] and res[4:] == [True, True], res  # bit for bit the whole tensors
+    # two or more peers sent equal pieces of the first shape: they were one strided view
+    assert res[0] == (world_size >= 3), res
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_first_difference_names_the_position_and_ranks(world_size: int) -> None:
     """The error path of the step's consistency check: the first position where the ranks'
