@@ -163,10 +163,9 @@ def _strided(pieces: tuple[tuple[int, int, int], ...], dst: tuple[tuple[int, int
     for (b, lo, hi), (a, c) in zip(pieces, dst, strict=True):
         if out:
             pb, plo, phi, count, stride = out[-1]
-            n = phi - plo
-            if (pb == b and hi - lo == n and dst_out[-1][1] == a and lo - plo - (count - 1) * stride > n
-                    and (count == 1 or lo - plo == count * stride)):
-                out[-1][3:] = [count + 1, lo - plo if count == 1 else stride]
+            n, step = phi - plo, lo - plo if count == 1 else stride  # a second piece sets the stride
+            if pb == b and hi - lo == n and dst_out[-1][1] == a and step > n and lo - plo == count * step:
+                out[-1][3:] = [count + 1, step]
                 dst_out[-1] = (dst_out[-1][0], c)
                 continue
         out.append([b, lo, hi, 1, 0])

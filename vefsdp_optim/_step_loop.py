@@ -187,10 +187,11 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # device, one fingerprint per rank of (position, has a gradient, shape, storage and
 # compute layouts) in one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
 # comm/_collectives.py); only on a mismatch do four more collectives of O(P + W) int64
-# (comm's first_difference) name the first parameter and the ranks that differ. Which process groups check depends only
-# on the layouts, never on gradients, so on a step every rank checks, the check cannot
-# hang. BlockOptimizer keeps the structure it last checked, and compares it only when
-# it rebuilds its step plan ([Note: step plan]), which every such change causes.
+# (comm's first_difference) name the first parameter and the ranks that differ. Which
+# process groups check depends only on the layouts, never on gradients, so on a step
+# every rank checks, the check cannot hang. BlockOptimizer keeps the structure it last
+# checked, and compares it only when it rebuilds its step plan ([Note: step plan]),
+# which every such change causes.
 
 #: check every step ([Note: consistent steps]); from VEFSDP_OPTIM_DEBUG=1 at import,
 #: read at each step, so a test may set it
