@@ -129,17 +129,17 @@ def test_tensors_made_for_collectives_name_their_device():
 
 
 def test_debug_switch(monkeypatch):
-    from vefsdp_optim import _step_loop
+    from vefsdp_optim import _debug
 
-    monkeypatch.setattr(_step_loop, "DEBUG", False)
+    monkeypatch.setattr(_debug, "DEBUG", False)
     monkeypatch.setattr(dist, "get_debug_level", lambda: dist.DebugLevel.OFF)
-    assert not _step_loop.check_every_step()
+    assert not _debug.check_every_step()
     monkeypatch.setattr(dist, "get_debug_level", lambda: dist.DebugLevel.DETAIL)
-    assert _step_loop.check_every_step()  # TORCH_DISTRIBUTED_DEBUG=DETAIL
+    assert _debug.check_every_step()  # TORCH_DISTRIBUTED_DEBUG=DETAIL
     monkeypatch.setattr(dist, "get_debug_level", lambda: dist.DebugLevel.INFO)
-    assert not _step_loop.check_every_step()
-    monkeypatch.setattr(_step_loop, "DEBUG", True)  # VEFSDP_OPTIM_DEBUG=1
-    assert _step_loop.check_every_step()
+    assert not _debug.check_every_step()
+    monkeypatch.setattr(_debug, "DEBUG", True)  # VEFSDP_OPTIM_DEBUG=1
+    assert _debug.check_every_step()
 
 
 # -- counting a step's collectives -------------------------------------------------------
@@ -245,13 +245,13 @@ def _steady_state_counts() -> dict[str, object]:
     from torch.distributed.tensor import distribute_tensor
 
     import vefsdp_optim._block_optimizer as bo
-    from vefsdp_optim import _step_loop
+    from vefsdp_optim import _debug
 
     w = dist.get_world_size()
     counter = CollectiveCounter()
     out: dict[str, object] = {}
-    debug = _step_loop.DEBUG
-    _step_loop.DEBUG = False
+    debug = _debug.DEBUG
+    _debug.DEBUG = False
     try:
         # our fully_shard: AdamW (fused stores) and AdamW8bit (blocks whole after the re-plan)
         for name, make in (("adamw", lambda ps: vefsdp_optim.AdamW(ps, lr=1e-2)),
@@ -293,20 +293,20 @@ def _steady_state_counts() -> dict[str, object]:
                                          "after_load2", "group_edit")):
                 grads(step, skip=(1,) if case == "no_grad_on_all" else ())
                 if case == "debug":
-                    _step_loop.DEBUG = True
+                    _debug.DEBUG = True
                 if case == "group_edit":  # the param list edited (alike on every rank)
                     opt.param_groups[0]["params"].reverse()
                 try:
                     muon[case] = (_count_step(opt, counter), buckets[-1])
                 finally:
-                    _step_loop.DEBUG = False
+                    _debug.DEBUG = False
                 if case == "debug":
                     opt.load_state_dict(opt.state_dict())
             out["muon"] = muon
         finally:
             bo.make_buckets = make_buckets
     finally:
-        _step_loop.DEBUG = debug
+        _debug.DEBUG = debug
     return out
 
 

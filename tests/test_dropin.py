@@ -203,13 +203,13 @@ def _failures() -> dict[str, object]:
         out["stale_at_build"] = "replaced" in str(e)
     # one rank drops a gradient: under the debug switch, a clear error naming the parameter
     # and the ranks, no hang (without it, a user error that may hang: [Note: consistent steps])
-    from vefsdp_optim import _step_loop
+    from vefsdp_optim import _debug
 
-    debug, _step_loop.DEBUG = _step_loop.DEBUG, True
+    debug, _debug.DEBUG = _debug.DEBUG, True
     try:
         _disagree(out, rank)
     finally:
-        _step_loop.DEBUG = debug
+        _debug.DEBUG = debug
     return out
 
 

@@ -430,7 +430,7 @@ def _unused_grad(world: int) -> dict[str, Any]:
     check of a parameter that one rank used alone."""
     import torch.distributed as dist
 
-    from vefsdp_optim import _step_loop
+    from vefsdp_optim import _debug
 
     out: dict[str, Any] = {}
     model = _shard("fully_shard", _Bag())
@@ -444,14 +444,14 @@ def _unused_grad(world: int) -> dict[str, Any]:
     out["option_zero"] = [bool(g.full_tensor().eq(0).all()) for g in grads[1:]]
     model.zero_grad(set_to_none=True)
     model.set_reduce_scatter_unused_params(False)
-    _step_loop.DEBUG = True
+    _debug.DEBUG = True
     try:
         used_alone = _grad(0, 1, -1, False) if dist.get_rank() == world - 1 else None
         model([_grad(0, 0, -1, False), used_alone, None, None]).backward()
     except ValueError as e:
         out["debug"] = str(e)
     finally:
-        _step_loop.DEBUG = False
+        _debug.DEBUG = False
     return out
 
 

@@ -341,7 +341,7 @@ def _debug_check_refuses_different_logits() -> str:
     """Under the debug switch, logits that differ between the ranks of a shard process group raise."""
     import torch.distributed as dist
 
-    from vefsdp_optim import _step_loop
+    from vefsdp_optim import _debug
 
     model = _model()
     vefsdp_optim.fully_shard(model)
@@ -349,13 +349,13 @@ def _debug_check_refuses_different_logits() -> str:
     opt = vefsdp_optim.Muon(_groups(params), qk_clip_threshold=TAU)
     _register(opt, params)
     logits = {"mha": torch.tensor(LOGITS[0]["mha"]) + dist.get_rank()}
-    _step_loop.DEBUG = True
+    _debug.DEBUG = True
     try:
         opt.qk_clip_(logits)
     except ValueError as e:
         return str(e)
     finally:
-        _step_loop.DEBUG = False
+        _debug.DEBUG = False
     return "no error"
 
 

@@ -14,6 +14,7 @@ from vefsdp_optim.comm._views import step_grad_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 from ._checkpoint import export_state, load_state, validate_state
+from ._debug import check_every_step
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._flattened import check_not_flattened
 from ._fsdp import replaced_by_fully_shard
@@ -25,7 +26,6 @@ from ._step_loop import (
     aligned,
     balanced_compute,
     check_consistent,
-    check_every_step,
     exchange,
     gc_paused,
     make_buckets,
@@ -264,6 +264,47 @@ class BlockOptimizer(Optimizer):
             self._place_step_counts()
         self._drop_plan()  # [Note: step plan], [Note: consistent steps]
 
+    # -- what the checkpoint format asks (its CheckpointedOptimizer) ----------------------
+
+    def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
+        """Create the state of ``params``: one step with lr 0 and zero gradients for them
+        (as DCP's _init_optim_state), none for the others, every parameter and gradient
+        restored after ([Note: state created alike on every rank])."""
+        create = {id(p) for p in params}
+        saved = []  # (param, its gradient, and for the stepped ones their local data and a copy)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in create:
+                    local = sharded_view(p).local
+                    saved.append((p, p.grad, local, local.clone()))
+                    p.grad = torch.zeros_like(p)
+                else:  # not stepped: only its gradient is set aside
+                    saved.append((p, p.grad, None, None))
+                    p.grad = None
+        lrs = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            # (a Tensor lr keeps its device: a capturable group needs it on the parameters')
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        try:
+            self.step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            for p, grad, local, copy in saved:
+                if local is not None:
+                    local.copy_(copy)
+                p.grad = grad
+
+    def forget_state(self, p: torch.Tensor) -> None:
+        """Empty ``p``'s state; its next step validates the new one."""
+        self.state[p] = {}
+        self._validated.discard(id(p))
+
+    def pin_owner(self, p: torch.Tensor, layout: RaggedShard | BoxShard, rank: int) -> None:
+        """``rank`` computes ``p``'s whole tensor while its storage layout is ``layout``
+        ([Note: owners stay])."""
+        self._pinned_owners[id(p)] = (layout, rank)
+
     def _place_step_counts(self) -> None:
         """Each ``step_count_keys`` entry where its group's flags keep it: the load made it
         in the form of the flags before the saved groups' keys were loaded (torch.optim's
@@ -499,10 +540,10 @@ class BlockOptimizer(Optimizer):
         self._pinned_spread[id(p)] = (layout, req, spread, owners)
         return spread
 
-    def _param_state_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
-        """Where ``p``'s state lives: :meth:`state_layout`, with the spread compute layout
-        where that is the compute layout of a requirement with fewer blocks than ranks
-        ([Note: spread compute blocks]); the checkpoint format asks this."""
+    def checkpoint_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+        """Where ``p``'s state lives (``CheckpointedOptimizer``): :meth:`state_layout`,
+        with the spread compute layout where that is the compute layout of a requirement
+        with fewer blocks than ranks ([Note: spread compute blocks])."""
         layout = self.state_layout(view, group)
         if layout is None or layout == view.layout:
             return layout

@@ -22,16 +22,13 @@ mark) is not detected.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from vefsdp_optim.sharding import Elementwise
+from vefsdp_optim.sharding import Elementwise, Requirement
 
 from ._torch_compat import fsdp1_flat_param, is_fsdp_flattened
-
-if TYPE_CHECKING:
-    from ._block_optimizer import BlockOptimizer
 
 __all__ = ["check_not_flattened", "flattened_by"]
 
@@ -52,7 +49,15 @@ def flattened_by(p: torch.Tensor) -> tuple[str, tuple[torch.Size, ...] | None, t
     return None
 
 
-def check_not_flattened(opt: BlockOptimizer, group: dict[str, Any], gi: int) -> None:
+class _Declares(Protocol):
+    """What the check reads of an optimizer (a BlockOptimizer)."""
+
+    def updates_elementwise(self, group: dict[str, Any]) -> bool: ...
+
+    def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement: ...
+
+
+def check_not_flattened(opt: _Declares, group: dict[str, Any], gi: int) -> None:
     """Raise ValueError for the first parameter of ``group`` (param group ``gi`` of
     ``opt``) that a sharding flattened and ``opt`` cannot update as one device would
     ([Note: flattened parameters])."""

@@ -21,7 +21,7 @@ from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.comm._views import _dtensor_type
 from vefsdp_optim.sharding import RaggedShard
 
-from ._step_loop import check_every_step
+from ._debug import check_every_step
 
 __all__ = ["QKClip", "qk_clip_defaults"]
 

@@ -15,21 +15,19 @@ import gc
 import itertools
 import math
 import operator
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from vefsdp_optim.comm import Route, ShardedView, assign_owners, same_on_all_ranks
 from vefsdp_optim.comm._collectives import first_difference
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
-    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "check_every_step",
-    "exchange", "gc_paused", "aligned", "pin_owners", "snapped_compute", "spread_compute", "spreads",
+    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "exchange",
+    "gc_paused", "aligned", "pin_owners", "snapped_compute", "spread_compute", "spreads",
 ]
 
 
@@ -182,7 +180,7 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # not a trigger: a rank sees only its own gradients, so a check it entered alone would
 # be the hang it guards against. Gradients that differ between ranks are then a user
 # error that may hang, as a torch collective called differently on two ranks does;
-# TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1 (``DEBUG``) checks every step.
+# TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1 (``_debug.DEBUG``) checks every step.
 # The check: each process group that exchanges anything compares, on the parameters'
 # device, one fingerprint per rank of (position, has a gradient, shape, storage and
 # compute layouts) in one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
@@ -192,16 +190,6 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 # every rank checks, the check cannot hang. BlockOptimizer keeps the structure it last
 # checked, and compares it only when it rebuilds its step plan ([Note: step plan]),
 # which every such change causes.
-
-#: check every step ([Note: consistent steps]); from VEFSDP_OPTIM_DEBUG=1 at import,
-#: read at each step, so a test may set it
-DEBUG: bool = os.environ.get("VEFSDP_OPTIM_DEBUG", "") == "1"
-
-
-def check_every_step() -> bool:
-    """Whether each step checks its consistency: ``DEBUG`` or TORCH_DISTRIBUTED_DEBUG=DETAIL."""
-    return DEBUG or (dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL)
-
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:

@@ -9,7 +9,8 @@
 - ``_full_export.py``: ``export_full`` / ``import_full``, one unsharded file.
 
 Depends on ``comm`` and ``sharding`` only (``_fsdp`` inside the functions that build
-or read a ``ShardedParameter``), never on an optimizer.
+or read a ``ShardedParameter``), never on an optimizer: it reads and changes one through
+``CheckpointedOptimizer``, the protocol ``BlockOptimizer`` implements.
 """
 
 from ._format import (
@@ -18,6 +19,7 @@ from ._format import (
     LOCAL,
     REPLICATED,
     WHOLE,
+    CheckpointedOptimizer,
     export_state,
     load_state,
     validate_state,
@@ -31,6 +33,7 @@ __all__ = [
     "WHOLE",
     "LOCAL",
     "CLASS_KEY",
+    "CheckpointedOptimizer",
     "export_state",
     "load_state",
     "validate_state",

@@ -11,18 +11,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 
 from vefsdp_optim.comm import ShardedView, sharded_view
-from vefsdp_optim.sharding import BoxShard, RaggedShard
+from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
-if TYPE_CHECKING:
-    from vefsdp_optim._block_optimizer import BlockOptimizer
-
-__all__ = ["REPLICATED", "ELEMENTWISE", "WHOLE", "LOCAL", "CLASS_KEY", "export_state", "load_state",
-           "validate_state"]
+__all__ = ["REPLICATED", "ELEMENTWISE", "WHOLE", "LOCAL", "CLASS_KEY", "CheckpointedOptimizer", "export_state",
+           "load_state", "validate_state"]
 
 #: checkpoint kinds of a state entry (see [Note: world-size-free optimizer state]); an
 #: int k is the fourth kind: one value per block of k consecutive parameter elements
@@ -32,6 +30,43 @@ WHOLE = "whole"  # any shape, of a whole-tensor requirement: kept and saved by t
 LOCAL = "local"  # rank-local bookkeeping, not saved by the declaration (rebuilt by init_state)
 KINDS = (REPLICATED, ELEMENTWISE, WHOLE, LOCAL)
 CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's class name
+
+class CheckpointedOptimizer(Protocol):
+    """What this format needs of an optimizer (``BlockOptimizer`` is one): its torch
+    ``state`` and ``param_groups``, the declaration of each parameter's state, where
+    that state lives, and three actions of a load. Nothing here imports an optimizer."""
+
+    state: Any  # torch.optim.Optimizer.state: parameter -> {key: value}
+    param_groups: list[dict[str, Any]]
+    structural_keys: tuple[str, ...]  # group keys a checkpoint must agree on
+    extra_state_prefixes: tuple[str, ...]  # state keys of export/import_extra_state
+
+    def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement: ...
+
+    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None: ...
+
+    def checkpoint_layout(self, p: torch.Tensor, view: ShardedView,
+                          group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+        """Where ``p``'s state lives: a layout of its elements, or None for the state of a
+        whole-tensor requirement, kept whole by the rank that computes it."""
+
+    def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: Any,
+                           group: dict[str, Any]) -> dict[str, Any]: ...
+
+    def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView, layout: Any,
+                           group: dict[str, Any], name: object) -> None: ...
+
+    def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
+        """Create the state of ``params`` with the optimizer's own code, changing no
+        parameter ([Note: state created alike on every rank]); collective."""
+
+    def forget_state(self, p: torch.Tensor) -> None:
+        """Empty ``p``'s state ([Note: no state saved, none loaded])."""
+
+    def pin_owner(self, p: torch.Tensor, layout: RaggedShard | BoxShard, rank: int) -> None:
+        """The rank of ``p``'s ``layout`` that computes its whole tensor from now on
+        ([Note: owners stay])."""
+
 
 # [Note: world-size-free optimizer state]
 # state_dict() gives every state tensor a form that does not depend on the world size
@@ -57,7 +92,7 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 # already in place (plain full tensors from torch.load or a full export) into the state.
 
 
-def export_state(opt: BlockOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
+def export_state(opt: CheckpointedOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
     """``sd`` (torch's ``Optimizer.state_dict()`` of ``opt``) with world-size-free state."""
     state: dict[int, dict[str, Any]] = {}
     for idx, (p, group) in enumerate(_params_in_order(opt)):
@@ -68,7 +103,7 @@ def export_state(opt: BlockOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
+def load_state(opt: CheckpointedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load ``state_dict`` (from :func:`export_state`, at any world size) into ``opt``."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("an optimizer state dict must have 'state' and 'param_groups', got "
@@ -96,13 +131,12 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
                for (p, group), sid in pairs]
     create = _to_create(opt, [(p, group, saved_state.get(sid) or {}) for (p, group), sid in pairs])
     if create:
-        _zero_step(opt, create)  # create the state with the optimizer's own code
+        opt.materialize_state(p for p, _ in _params_in_order(opt) if id(p) in create)
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:  # (every rank holds every entry in a full import: the owner takes it)
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
         elif opt.state.get(p):  # [Note: no state saved, none loaded]
-            opt.state[p] = {}
-            opt._validated.discard(id(p))
+            opt.forget_state(p)
     for g, sg in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in sg.items():
             if k not in ("params", CLASS_KEY):
@@ -113,7 +147,7 @@ def load_state(opt: BlockOptimizer, state_dict: dict[str, Any]) -> None:
 # torch.optim.Optimizer.load_state_dict replaces the whole state: a parameter whose
 # entry is missing or empty has no state afterwards, and its next step is its first
 # (Adam's bias correction counts from 1, SOAP and Shampoo start their factors). Our
-# load first creates every parameter's state with a zero step (_zero_step) so that the
+# load first creates every parameter's state with a zero step (the optimizer's ``materialize_state``) so that the
 # saved tensors can be copied into the live ones in place; the state of a parameter
 # without a saved entry on this rank is then emptied again, as torch would have it. The
 # entry is per rank: a rank whose slice of a parameter is empty saves and loads none.
@@ -136,14 +170,14 @@ def _saved_entry(saved: Any) -> Any:
     return {k: v for k, v in saved.items() if not (isinstance(v, dict) and not v)}
 
 
-def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+def _params_in_order(opt: CheckpointedOptimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
     return [(p, g) for g in opt.param_groups for p in g["params"]]
 
 
 # [Note: state created alike on every rank]
 # Loading copies saved tensors into live state, so a parameter with a saved entry but
 # no live state first gets its state from a step with zero gradients and lr 0
-# (_zero_step). That step is collective over each parameter's shard process group, and
+# (the optimizer's ``materialize_state``). That step is collective over each parameter's shard process group, and
 # whether a rank needs it is rank-local: a rank holding no state of a parameter (an
 # empty slice, or not the owner of a whole-tensor requirement) saved an empty entry.
 # So each rank's wish is OR-ed over the parameter's shard process group (one small
@@ -157,7 +191,8 @@ def _params_in_order(opt: BlockOptimizer) -> list[tuple[torch.Tensor, dict[str, 
 # none loaded]).
 
 
-def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]) -> set[int]:
+def _to_create(opt: CheckpointedOptimizer,
+               wanted: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]) -> set[int]:
     """ids of the parameters whose state the load must create: saved here without live
     state on some rank of their shard process group. The owner of a whole tensor's saved
     state computes it from now on ([Note: state created alike on every rank])."""
@@ -175,7 +210,7 @@ def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, A
             continue
         # the state of a whole tensor that only its owner keeps: all of it (state_layout
         # None), or its extra entries (NorMuon's row second moments)
-        owner_held = opt._param_state_layout(p, view, group) is None or (
+        owner_held = opt.checkpoint_layout(p, view, group) is None or (
             bool(opt.extra_state_prefixes) and opt.requirement(view.shape, group).needs_whole
             and any(isinstance(k, str) and k.startswith(opt.extra_state_prefixes) for k in saved))
         holder = view.rank if has_saved and owner_held else -1
@@ -193,44 +228,16 @@ def _to_create(opt: BlockOptimizer, wanted: list[tuple[torch.Tensor, dict[str, A
             if need:
                 out.add(id(p))
             if high >= 0 and high == -low:  # one rank saved it (not a full import on every rank);
-                opt._pinned_owners[id(p)] = (layout, high)  # the same on every rank: [Note: owners stay]
+                opt.pin_owner(p, layout, high)  # the same on every rank: [Note: owners stay]
     return out
 
 
-def _zero_step(opt: BlockOptimizer, create: set[int]) -> None:
-    """One step with lr 0 and zero gradients for the parameters in ``create`` (ids; as
-    DCP's _init_optim_state), none for the others, with every parameter and gradient
-    restored after: it only creates the state."""
-    saved = []  # (param, its gradient, and for the stepped ones their local data and a copy)
-    for p, _ in _params_in_order(opt):
-        if id(p) in create:
-            local = sharded_view(p).local
-            saved.append((p, p.grad, local, local.clone()))
-            p.grad = torch.zeros_like(p)
-        else:  # not stepped: only its gradient is set aside
-            saved.append((p, p.grad, None, None))
-            p.grad = None
-    lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        # (a Tensor lr keeps its device: a capturable group needs it on the parameters')
-        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-    try:
-        opt.step()
-    finally:
-        for g, lr in zip(opt.param_groups, lrs, strict=True):
-            g["lr"] = lr
-        for p, grad, local, copy in saved:
-            if local is not None:
-                local.copy_(copy)
-            p.grad = grad
-
-
-def _export_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+def _export_param_state(opt: CheckpointedOptimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
     state = opt.state.get(p)
     if not state:
         return {}
     view = sharded_view(p)
-    layout = opt._param_state_layout(p, view, group)
+    layout = opt.checkpoint_layout(p, view, group)
     spec = opt.checkpoint_spec(view.shape, group)
     out: dict[str, Any] = {}
     if layout is None:  # owner-held: this rank computes the whole tensor, it writes it all
@@ -277,7 +284,7 @@ def _entry_geometry(kind: str | int, view: ShardedView, layout: RaggedShard | Bo
     return torch.Size((blocks.numel,)), blocks
 
 
-def _check_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
+def _check_param_state(opt: CheckpointedOptimizer, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
                        name: object) -> bool:
     """Validate one parameter's saved entry; False when there is nothing to load."""
     if not isinstance(saved, dict):
@@ -288,7 +295,7 @@ def _check_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, An
     if unexpected:
         raise ValueError(f"optimizer state of parameter {name!r} (shape {tuple(view.shape)}) has keys "
                          f"{unexpected} that {type(opt).__name__} does not keep; it keeps {sorted(spec)}")
-    layout = opt._param_state_layout(p, view, group)
+    layout = opt.checkpoint_layout(p, view, group)
     for key, kind in spec.items():
         if key not in saved or kind in (REPLICATED, LOCAL, WHOLE):
             continue
@@ -305,13 +312,13 @@ def _check_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, An
     return bool(saved)
 
 
-def _import_param_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
+def _import_param_state(opt: CheckpointedOptimizer, p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
                         name: object) -> None:
     state = opt.state.get(p)
     if not state:
         return
     view = sharded_view(p)
-    layout = opt._param_state_layout(p, view, group)
+    layout = opt.checkpoint_layout(p, view, group)
     spec = opt.checkpoint_spec(view.shape, group)
     held = layout is None or layout.local_numel(view.rank) > 0
     missing = [k for k, kind in spec.items()
@@ -395,7 +402,7 @@ _KINDS_DOC = ("REPLICATED, ELEMENTWISE, WHOLE or LOCAL (from vefsdp_optim), or a
               "size (one value per block of that many elements)")
 
 
-def validate_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) -> None:
+def validate_state(opt: CheckpointedOptimizer, p: torch.Tensor, group: dict[str, Any]) -> None:
     """After the step that created ``p``'s state: it matches ``checkpoint_spec`` (see
     [Note: world-size-free optimizer state]), or a ValueError says which entry does not."""
     state = opt.state.get(p)
@@ -418,7 +425,7 @@ def validate_state(opt: BlockOptimizer, p: torch.Tensor, group: dict[str, Any]) 
         raise ValueError(
             f"{cls}.checkpoint_spec does not declare state keys {unknown} of a parameter of shape "
             f"{shape} (it declares {sorted(spec)}); give each a kind: {_KINDS_DOC}")
-    layout = opt._param_state_layout(p, view, group)
+    layout = opt.checkpoint_layout(p, view, group)
     for key, kind in spec.items():
         if key not in state or kind in (REPLICATED, LOCAL):
             continue

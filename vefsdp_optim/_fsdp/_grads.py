@@ -3,52 +3,26 @@ reduce-scatter and its epilogue, and the debug check that ranks used members ali
 
 :class:`StoreGrads` holds these methods of :class:`DtypeStore` (_store.py), which derives
 from it; they read the store's buffers and settings and know nothing of its shard group
-([Note: store and shard group]). :class:`GradSettings` carries the knobs a user may
-change between steps into every call that reads them.
+([Note: store and shard group]). The knobs a user may change between steps arrive with
+every call that reads them, as :class:`GradSettings` (_settings.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from vefsdp_optim._debug import check_every_step
 from vefsdp_optim._torch_compat import foreach_copy_, storage_use_count
 from vefsdp_optim.comm import DistributedBuffer, FlatWork, all_reduce_avg
 
 from ._param import ManagedParam
+from ._settings import GradSettings, StoreSettings
 from ._streams import NO_STREAMS, CommContext, Streams
 
-if TYPE_CHECKING:
-    from ._store import StoreSettings
-
-__all__ = ["GradSettings", "PendingReduce", "StoreGrads"]
-
-
-@dataclass(frozen=True, slots=True)
-class GradSettings:
-    """A shard group's gradient knobs at one call ([Note: gradient reduction policy],
-    [Note: lazy gradient buffer]); the FSDPModule ``set_*`` methods change them."""
-
-    copy_in: bool  # copy autograd's gradients into the buffer at the end of backward
-    gradient_divide_factor: float | None
-    force_sum_reduction: bool
-    requires_all_reduce: bool
-    all_reduce_hook: Callable[[torch.Tensor], None] | None
-    # called before a store allocates its gradient buffer: finishes completed reductions
-    # of earlier shard groups
-    before_grad_alloc: Callable[[], None]
-    # [Note: unused parameters]: True gives a parameter unused since the last reduction
-    # its reduced (zero where no rank used it) gradient, as FSDP2's option of that name
-    reduce_scatter_unused_params: bool = False
-
-    @property
-    def native_average(self) -> bool:
-        """Reduce with the default average ([Note: gradient reduction policy])."""
-        return self.gradient_divide_factor is None and not self.force_sum_reduction
+__all__ = ["PendingReduce", "StoreGrads"]
 
 
 # [Note: gradient memory]
@@ -392,8 +366,6 @@ class StoreGrads:
             comm.add_post_reduce(pending.post_event, release, host=settings.offload)
         used, self._used = self._used, set()
         if settings.world_size * settings.replicate_world_size > 1 and not grad_settings.reduce_scatter_unused_params:
-            from vefsdp_optim._step_loop import check_every_step
-
             if check_every_step():
                 self._check_used_alike(used)
         for p in self.params:

@@ -8,7 +8,7 @@ installs call into :class:`ShardGroup`: unshard before forward and backward, res
 after, one reduce-scatter when the shard group's gradients are complete. Where the
 shard group is in its step is two explicit states (``GatherState``, ``GradState`` in
 _lifecycle.py), which only the shard group changes; its stores hold no reference to it
-([Note: store and shard group] in _store.py). The optimizers see each store through a
+([Note: store and shard group] in _settings.py). The optimizers see each store through a
 :class:`StoreBinding` (the ``FlatStore`` of [Note: flat store contract]). See
 [Note: grads into the buffer] in _param.py.
 """
@@ -26,11 +26,12 @@ from vefsdp_optim._flat_store import StoreReplan
 from vefsdp_optim._torch_compat import tensor_version
 from vefsdp_optim.comm import same_on_all_ranks
 
-from ._grads import GradSettings, PendingReduce
+from ._grads import PendingReduce
 from ._lifecycle import GatherState, GradState, advance
 from ._param import ManagedParam
 from ._replan import move_store, plan_replan
-from ._store import DtypeStore, PendingGather, StoreSettings
+from ._settings import GradSettings, StoreSettings
+from ._store import DtypeStore, PendingGather
 from ._streams import NO_STREAMS, CommContext
 
 __all__ = ["ShardGroup", "StoreBinding", "DtypeStore", "check_shard_group_consistent"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
@@ -11,10 +10,8 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from vefsdp_optim._torch_compat import module_apply, module_parameters
 
 from ._group import ShardGroup
+from ._state import FSDPState
 from ._streams import check_event, check_stream
-
-if TYPE_CHECKING:
-    from ._state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "state_of"]
 

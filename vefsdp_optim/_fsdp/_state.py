@@ -25,12 +25,16 @@ from vefsdp_optim._torch_compat import (
 
 from ._group import ShardGroup
 from ._lifecycle import Role, TrainingState, advance
-from ._module import FSDPModule, state_of
 from ._param import ManagedParam
 from ._streams import CommContext, streams_for
 
 __all__ = ["FSDPState", "ParamOutsideUse", "ctx_final_callback", "finish_completed_reductions",
            "wait_reductions"]
+
+
+def _state_of(m: nn.Module) -> FSDPState | None:
+    """The FSDPState fully_shard gave ``m`` (``FSDPModule._vefsdp_state``), else None."""
+    return m.__dict__.get("_vefsdp_state")
 
 
 class _RootContext:
@@ -63,6 +67,7 @@ class FSDPState:
                  mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules  # one, or FSDP2's list of modules sharing its shard groups
         self.module = modules[0]
+        self.module_class = type(self.module).__name__  # the user's class: fully_shard then swaps it
         # one per mesh of this call's parameters, in the order of their first parameter
         # ([Note: shard groups of one call] in _fully_shard.py); none without parameters
         self.shard_groups = shard_groups
@@ -127,8 +132,8 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self.role is not Role.UNSET:
             return
-        states = list({id(st): st for st in (state_of(m) for m in self.module.modules()
-                                             if isinstance(m, FSDPModule))}.values())
+        states = list({id(st): st for st in (_state_of(m) for m in self.module.modules())
+                       if st is not None}.values())
         for s in states:
             if s is not self and s.is_root:
                 raise ValueError("a fully_shard'd module ran forward as root before its parent; "
@@ -289,10 +294,7 @@ class FSDPState:
             for n, p in root.module.named_parameters(remove_duplicate=False):
                 if any(p is f for f in faces):
                     return n  # the first of tied names
-        cls = type(self.module)
-        if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:  # the user's class
-            cls = cls.__bases__[1]
-        return f"{cls.__name__}.{mp.fqn}"
+        return f"{self.module_class}.{mp.fqn}"
 
     def post_backward(self, final: bool = False) -> None:
         """End of this module's backward: free, reduce-scatter ([Note: repeated use]).

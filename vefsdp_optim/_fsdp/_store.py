@@ -13,12 +13,9 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vefsdp_optim._flat_store import dense_offset
 from vefsdp_optim._torch_compat import (
@@ -29,62 +26,14 @@ from vefsdp_optim._torch_compat import (
 from vefsdp_optim.comm import DistributedBuffer, FlatWork
 from vefsdp_optim.sharding import BufferPlan, RaggedShard, TensorSpec, plan_buffer
 
-from ._grads import GradSettings, StoreGrads, _nbytes, _release_storage, _uses
+from ._grads import StoreGrads, _nbytes, _release_storage, _uses
 from ._param import ManagedParam, mesh_key
+from ._settings import GradSettings, StoreSettings
 from ._streams import NO_STREAMS, Streams
 
-__all__ = ["DtypeStore", "PendingGather", "StoreSettings", "ALIGN"]
+__all__ = ["DtypeStore", "PendingGather", "ALIGN"]
 
 ALIGN = 16
-
-# [Note: store and shard group]
-# As FSDP2's ``FSDPParam`` knows nothing of its ``FSDPParamGroup``, a DtypeStore holds no
-# reference to its shard group. What it needs arrives as values: the fixed settings
-# (process groups, device, mixed precision) once, at construction (:class:`StoreSettings`),
-# and the gradient knobs a user may change between steps ([Note: gradient reduction
-# policy], ``set_gradient_copy_in``) with every call that reads them
-# (:class:`GradSettings`). The shard group owns every lifecycle transition
-# (``GatherState``, ``GradState``): the store only moves data when told to, and a re-plan
-# reaches the store through the shard group (``StoreBinding`` in _group.py), which first
-# checks and changes the gather and gradient states.
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    """A shard group's fixed settings, given to each of its stores at construction."""
-
-    process_group: dist.ProcessGroup  # the shard process group (W ranks)
-    world_size: int  # W
-    rank: int  # this rank's index in process_group
-    replicate_process_group: dist.ProcessGroup | None  # HSDP's; None without one (or of size 1)
-    replicate_world_size: int  # 1 without a replicate process group
-    device: torch.device
-    mp_policy: MixedPrecisionPolicy
-    # CPUOffloadPolicy ([Note: CPU offload]): the master buffer (the sharded parameters,
-    # their gradients, the optimizer's data) on the CPU, pinned when ``device`` is an
-    # accelerator and the policy asks for it
-    offload: bool = False
-    pin_memory: bool = False
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"StoreSettings: rank {self.rank} of world size {self.world_size}")
-        if (self.replicate_process_group is None) != (self.replicate_world_size == 1):
-            raise ValueError(f"StoreSettings: replicate world size {self.replicate_world_size} with "
-                             f"replicate process group {self.replicate_process_group}")
-        if self.pin_memory and not self.offload:
-            raise ValueError("StoreSettings: pin_memory=True needs offload=True")
-
-    @property
-    def host(self) -> torch.device:
-        """Where the master buffer lives: the CPU under offload, else ``device``."""
-        return torch.device("cpu") if self.offload else self.device
-
-    @property
-    def pinned(self) -> bool:
-        """The master buffer is page-locked host memory (offload from an accelerator)."""
-        return self.offload and self.pin_memory and self.device.type != "cpu"
-
 
 # [Note: CPU offload]
 # CPUOffloadPolicy, as FSDP2's: the sharded parameters, their gradients, and so the

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ._group import ShardGroup
-
 __all__ = ["Streams", "DeviceStreams", "NO_STREAMS", "CommContext", "streams_for", "set_streams_factory",
            "check_event", "check_stream", "streams_factory"]
+
+
+class _Releasable(Protocol):
+    """What a pending free holds: a shard group (_group.py), which frees its gathered
+    buffers on ``release_buffers``."""
+
+    def release_buffers(self) -> None: ...
+
 
 # [Note: fully_shard streams]
 # On an accelerator, as FSDP2: the module's compute runs on the current stream; a
@@ -178,7 +183,7 @@ class CommContext:
         self.streams = streams
         # gathered buffers resharded by a hook and not yet freed: (shard group, event of
         # the reshard on the current stream), oldest first
-        self.pending_free: list[tuple[ShardGroup, Any]] = []
+        self.pending_free: list[tuple[_Releasable, Any]] = []
         # (post-reduce event, what to release once the current stream waited on it)
         # True where the host must wait for it too: an offloaded store's device-to-host
         # copy ([Note: CPU offload] in _store.py)
@@ -209,12 +214,12 @@ class CommContext:
             else:
                 s.wait_event(stream, event)
 
-    def free(self, shard_group: ShardGroup) -> None:
+    def free(self, shard_group: _Releasable) -> None:
         """A hook's reshard of a buffer gathered on the side streams: freed later, at the
         all-gather after next ([Note: fully_shard streams])."""
         self.pending_free.append((shard_group, self.streams.record(None)))
 
-    def take_pending(self, shard_group: ShardGroup) -> Any:
+    def take_pending(self, shard_group: _Releasable) -> Any:
         """Remove ``shard_group``'s pending free (it is gathered again into the same
         buffer); returns its event, or None when it had none."""
         for i, (g, event) in enumerate(self.pending_free):
