@@ -244,7 +244,7 @@ def _steady_state_counts() -> dict[str, object]:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
     from torch.distributed.tensor import distribute_tensor
 
-    import vefsdp_optim._block_optimizer as bo
+    import vefsdp_optim._planner as bo
     from vefsdp_optim import _debug
 
     w = dist.get_world_size()

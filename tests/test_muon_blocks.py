@@ -351,7 +351,7 @@ def _balanced_fsdp2(kind):
             q.grad = g
         for o in opts:
             o.step()
-    cuts = [list(it.compute.boundaries) for it in opts[0]._step_plan.items]
+    cuts = [list(it.compute.boundaries) for it in opts[0]._planner.plan.items]
     equal = all(torch.equal(p.full_tensor(), q.detach()) for p, q in zip(model.parameters(), ref.parameters(),
                                                                            strict=True))
     return cuts, equal

@@ -79,7 +79,7 @@ def _rounds_run():
             opt.step()
     finally:
         bo.exchange = orig_exchange
-    for owners_ in opt._owner_cache.values():
+    for owners_ in opt._planner.owner_cache.values():
         owners = list(owners_)
     return [p.full_tensor().detach() for p in model], events, owners
 

@@ -137,7 +137,7 @@ def _sharded(name: str) -> dict[str, object]:
             g = _grad(step, i)
             p.grad = None if g is None else distribute_tensor(g, mesh, p.placements)
         opt.step()
-        items = opt._step_plan.items
+        items = opt._planner.plan.items
         layouts.append({id(it.param): it.compute for it in items})
         if step == 0:
             computing = [next(r for r in range(dist.get_world_size()) if it.compute.local(r)[1])

@@ -91,11 +91,11 @@ def _run(name: str, change: str, fresh: bool) -> tuple[list[torch.Tensor], list[
         for i, p in enumerate(params):
             p.grad = _grad(k, i, p.shape) if used[i] else None
         if fresh:
-            opt._step_plan = None
+            opt._planner.plan = None
         opt.step()
         if k:
-            kept.append(opt._step_plan is last)
-        last = opt._step_plan
+            kept.append(opt._planner.plan is last)
+        last = opt._planner.plan
     return [p.detach().clone() for p in params], kept
 
 
@@ -128,7 +128,7 @@ def test_plan_survives_in_place_writes() -> None:
                 p.grad = _grad(k, i, p.shape)
         opt.step()
         ref.step()
-        plans.append(opt._step_plan)
+        plans.append(opt._planner.plan)
     assert plans[0] is plans[1] is plans[2]
     for a, b in zip(params, ref.param_groups[0]["params"], strict=True):
         assert torch.equal(a, b)
@@ -214,12 +214,12 @@ def _sharded(name: str) -> dict[str, Any]:
         for p, g in zip(ref_params, gs, strict=True):
             p.grad = None if g is None else average_like_ranks(g, world)
         opt.step()
-        ref._step_plan = None
+        ref._planner.plan = None
         ref.step()
         opt.zero_grad()
         if k:
-            kept.append(opt._step_plan is last)
-        last = opt._step_plan
+            kept.append(opt._planner.plan is last)
+        last = opt._planner.plan
     full = [p.full_tensor() for p in params]
     return dict(equal=[torch.equal(a, b.detach()) for a, b in zip(full, ref_params, strict=True)], kept=kept)
 
@@ -313,8 +313,8 @@ def _fsdp2_identities(name: str) -> dict[str, Any]:
             opt.zero_grad()
             ref.zero_grad()
             if k:
-                kept.append(opt._step_plan is last)
-            last = opt._step_plan
+                kept.append(opt._planner.plan is last)
+            last = opt._planner.plan
     finally:
         step_plan.sharded_view, step_plan.step_grad_view = real_view, real_grad_view
     full = [p.full_tensor() for p in params]

@@ -10,34 +10,25 @@ import torch
 from torch.optim import Optimizer
 
 from vefsdp_optim.comm import ShardedView, sharded_view
-from vefsdp_optim.comm._views import step_grad_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
+from ._capturable import check_capturable
 from ._checkpoint import export_state, load_state, validate_state
-from ._debug import check_every_step
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._flattened import check_not_flattened
-from ._fsdp import replaced_by_fully_shard
+from ._planner import StepPlanner, check_not_replaced
 from ._step_loop import (
     BlockContext,
     PendingExchange,
-    StepEntry,
     StepItem,
     aligned,
-    balanced_compute,
-    check_consistent,
     exchange,
     gc_paused,
-    make_buckets,
-    pin_owners,
     snapped_compute,
-    spread_compute,
-    spreads,
 )
-from ._step_plan import GroupPlan, StepPlan, group_values, param_key, view_key
-from ._torch_compat import capturable_devices, tree_flatten
+from ._step_plan import StepPlan
 
-__all__ = ["BlockOptimizer", "BlockContext"]
+__all__ = ["BlockOptimizer", "BlockContext", "check_capturable"]
 
 # [Note: one step loop]
 # Every parameter is reduced to a ShardedView: this rank's 1-D slice of the flat
@@ -116,22 +107,13 @@ class BlockOptimizer(Optimizer):
     balance_compute_cuts: bool = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        # the step plan and its caches ([Note: step plan]); first: add_param_group drops the plan
+        self._planner = StepPlanner()
         super().__init__(params, defaults)
-        self._owner_cache: dict[tuple, tuple[int, ...]] = {}
         self._validated: set[int] = set()  # ids of parameters whose state validate_state passed
-        # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
-        self._compute_cache: dict[tuple, RaggedShard | None] = {}
-        # id(param) -> (storage layout, owner rank) of its whole-tensor compute ([Note: owners stay])
-        self._pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
-        # id(param) -> (storage layout, requirement, compute layout, (rank, elements) per
-        # block) of a requirement with fewer blocks than ranks ([Note: spread compute blocks])
-        self._pinned_spread: dict[int, tuple[RaggedShard | BoxShard, Requirement, RaggedShard, tuple]] = {}
-        # the step structure last checked; None: check at the next step ([Note: consistent steps])
-        self._checked_structure: list[tuple] | None = None
-        self._step_plan: StepPlan | None = None  # None: build at the next step ([Note: step plan])
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                _check_not_replaced(p, type(self).__name__)
+                check_not_replaced(p, type(self).__name__)
                 try:  # raises for unsupported kinds and placements, before any collective
                     view = sharded_view(p)
                 except ValueError as e:
@@ -303,7 +285,7 @@ class BlockOptimizer(Optimizer):
     def pin_owner(self, p: torch.Tensor, layout: RaggedShard | BoxShard, rank: int) -> None:
         """``rank`` computes ``p``'s whole tensor while its storage layout is ``layout``
         ([Note: owners stay])."""
-        self._pinned_owners[id(p)] = (layout, rank)
+        self._planner.pinned_owners[id(p)] = (layout, rank)
 
     def _place_step_counts(self) -> None:
         """Each ``step_count_keys`` entry where its group's flags keep it: the load made it
@@ -370,7 +352,7 @@ class BlockOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
-        plan = self._current_plan()
+        plan = self._planner.current(self)
         try:
             self._step_plan_run(plan)
         finally:  # the plan keeps no gradient alive between steps ([Note: step plan])
@@ -406,43 +388,10 @@ class BlockOptimizer(Optimizer):
                     validated.add(id(it.param))
             plan.validated = all(id(it.param) in validated for it in items)
 
-    def _current_plan(self) -> StepPlan:
-        """This step's plan ([Note: step plan]), each group's items holding this step's
-        gradients: the last one where nothing it was built from changed, else rebuilt."""
-        plan = self._step_plan
-        groups = self.param_groups
-        old = plan.groups if plan is not None else []
-        keys = self.structural_keys + self.plan_keys
-        fresh: list[GroupPlan] = []
-        rebuilt = plan is None or len(old) != len(groups)
-        for gi, group in enumerate(groups):
-            claimed = self.claim_params(group)
-            values = group_values(group, keys)
-            gp = old[gi] if gi < len(old) else None
-            if gp is None or not gp.refresh(group, claimed, values):
-                gp = self._plan_group(group, gi, claimed, values)
-                rebuilt = True
-            fresh.append(gp)
-        sizes = (self.bucket_numel, self.min_round_numel)
-        if not rebuilt and sizes == plan.sizes:
-            if check_every_step():  # [Note: consistent steps]
-                check_consistent([e for gp in fresh for e in gp.entries])
-            return plan
-        items = [it for gp in fresh for it in gp.items]
-        structure = [s for gp in fresh for s in gp.structure]
-        if structure != self._checked_structure or check_every_step():  # [Note: consistent steps]
-            check_consistent([e for gp in fresh for e in gp.entries])
-            self._checked_structure = structure
-        buckets = make_buckets(items, *sizes)
-        moving = [[i for i, it in enumerate(b) if it.moves] for b in buckets]
-        self._step_plan = StepPlan(fresh, items, buckets, moving, sizes)
-        return self._step_plan
-
     def _drop_plan(self) -> None:
         """Rebuild the step plan, and check consistency, at the next step
         ([Note: step plan], [Note: consistent steps])."""
-        self._step_plan = None
-        self._checked_structure = None
+        self._planner.drop()
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Hook: the parameters of ``group`` left to the step loop. A subclass may first
@@ -450,141 +399,11 @@ class BlockOptimizer(Optimizer):
         stores, [Note: fused stores]) and leave out those it updated."""
         return group["params"]
 
-    def _plan_group(self, group: dict[str, Any], gi: int, claimed: list[Any], values: tuple) -> GroupPlan:
-        """The plan of param group ``gi`` ([Note: step plan]): a step item per parameter
-        with a gradient; an entry per parameter without a gradient and per sharded
-        parameter with one ([Note: consistent steps] compares the sharded ones); and
-        what every sharded parameter's exchange depends on except its gradient."""
-        items: list[StepItem] = []
-        entries: list[StepEntry] = []
-        structure: list[tuple] = []
-        rows: list[tuple[Any, tuple | None, tuple | None, StepItem | None]] = []
-        whole: list[int] = []
-        loads: dict[int, list[int]] = {}  # per process group: elements computed per rank
-        position = ({id(p): i for i, p in enumerate(group["params"])}
-                    if claimed is not group["params"] else None)
-        for pi, p in enumerate(claimed):
-            pos = (gi, pi if position is None else position[id(p)])
-            key = param_key(p)
-            if p.grad is None:
-                _check_not_replaced(p, type(self).__name__)
-                view = sharded_view(p)
-                req = self.requirement(view.shape, group)
-                compute = self._spread_or(p, view, req, group, self._compute_layout(req, view), loads)
-                entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
-                                         compute is None or compute != view.layout, view.process_group,
-                                         view.local.device))
-                if view.process_group is not None:
-                    structure.append((pos, id(p), id(view.process_group), view.layout, compute))
-                rows.append((p, key, None if key is not None else view_key(view), None))
-                continue
-            if p.is_meta:
-                raise NotImplementedError(
-                    f"{type(self).__name__} cannot step parameters on the meta device (shape "
-                    f"{tuple(p.shape)}); materialize them first (module.to_empty(device=...) and "
-                    "initialization), then step")
-            if p.grad.is_sparse:
-                raise NotImplementedError(f"{type(self).__name__} does not support sparse gradients")
-            if p.is_complex():
-                raise NotImplementedError(f"{type(self).__name__} does not support complex parameters")
-            view = sharded_view(p)
-            gview = step_grad_view(p.grad)
-            if gview.layout != view.layout:
-                raise ValueError(
-                    f"gradient layout {gview.layout} differs from parameter layout "
-                    f"{view.layout} for a parameter of shape {tuple(view.shape)}")
-            if group.get("capturable") and self.checks_capturable:
-                check_capturable(type(self).__name__, group, view.local.device)
-            req = self.requirement(view.shape, group)
-            compute = self._spread_or(p, view, req, group, self._compute_layout(req, view), loads)
-            if (self.balance_compute_cuts and compute is not None and compute != view.layout
-                    and isinstance(view.layout, RaggedShard)
-                    and self.state_layout(view, group) == view.layout):  # [Note: balanced compute cuts]
-                w = view.layout.world_size
-                compute = balanced_compute(view.layout, req, view.shape,
-                                           loads.setdefault(id(view.process_group), [0] * w))
-            may_move = compute is None or compute != view.layout
-            if view.process_group is not None:
-                structure.append((pos, id(p), id(view.process_group), view.layout, compute))
-            if compute is None:
-                compute = view.layout  # replaced by the owner layout below
-                whole.append(len(items))
-            item = StepItem(p, view, gview.local, req, compute, group)
-            items.append(item)
-            rows.append((p, key, None if key is not None else view_key(view), item))
-            if view.process_group is not None:  # check_consistent skips the others
-                entries.append(StepEntry(pos, tuple(view.shape), view.layout, compute, may_move,
-                                         view.process_group, view.local.device))
-        if whole:
-            pin_owners([items[i] for i in whole], self.cost, self._owner_cache, self._pinned_owners)
-        return GroupPlan(group, values, rows, items, entries, structure)
-
-    def _spread_or(self, p: Any, view: ShardedView, req: Requirement, group: dict[str, Any],
-                   compute: RaggedShard | None, loads: dict[Any, list[int]]) -> RaggedShard | None:
-        """``compute``, or where ``req`` has fewer blocks than ranks and the state lives
-        on the compute layout, the spread layout, pinned ([Note: spread compute blocks]);
-        ``loads`` (per process group) counts every such parameter's blocks, in order."""
-        layout = view.layout
-        if (compute is None or compute is layout or not spreads(layout, req, view.shape)
-                or (self.balance_compute_cuts and self.state_layout(view, group) == layout)):
-            return compute
-        load = loads.setdefault(("spread", id(view.process_group)), [0] * layout.world_size)
-        kept = self._pinned_spread.get(id(p))
-        if kept is not None and kept[0] == layout and kept[1] == req:
-            for o, size in kept[3]:
-                load[o] += size
-            return kept[2]
-        # a tensor-parallel box layout: over its even split, as the nearest cuts are
-        base = layout.even_split() if isinstance(layout, BoxShard) else layout
-        spread, owners = spread_compute(base, req, view.shape, load)
-        self._pinned_spread[id(p)] = (layout, req, spread, owners)
-        return spread
-
     def checkpoint_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
         """Where ``p``'s state lives (``CheckpointedOptimizer``): :meth:`state_layout`,
         with the spread compute layout where that is the compute layout of a requirement
         with fewer blocks than ranks ([Note: spread compute blocks])."""
-        layout = self.state_layout(view, group)
-        if layout is None or layout == view.layout:
-            return layout
-        req = self.requirement(view.shape, group)
-        if not spreads(view.layout, req, view.shape):
-            return layout
-        kept = self._pinned_spread.get(id(p))
-        if kept is None or kept[0] != view.layout or kept[1] != req:
-            self._pin_spreads()
-            kept = self._pinned_spread.get(id(p))
-        if kept is None:
-            raise AssertionError(f"no compute layout pinned for a parameter of shape {tuple(view.shape)}")
-        return kept[2]
-
-    def _pin_spreads(self) -> None:
-        """Pin the spread layouts of every parameter as a step plan would, in order (a
-        checkpoint asks before this optimizer has planned a step). Every parameter of a
-        group is walked: ``claim_params`` may update some (it runs in a step only), and
-        those it claims need no exchange, so no block requirement they could spread."""
-        for group in self.param_groups:
-            loads: dict[Any, list[int]] = {}
-            for p in group["params"]:
-                view = sharded_view(p)
-                req = self.requirement(view.shape, group)
-                self._spread_or(p, view, req, group, self._compute_layout(req, view), loads)
-
-    def _compute_layout(self, req: Requirement, view: ShardedView) -> RaggedShard | None:
-        """The compute layout for ``req`` ([Note: one step loop]); None: whole on an owner."""
-        key = (req, view.layout, view.shape)
-        if key in self._compute_cache:
-            return self._compute_cache[key]
-        if view.layout.satisfies(req, view.shape):
-            compute = view.layout
-        elif req.needs_whole:
-            compute = None
-        else:
-            compute = snapped_compute(view.layout, req, view.shape)
-        if len(self._compute_cache) > 4096:
-            self._compute_cache.clear()
-        self._compute_cache[key] = compute
-        return compute
+        return self._planner.state_layout(self, p, view, group)
 
     def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:
         self._apply_bucket(bucket, back.wait())
@@ -608,52 +427,3 @@ class BlockOptimizer(Optimizer):
 
     def _launch(self, bucket: list[StepItem], moving: list[int], routes: dict[tuple, list]) -> PendingExchange:
         return exchange(bucket, self._gather_bucket(bucket), forward=True, moving=moving, routes=routes)
-
-
-# [Note: capturable steps]
-# capturable=True (torch.optim's flag, a param group key) makes a step a fixed sequence of
-# device work that a CUDA graph can capture and replay:
-#   - step counts are float32 0-d tensors on the parameters' device, incremented there,
-#     and every coefficient read from them or from a Tensor lr (bias corrections, step
-#     sizes) is computed there: a replay advances them and reads the lr tensor a
-#     scheduler changed in place;
-#   - nothing in the step reads a device value on the host (no .item(), no branch on a
-#     tensor), and no host tensor enters a device op (its value would be the one read at
-#     capture): Tensor hyperparameters must live on the parameters' device;
-#   - the host work a step does once (its plan, the batching probes, code tables) is done
-#     by the eager steps before a capture, which torch requires anyway (warm-up).
-# The results are the same at every world size as on one device with capturable=True,
-# and differ from capturable=False in the last bits, as torch's capturable Adam does
-# (coefficients rounded on the device). torch refuses capturable=True on the CPU, which
-# has no graphs; so do we, here (AdamW leaves it to torch's own error).
-# A graph replays the kind of step it captured. SOAP and Shampoo decide on the host when to
-# refresh their preconditioners, from their count of step() calls: the steps in between are
-# capturable; the refreshes (and SOAP's first step) call eigh (which reads its error code back
-# to the host on CUDA) or QR and run eagerly, as step() calls; count_replays(n) counts replays.
-def check_capturable(name: str, group: dict[str, Any], device: torch.device) -> None:
-    """The checks of ``capturable=True`` ([Note: capturable steps]): the parameter's
-    device is one torch.optim accepts for it, and every Tensor hyperparameter lives there
-    (a host value would be read once, when the step is captured)."""
-    devices = capturable_devices()
-    if device.type not in devices:
-        raise ValueError(
-            f"{name}(capturable=True) needs its parameters on a device whose steps CUDA graphs "
-            f"can capture ({', '.join(devices)}), got a parameter on {device}; use capturable=False "
-            f"on {device.type}")
-    for key, value in group.items():
-        if key == "params":
-            continue
-        for t in tree_flatten(value)[0]:
-            if isinstance(t, torch.Tensor) and t.device != device:
-                raise ValueError(
-                    f"{name}(capturable=True) needs Tensor hyperparameters on the parameters' device "
-                    f"{device}, got {key!r} on {t.device}: a captured step would keep the value it "
-                    f"read when captured; pass {key} as a float or as a tensor on {device}")
-
-
-def _check_not_replaced(p: torch.Tensor, name: str) -> None:
-    if replaced_by_fully_shard(p):
-        raise ValueError(
-            f"{name} holds a parameter of shape {tuple(p.shape)} that fully_shard has replaced "
-            "with a sharded one, so it would never train; build the optimizer after fully_shard, "
-            "from model.parameters()")

@@ -13,7 +13,7 @@ __all__ = ["HostStepCounts", "ReplayCounting"]
 class HostStepCounts:
     """Per capturable state, how many steps its device step count has taken, kept on the
     host so that the step never reads the device count back ([Note: capturable steps] in
-    _block_optimizer.py): SOAP and Shampoo decide from it when to refresh their
+    _capturable.py): SOAP and Shampoo decide from it when to refresh their
     preconditioners. It counts the optimizer's ``step()`` calls (a replay of a captured
     graph advances the device count alone, :meth:`add` counts replays); :meth:`rederive`
     sets it again from the device counts (a host read, at load time)."""

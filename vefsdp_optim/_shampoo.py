@@ -95,7 +95,7 @@ class Shampoo(ReplayCounting, BlockOptimizer):
     is given: ``state["root_failures"]`` and ``state["skipped_tiles"]`` (0-dim int64
     tensors on the parameter's device, not saved) count them; reading one is a host sync.
 
-    ``capturable=True`` ([Note: capturable steps] in _block_optimizer.py): ``state["step"]``
+    ``capturable=True`` ([Note: capturable steps] in _capturable.py): ``state["step"]``
     is a float32 0-d tensor on the parameter's device (a host float32 tensor otherwise,
     as torch.optim keeps it) and the bias corrections, step sizes and ``lr`` are device
     tensors. When to recompute the roots, and from which step to precondition, stays a

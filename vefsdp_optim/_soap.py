@@ -12,7 +12,8 @@ import torch
 from vefsdp_optim._math._soap import SoapGeometry, SoapHparams, SoapState, soap_geometry, soap_step_
 from vefsdp_optim.sharding import Elementwise, Requirement, WholeTensor
 
-from ._block_optimizer import BlockContext, BlockOptimizer, check_capturable
+from ._block_optimizer import BlockContext, BlockOptimizer
+from ._capturable import check_capturable
 from ._checkpoint import ELEMENTWISE, REPLICATED, WHOLE, validate_state
 from ._host_steps import HostStepCounts, ReplayCounting
 from ._registry import register_optimizer
@@ -89,7 +90,7 @@ class SOAP(ReplayCounting, BlockOptimizer):
     around it: a matrix is rotated by ``mm`` without ``tensordot``'s wrapper ([Note: SOAP
     rotations]) and plain parameters skip the exchange bookkeeping (``claim_params``).
 
-    ``capturable=True`` ([Note: capturable steps] in _block_optimizer.py): ``state["step"]``
+    ``capturable=True`` ([Note: capturable steps] in _capturable.py): ``state["step"]``
     is a float32 0-d tensor on the parameter's device (an int otherwise, as the
     reference's) and the bias corrections, the step size and ``lr`` are device tensors.
     When to take the eigenbases (the first step) and to renew them (every

@@ -159,7 +159,7 @@ def shampoo_step_(
             statistics, updated in place), e.g. from :func:`shampoo_tiles`.
         grafting: ``"adam"``, ``"sgd"`` or ``"none"``.
         step, lr: ints and floats; or, capturable ([Note: capturable steps] in
-            _block_optimizer.py), ``step`` a 0-d float32 tensor on the parameter's device
+            _capturable.py), ``step`` a 0-d float32 tensor on the parameter's device
             and every coefficient computed from it and ``lr`` there (a float ``lr`` is
             made a float32 0-d tensor there first).
         host_step: the step count on the host (default ``step``, then an int): it decides

@@ -303,7 +303,7 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor
       :func:`soap_power_iteration` (``v`` permuted with them), and ``m`` is rotated back
       and into the bases ([Note: SOAP momentum round trip]).
 
-    Capturable ([Note: capturable steps] in _block_optimizer.py): ``step`` a 0-d float32
+    Capturable ([Note: capturable steps] in _capturable.py): ``step`` a 0-d float32
     tensor on ``param``'s device, from which the bias corrections are computed there,
     with ``lr`` (a float made a float32 0-d tensor there first), and ``host_step`` the
     same count on the host, which decides the first step and the basis renewals.
