@@ -299,8 +299,8 @@ def plan_load(world: int, band: int = 1024, layers: int = LLAMA70B_LAYERS) -> li
     share plus one tile), and the fraction of ranks with no work."""
     import torch
 
+    from vefsdp_optim._compute_layouts import snapped_compute, spread_compute, spreads
     from vefsdp_optim._math import muon_blocks_cost
-    from vefsdp_optim._step_loop import snapped_compute, spread_compute, spreads
     from vefsdp_optim.comm import assign_owners
     from vefsdp_optim.sharding import RaggedShard, RowBlocks
 

@@ -308,7 +308,7 @@ def test_flat_copy_gives_row_major_order(tall, into):
 def test_balanced_compute_cuts(world):
     """Each boundary at one of its two nearest legal cuts, legal and in order; layers that
     tie alike (3 row blocks over 2 ranks) alternate, so the ranks compute even shares."""
-    from vefsdp_optim._step_loop import balanced_compute
+    from vefsdp_optim._compute_layouts import balanced_compute
     from vefsdp_optim.sharding import RaggedShard, RowBlocks
 
     shape, req = torch.Size((12, 5)), RowBlocks(4)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import vefsdp_optim
-from vefsdp_optim._step_loop import snapped_compute, spread_compute, spreads
+from vefsdp_optim._compute_layouts import snapped_compute, spread_compute, spreads
 from vefsdp_optim.sharding import RaggedShard, RowBlocks
 
 

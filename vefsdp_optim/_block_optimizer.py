@@ -14,6 +14,7 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 from ._capturable import check_capturable
 from ._checkpoint import export_state, load_state, validate_state
+from ._compute_layouts import snapped_compute
 from ._flat_store import ReplanReport, apply_requirements, flat_store
 from ._flattened import check_not_flattened
 from ._planner import StepPlanner, check_not_replaced
@@ -24,7 +25,6 @@ from ._step_loop import (
     aligned,
     exchange,
     gc_paused,
-    snapped_compute,
 )
 from ._step_plan import StepPlan
 

@@ -31,6 +31,7 @@ from ._block_optimizer import BlockOptimizer
 from ._checkpoint import ELEMENTWISE, LOCAL, REPLICATED
 from ._muon_plan import (
     MuonPlan,
+    block_runs,
     check_heads,
     check_momentum_dtype,
     muon_defaults,
@@ -313,14 +314,14 @@ class Muon(QKClip, BlockOptimizer):
         return runs
 
     def _block_runs(self, item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
-        """:func:`_block_runs`, kept per (plan, storage layout, rank): the same every step."""
+        """:func:`block_runs` (_muon_plan.py), kept per (plan, storage layout, rank): the same every step."""
         cache = self.__dict__.setdefault("_block_runs_cache", {})
         key = (id(plan), item.view.layout, item.view.rank)
         hit = cache.get(key)
         if hit is None or hit[0] is not plan:
             if len(cache) > 4096:
                 cache.clear()
-            hit = cache[key] = (plan, _block_runs(item, plan))
+            hit = cache[key] = (plan, block_runs(item, plan))
         return hit[1]
 
     def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -430,28 +431,6 @@ class Muon(QKClip, BlockOptimizer):
         adjusted = {rc: -muon_adjust_lr(lr, fn, rc) for rc in {r[2] for r in runs}}
         for lo, hi, rc in runs:
             p[lo:hi].addcmul_(ortho[lo:hi], adjusted[rc])
-
-
-def _block_runs(item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
-    """The runs ``(lo, hi, block shape)`` of this rank's slice of ``item``'s parameter,
-    consecutive blocks of one shape merged (an lr adjustment is a function of the shape)."""
-    layout, rank = item.view.layout, item.view.rank
-    if isinstance(layout, RaggedShard):
-        span = plan.span(*layout.local(rank))
-    else:  # a tensor-parallel box: each block's elements are one run of it
-        span = range(len(plan.blocks))
-    runs: list[tuple[int, int, tuple[int, int]]] = []
-    for b in span:
-        rows, cols = plan.blocks[b]
-        lo = layout.count_below(rank, plan.offsets[b])
-        hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
-        if lo == hi:
-            continue
-        if runs and runs[-1][2] == plan.blocks[b] and lo == runs[-1][1]:
-            runs[-1] = (runs[-1][0], hi, plan.blocks[b])
-        else:
-            runs.append((lo, hi, plan.blocks[b]))
-    return runs
 
 
 def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -22,11 +22,12 @@ from vefsdp_optim._math import (
     muon_blocks,
     muon_blocks_cost,
 )
-from vefsdp_optim.sharding import FlatBlocks, Requirement, RowBlocks, WholeTensor
+from vefsdp_optim.sharding import FlatBlocks, RaggedShard, Requirement, RowBlocks, WholeTensor
 
 from ._step_loop import StepItem
 
 __all__ = [
+    "block_runs",
     "MuonPlan",
     "check_heads",
     "check_momentum_dtype",
@@ -205,3 +206,25 @@ def _split_sizes(shape: tuple[int, ...], group: dict[str, Any]) -> tuple[int, ..
         raise ValueError(f"num_heads={heads} does not divide the {rows} rows of the {rows} x {cols} "
                          f"matrices of a Muon parameter of shape {shape}")
     return (rows // heads,) * heads
+
+
+def block_runs(item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
+    """The runs ``(lo, hi, block shape)`` of this rank's slice of ``item``'s parameter,
+    consecutive blocks of one shape merged (an lr adjustment is a function of the shape)."""
+    layout, rank = item.view.layout, item.view.rank
+    if isinstance(layout, RaggedShard):
+        span = plan.span(*layout.local(rank))
+    else:  # a tensor-parallel box: each block's elements are one run of it
+        span = range(len(plan.blocks))
+    runs: list[tuple[int, int, tuple[int, int]]] = []
+    for b in span:
+        rows, cols = plan.blocks[b]
+        lo = layout.count_below(rank, plan.offsets[b])
+        hi = layout.count_below(rank, plan.offsets[b] + rows * cols)
+        if lo == hi:
+            continue
+        if runs and runs[-1][2] == plan.blocks[b] and lo == runs[-1][1]:
+            runs[-1] = (runs[-1][0], hi, plan.blocks[b])
+        else:
+            runs.append((lo, hi, plan.blocks[b]))
+    return runs

@@ -20,19 +20,10 @@ from vefsdp_optim.comm._views import step_grad_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 from ._capturable import check_capturable
+from ._compute_layouts import balanced_compute, snapped_compute, spread_compute, spreads
 from ._debug import check_every_step
 from ._fsdp import replaced_by_fully_shard
-from ._step_loop import (
-    StepEntry,
-    StepItem,
-    balanced_compute,
-    check_consistent,
-    make_buckets,
-    pin_owners,
-    snapped_compute,
-    spread_compute,
-    spreads,
-)
+from ._step_loop import StepEntry, StepItem, check_consistent, make_buckets, pin_owners
 from ._step_plan import GroupPlan, StepPlan, group_values, param_key, view_key
 
 __all__ = ["StepPlanner", "check_not_replaced"]

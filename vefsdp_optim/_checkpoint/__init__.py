@@ -1,5 +1,6 @@
 """Checkpoints: the world-size-free optimizer state and the files that hold it.
 
+- ``_protocol.py``: ``CheckpointedOptimizer``, what the format needs of an optimizer;
 - ``_format.py``: what each optimizer state entry is (``checkpoint_spec`` kinds) and
   the world-size-free form of the state (``BlockOptimizer.state_dict`` /
   ``load_state_dict`` delegate to it);
@@ -19,12 +20,12 @@ from ._format import (
     LOCAL,
     REPLICATED,
     WHOLE,
-    CheckpointedOptimizer,
     export_state,
     load_state,
     validate_state,
 )
 from ._full_export import export_full, import_full
+from ._protocol import CheckpointedOptimizer
 from ._save_load import load, save
 
 __all__ = [

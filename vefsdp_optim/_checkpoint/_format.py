@@ -11,16 +11,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from vefsdp_optim.comm import ShardedView, sharded_view
-from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
+from vefsdp_optim.sharding import BoxShard, RaggedShard
 
-__all__ = ["REPLICATED", "ELEMENTWISE", "WHOLE", "LOCAL", "CLASS_KEY", "CheckpointedOptimizer", "export_state",
-           "load_state", "validate_state"]
+from ._protocol import CheckpointedOptimizer
+
+__all__ = ["REPLICATED", "ELEMENTWISE", "WHOLE", "LOCAL", "CLASS_KEY", "export_state", "load_state", "validate_state"]
 
 #: checkpoint kinds of a state entry (see [Note: world-size-free optimizer state]); an
 #: int k is the fourth kind: one value per block of k consecutive parameter elements
@@ -30,43 +30,6 @@ WHOLE = "whole"  # any shape, of a whole-tensor requirement: kept and saved by t
 LOCAL = "local"  # rank-local bookkeeping, not saved by the declaration (rebuilt by init_state)
 KINDS = (REPLICATED, ELEMENTWISE, WHOLE, LOCAL)
 CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's class name
-
-class CheckpointedOptimizer(Protocol):
-    """What this format needs of an optimizer (``BlockOptimizer`` is one): its torch
-    ``state`` and ``param_groups``, the declaration of each parameter's state, where
-    that state lives, and three actions of a load. Nothing here imports an optimizer."""
-
-    state: Any  # torch.optim.Optimizer.state: parameter -> {key: value}
-    param_groups: list[dict[str, Any]]
-    structural_keys: tuple[str, ...]  # group keys a checkpoint must agree on
-    extra_state_prefixes: tuple[str, ...]  # state keys of export/import_extra_state
-
-    def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement: ...
-
-    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None: ...
-
-    def checkpoint_layout(self, p: torch.Tensor, view: ShardedView,
-                          group: dict[str, Any]) -> RaggedShard | BoxShard | None:
-        """Where ``p``'s state lives: a layout of its elements, or None for the state of a
-        whole-tensor requirement, kept whole by the rank that computes it."""
-
-    def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: Any,
-                           group: dict[str, Any]) -> dict[str, Any]: ...
-
-    def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView, layout: Any,
-                           group: dict[str, Any], name: object) -> None: ...
-
-    def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
-        """Create the state of ``params`` with the optimizer's own code, changing no
-        parameter ([Note: state created alike on every rank]); collective."""
-
-    def forget_state(self, p: torch.Tensor) -> None:
-        """Empty ``p``'s state ([Note: no state saved, none loaded])."""
-
-    def pin_owner(self, p: torch.Tensor, layout: RaggedShard | BoxShard, rank: int) -> None:
-        """The rank of ``p``'s ``layout`` that computes its whole tensor from now on
-        ([Note: owners stay])."""
-
 
 # [Note: world-size-free optimizer state]
 # state_dict() gives every state tensor a form that does not depend on the world size
