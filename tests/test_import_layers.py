@@ -127,3 +127,10 @@ def test_the_checkpoint_format_imports_no_optimizer():
     for name in (m for m in edges if m.startswith("vefsdp_optim._checkpoint")):
         assert not {m for m in edges[name] if m in ("vefsdp_optim._block_optimizer", "vefsdp_optim._step_loop",
                                                      "vefsdp_optim._step_plan")}, (name, edges[name])
+
+
+def test_no_library_file_over_450_lines():
+    """Each file of the library reads in one sitting (docs/design.md's layers)."""
+    long = {str(p.relative_to(ROOT)): n for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"library files over 450 lines (split them along a seam): {long}"
