@@ -12,7 +12,6 @@ from torch.optim import Optimizer
 from vefsdp_optim.comm import ShardedView, sharded_view
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
-from ._capturable import check_capturable
 from ._checkpoint import export_state, load_state, validate_state
 from ._compute_layouts import snapped_compute
 from ._flat_store import ReplanReport, apply_requirements, flat_store
@@ -28,7 +27,7 @@ from ._step_loop import (
 )
 from ._step_plan import StepPlan
 
-__all__ = ["BlockOptimizer", "BlockContext", "check_capturable"]
+__all__ = ["BlockOptimizer", "BlockContext"]
 
 # [Note: one step loop]
 # Every parameter is reduced to a ShardedView: this rank's 1-D slice of the flat
@@ -403,7 +402,7 @@ class BlockOptimizer(Optimizer):
         """Where ``p``'s state lives (``CheckpointedOptimizer``): :meth:`state_layout`,
         with the spread compute layout where that is the compute layout of a requirement
         with fewer blocks than ranks ([Note: spread compute blocks])."""
-        return self._planner.state_layout(self, p, view, group)
+        return self._planner.pinned_state_layout(self, p, view, group)
 
     def _apply(self, bucket: list[StepItem], back: PendingExchange) -> None:
         self._apply_bucket(bucket, back.wait())

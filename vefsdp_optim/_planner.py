@@ -173,8 +173,8 @@ class StepPlanner:
         self.pinned_spread[id(p)] = (layout, req, spread, owners)
         return spread
 
-    def state_layout(self, opt: Any, p: Any, view: ShardedView,
-                     group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+    def pinned_state_layout(self, opt: Any, p: Any, view: ShardedView,
+                            group: dict[str, Any]) -> RaggedShard | BoxShard | None:
         """Where ``p``'s state lives: ``opt.state_layout``,
         with the spread compute layout where that is the compute layout of a requirement
         with fewer blocks than ranks ([Note: spread compute blocks])."""
