@@ -62,6 +62,71 @@ def test_estimate_equals_the_real_run_everywhere(optimizer: str, sharding: str, 
     _check(optimizer, sharding, tp, rank=1)
 
 
+def _held(cfg, rank: int, dp: int, ep: int) -> int:
+    """The parameter elements rank ``rank`` of a dp-rank FSDP2 job holds, from the shapes
+    alone: each tensor cut on dim 0 into torch.chunk's pieces over the dp ranks; with
+    ep > 1 each expert weight first cut into ep equal runs of experts (this rank's:
+    ``rank % ep``), then its local experts over the dp / ep ranks that share them, on dim 1
+    where those ranks outnumber the experts (torchtitan's rule)."""
+    import math
+
+    from vefsdp_optim.estimate import Transformer
+
+    def piece(n: int, w: int, r: int) -> int:
+        c = math.ceil(n / w)
+        return max(0, min(n, (r + 1) * c) - r * c)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = 0
+    for p in model.parameters():
+        if p.dim() == 3 and ep > 1:
+            e, edp = p.shape[0] // ep, dp // ep
+            dim = 1 if edp * ep > p.shape[0] else 0
+            local = [e, *p.shape[1:]]
+            rows = piece(local[dim], edp, rank // ep)
+            total += rows * math.prod(local) // local[dim]
+        else:
+            total += piece(p.shape[0], dp, rank) * math.prod(p.shape[1:])
+    return total
+
+
+MOE = [("AdamW", "fsdp2")]
+MOE_SLOW = [("Muon", "ours"), ("Muon", "fsdp2"), ("AdamW8bit", "ours")]
+
+
+def _check_moe(optimizer: str, sharding: str, rank: int = 3) -> None:
+    """debug-moe (latent attention, one dense layer, 8 routed experts and a shared one) at
+    dp 4 x ep 2: the estimate on fake tensors equals the run on real ones, and AdamW's
+    state is two float32 moments of exactly the elements this rank holds."""
+    from vefsdp_optim.estimate import CONFIGS
+
+    args = ["--dp", "4", "--ep", "2", "--sharding", sharding, "--optimizer", optimizer, "--one", str(rank)]
+    cmd = [sys.executable, "-m", "vefsdp_optim.estimate", "--model", "debug-moe", "--seq", "64"]
+    procs = [subprocess.Popen([*cmd, *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in (args, [*args, "--real"])]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    f, r = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert f["state"] == r["state"] and f["peak"] == r["peak"], (f, r)
+    if optimizer == "AdamW" and sharding == "fsdp2":
+        held = _held(CONFIGS["debug-moe"], rank, dp=4, ep=2)
+        assert f["state"]["Adam moments"] == 2 * 4 * held, (f["state"], held)
+    assert f["peak"]["Total"] > f["state_total"] > 0
+
+
+@pytest.mark.parametrize(("optimizer", "sharding"), MOE)
+def test_moe_estimate_equals_the_real_run(optimizer: str, sharding: str) -> None:
+    _check_moe(optimizer, sharding)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer", "sharding"), MOE_SLOW)
+def test_moe_estimate_equals_the_real_run_everywhere(optimizer: str, sharding: str) -> None:
+    _check_moe(optimizer, sharding, rank=0)
+
+
 def test_state_by_kind_counts_the_optimizers_own_state() -> None:
     """state_by_kind against the state tensors summed by hand, on one device."""
     import torch
@@ -105,6 +170,14 @@ def test_bad_input() -> None:
         estimate_rank(CONFIGS["debug"], 0, dp=2, sharding="fsdp1")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         estimate_rank(CONFIGS["debug"], 0, dp=2, optimizer="Lion")
+    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
+        estimate_rank(CONFIGS["debug"], 0, dp=2, ep=2)
+    with pytest.raises(ValueError, match=r"ep=3 must divide the experts \(8\) and the data-parallel shards"):
+        estimate_rank(CONFIGS["debug-moe"], 0, dp=6, ep=3)
+    with pytest.raises(NotImplementedError, match="tp=2 with a mixture of experts is not modeled"):
+        estimate_rank(CONFIGS["debug-moe"], 0, dp=2, tp=2)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        estimate_rank(CONFIGS["debug-moe"], 0, dp=2, capacity_factor=0.0)
 
 
 # Meta-Llama-3-8B's and -70B's config.json (the shape keys, as published with the weights)
@@ -137,6 +210,54 @@ def test_models_from_hf_and_torchtitan_configs(name: str) -> None:
     assert round(want.num_params() / 1e9, 2) == {"llama3-8b": 8.03, "llama3-70b": 70.55}[name]
 
 
+# the shape keys of DeepSeek-V3's, Qwen3-30B-A3B's and Mixtral-8x7B's config.json, as published
+HF_MOE = {
+    "deepseek-v3-671b": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                         "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+                         "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                         "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+                         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                         "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+                         "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False},
+    "qwen3-moe-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                          "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                          "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                          "vocab_size": 151936, "tie_word_embeddings": False, "hidden_act": "silu",
+                          "attention_bias": False},
+}
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "vocab_size": 32000, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MOE))
+def test_moe_models_from_hf_configs(name: str) -> None:
+    """DeepSeek-V3's and Qwen3-30B-A3B's config.json give the built-in flavors, and the
+    parameter count of the module built on the meta device (its first dense and first MoE
+    layers, the rest counted by the layer kinds) is the published 671 B / 30.5 B; Mixtral
+    8x7B's is its published 46.7 B."""
+    import dataclasses
+
+    from vefsdp_optim.estimate import CONFIGS, Transformer, config_from_dict
+
+    want = CONFIGS[name]
+    assert config_from_dict(HF_MOE[name]) == want
+    short = dataclasses.replace(want, n_layers=want.n_dense_layers + 1)
+    with torch.device("meta"):
+        model = Transformer(short)
+    def count(i: int) -> int:
+        return sum(p.numel() for p in model.layers[str(i)].parameters())
+
+    dense = count(0) if want.n_dense_layers else 0
+    moe = count(want.n_dense_layers)
+    rest = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    total = rest + want.n_dense_layers * dense + (want.n_layers - want.n_dense_layers) * moe
+    assert total == want.num_params()
+    assert round(total / 1e9, 1) == {"deepseek-v3-671b": 671.0, "qwen3-moe-30b-a3b": 30.5}[name]
+    assert round(config_from_dict(MIXTRAL_8X7B).num_params() / 1e9, 1) == 46.7
+
+
 # a small Llama config.json (the shape keys of Meta-Llama-3-8B's, narrower)
 SMALL_HF = dict(HF_LLAMA3["llama3-8b"], hidden_size=256, num_hidden_layers=2, num_attention_heads=16,
                 num_key_value_heads=4, intermediate_size=768, vocab_size=2048)
@@ -166,6 +287,10 @@ def test_config_errors() -> None:
         (dict(hf, model_type="gpt2"), ValueError, "model_type 'gpt2' is not modeled; accepted: llama, mistral"),
         (dict(hf, head_dim=32), NotImplementedError, "head_dim 32 is not modeled"),
         (dict(hf, num_local_experts=8), NotImplementedError, r"mixture-of-experts configs \(num_local_experts\)"),
+        (dict(HF_MOE["qwen3-moe-30b-a3b"], decoder_sparse_step=2), NotImplementedError,
+         "decoder_sparse_step other than 1"),
+        (dict(HF_MOE["deepseek-v3-671b"], moe_layer_freq=2), NotImplementedError, "moe_layer_freq 2"),
+        (dict(HF_MOE["deepseek-v3-671b"], num_experts_per_tok=300), ValueError, "0 < top_k <= n_experts"),
         ({"dim": 64, "n_layers": 2, "n_heads": 4, "moe_args": {}}, ValueError,
          r"unknown model config keys \['moe_args'\]"),
         ({"dim": 64, "n_heads": 4}, ValueError, r"lacks \['n_layers'\]"),

@@ -3,9 +3,12 @@
     python -m vefsdp_optim.estimate --model llama3-70b --dp 128 --tp 8 \\
         --sharding fsdp2 --optimizer Muon --ranks 0,511,1023
 
-``--config config.json`` takes the model from a Hugging Face ``config.json`` of a
-LLaMA-shaped model (llama, mistral) or from torchtitan's llama3 fields instead of
-``--model`` (``config_from_dict``).
+``--config config.json`` takes the model from a Hugging Face ``config.json`` (llama and
+mistral; the mixtures of experts deepseek_v3, qwen3_moe and mixtral) or from torchtitan's
+llama3 fields instead of ``--model`` (``config_from_dict``). ``--ep`` shards a mixture of
+experts' experts over that many of the data-parallel ranks (torchtitan's layout)::
+
+    python -m vefsdp_optim.estimate --model deepseek-v3-671b --dp 1024 --ep 64 --ac full
 
 Each rank asked for is played by its own process, as torchtitan's estimator does: the
 model, its sharding and the optimizer are built on fake tensors (FakeTensorMode) under
@@ -25,16 +28,16 @@ CPU tensors, whose bytes are the same (``--device`` says which).
 
 from __future__ import annotations
 
+from ._config import CONFIGS, ModelConfig, config_from_dict
 from ._estimate import (
-           OPTIMIZERS,
-           STATE_KINDS,
-           estimate_rank,
-           main,
-           real_tensors_on_the_fake_group,
-           state_by_kind,
+    OPTIMIZERS,
+    STATE_KINDS,
+    estimate_rank,
+    main,
+    real_tensors_on_the_fake_group,
+    state_by_kind,
 )
-from ._model import CONFIGS, ModelConfig, Transformer, config_from_dict
+from ._model import Transformer
 
-__all__ = ["CONFIGS", "ModelConfig", "OPTIMIZERS", "STATE_KINDS", "Transformer", "config_from_dict", "estimate_rank",
-           "main",
-           "real_tensors_on_the_fake_group", "state_by_kind"]
+__all__ = ["CONFIGS", "ModelConfig", "OPTIMIZERS", "STATE_KINDS", "Transformer", "config_from_dict",
+           "estimate_rank", "main", "real_tensors_on_the_fake_group", "state_by_kind"]

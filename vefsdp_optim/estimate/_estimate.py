@@ -18,15 +18,8 @@ from .._torch_compat import (
     fake_tensor_mode,
     global_peak_memory_tracker,
 )
-from ._model import (
-    CONFIGS,
-    ModelConfig,
-    Transformer,
-    check_config,
-    config_from_dict,
-    tp_plan,
-    tp_plan_root,
-)
+from ._config import CONFIGS, ModelConfig, check_config, config_from_dict
+from ._model import Transformer, tp_plan, tp_plan_root
 
 __all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "real_tensors_on_the_fake_group", "state_by_kind"]
 
@@ -78,8 +71,12 @@ def _optimizer(name: str, model: Any, kwargs: dict[str, Any]) -> Any:
     if name in ("Muon", "NorMuon"):  # the blocks' matrices; embeddings, head and norms on AdamW
         named = list(model.named_parameters())
         matrices = [p for n, p in named if n.startswith("layers.") and p.dim() == 2]
-        rest = [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)]
-        return cls([{"params": matrices}, {"params": rest, "use_muon": False}], **kwargs)
+        experts = [p for n, p in named if n.startswith("layers.") and p.dim() == 3]  # each expert whole
+        rest = [p for n, p in named if not (n.startswith("layers.") and p.dim() in (2, 3))]
+        groups = [{"params": matrices}, {"params": rest, "use_muon": False}]
+        if experts:
+            groups.insert(1, {"params": experts, "flatten": False})
+        return cls(groups, **kwargs)
     return cls(model.parameters(), **kwargs)
 
 
@@ -105,15 +102,39 @@ def real_tensors_on_the_fake_group() -> None:
     dist.all_to_all_single = all_to_all_single
 
 
-def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: str, param_dtype: str) -> None:
-    """torchtitan's order: tensor parallel (the root's embedding and head, each block),
-    activation checkpointing of each block, then FSDP per block and the root."""
+def _expert_parallel(experts: list[Any], ep_mesh: Any) -> None:
+    """Each expert weight a DTensor ``Shard(0)`` over ``ep_mesh`` (torchtitan's
+    ``ExpertParallel``): this rank's experts, a new tensor (not a view of all of them)."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep, r = ep_mesh.size(), ep_mesh.get_local_rank()
+    for module in experts:
+        for name, p in list(module.named_parameters(recurse=False)):
+            n = p.shape[0] // ep
+            local = p.detach().narrow(0, r * n, n).clone()
+            t = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                   stride=p.stride())
+            setattr(module, name, nn.Parameter(t))
+
+
+def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: str, param_dtype: str,
+                 ep_meshes: tuple[Any, Any] | None = None) -> None:
+    """torchtitan's order: tensor and expert parallel (the root's embedding and head, each
+    block; the experts over ``ep``), activation checkpointing of each block, then FSDP per
+    block (its experts first, over ``edp``, where ep > 1) and the root. ``ep_meshes``:
+    (ep, edp) meshes."""
+    from ._layers import GroupedExperts
+
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, tp_plan_root())
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, tp_plan())
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if ep_meshes is not None:
+        _expert_parallel(experts, ep_meshes[0])
     if ac == "full":
         for name, block in list(model.layers.items()):
             model.layers[name] = checkpoint_wrapper(block)
@@ -122,6 +143,15 @@ def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: s
 
     # torchtitan's default: parameters gathered in bfloat16, gradients reduced in float32
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
+    if ep_meshes is not None:
+        from torch.distributed.tensor import Shard
+
+        ep_mesh, edp_mesh = ep_meshes
+        # torchtitan's rule: experts cut on dim 1 where the shards outnumber them
+        shards = edp_mesh.size(edp_mesh.ndim - 1) * ep_mesh.size()
+        placement = Shard(1) if shards > experts[0].w1.shape[0] else Shard(0)
+        for module in experts:
+            fully_shard(module, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=lambda p: placement)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
@@ -135,15 +165,19 @@ def _device(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas: int = 1,
-                  sharding: str = "fsdp2", optimizer: str = "AdamW", opt_kwargs: dict[str, Any] | None = None,
-                  batch: int = 1, seq: int = 2048, ac: str = "none", param_dtype: str = "bfloat16",
-                  device: str = "auto", real: bool = False) -> dict[str, Any]:
+def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas: int = 1, ep: int = 1,
+                  capacity_factor: float = 1.0, sharding: str = "fsdp2", optimizer: str = "AdamW",
+                  opt_kwargs: dict[str, Any] | None = None, batch: int = 1, seq: int = 2048,
+                  ac: str = "none", param_dtype: str = "bfloat16", device: str = "auto",
+                  real: bool = False) -> dict[str, Any]:
     """Rank ``rank`` of a ``dp * tp``-rank job, in this process (which must not have a
     process group yet): peak memory by category, the optimizer state by kind, after two
-    steps. ``real=True`` runs on real tensors instead of fakes (small models: the check
-    of the estimate; on CUDA it also reports ``torch.cuda.max_memory_allocated`` over the
-    steps)."""
+    steps. ``ep``: expert-parallel ranks, taken from each replica's data-parallel shards
+    (torchtitan's layout: the experts ``Shard(0)`` over ep, FSDP over the dp / ep ranks
+    that hold the same experts); ``capacity_factor``: the rows each ep rank's dispatch
+    buffers hold, in units of a balanced router's (_layers.py). ``real=True`` runs on
+    real tensors instead of fakes (small models: the check of the estimate; on CUDA it
+    also reports ``torch.cuda.max_memory_allocated`` over the steps)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -159,10 +193,12 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if dp < 1 or tp < 1 or replicas < 1 or dp % replicas:
         raise ValueError(f"dp={dp}, tp={tp}, replicas={replicas}: each >= 1 and replicas dividing dp")
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
     world = dp * tp
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
-    check_config(cfg, tp)
+    check_config(cfg, tp, ep, dp // replicas)
     dev = _device(device)
     torch.set_num_threads(1)
     if real:
@@ -177,6 +213,13 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     # sub-meshes outside the mode too (slicing reads the rank tensor)
     dp_mesh = mesh[tuple(n for n in names if n != "tp")] if len(names) > 1 else mesh
     tp_mesh = mesh["tp"] if tp > 1 else None
+    ep_meshes = None
+    if ep > 1:  # the same ranks as (replicas, dp shards / ep, ep): ep the innermost
+        edims, enames = [dp // replicas // ep, ep], ["edp", "ep"]
+        if replicas > 1:
+            edims, enames = [replicas, *edims], ["replicate", *enames]
+        emesh = init_device_mesh(dev, tuple(edims), mesh_dim_names=tuple(enames))
+        ep_meshes = (emesh["ep"], emesh[tuple(n for n in enames if n != "ep")])
     if sharding == "ours":
         from vefsdp_optim import fully_shard
     else:
@@ -189,14 +232,17 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         # then made fake (real with real=True) by to_empty
         with torch.device("meta"):
             model = Transformer(cfg)
-        _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype)
+        _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype, ep_meshes)
         with mode:
             model.to_empty(device=dev)
     else:  # our fully_shard keeps its flat buffers made at sharding: made under the mode
         with mode:
             with torch.device(dev):
                 model = Transformer(cfg)
-            _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype)
+            _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype, ep_meshes)
+    for m in model.modules():
+        if hasattr(m, "capacity_factor"):
+            m.capacity_factor = capacity_factor
     with mode:
         with torch.no_grad():
             for p in model.parameters():
@@ -263,7 +309,9 @@ def _config(args: argparse.Namespace) -> ModelConfig:
             cfg = config_from_dict(json.load(f))
     else:
         cfg = CONFIGS[args.model]
-    return dataclasses.replace(cfg, n_layers=args.layers) if args.layers else cfg
+    if not args.layers:
+        return cfg
+    return dataclasses.replace(cfg, n_layers=args.layers, n_dense_layers=min(cfg.n_dense_layers, args.layers))
 
 
 def _spawn(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -284,7 +332,8 @@ def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
     busiest = runs[max(range(len(runs)), key=lambda i: totals[i])]
     median = statistics.median(totals)
     head = (f"{args.model} ({runs[0]['params'] / 1e9:.2f} B parameters), W = {runs[0]['world']} "
-            f"(dp {args.dp}{f' as {args.replicas} replicas' if args.replicas > 1 else ''}, tp {args.tp}), "
+            f"(dp {args.dp}{f' as {args.replicas} replicas' if args.replicas > 1 else ''}, tp {args.tp}"
+            f"{f', ep {args.ep}' if args.ep > 1 else ''}), "
             f"{args.sharding}, {args.optimizer} {args.opt or ''}, batch {args.batch} x seq {args.seq}, "
             f"activation checkpointing {args.ac}, parameters gathered in {args.param_dtype}, "
             f"{'real' if args.real else 'fake'} {runs[0]['device']} tensors; MiB per rank")
@@ -310,6 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, required=True, help="data-parallel ranks (sharded, or replicas x shards)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--replicas", type=int, default=1, help="HSDP replicas (dp = replicas x shards)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks, from the data-parallel shards (mixtures of experts)")
+    p.add_argument("--capacity-factor", type=float, default=1.0,
+                   help="each ep rank's dispatch rows, in units of a balanced router's")
     p.add_argument("--sharding", choices=("fsdp2", "ours"), default="fsdp2")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="AdamW")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="an optimizer option")
@@ -327,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = _config(args)
     kw = _parse_kwargs(args.opt)
-    common = dict(dp=args.dp, tp=args.tp, replicas=args.replicas, sharding=args.sharding,
+    common = dict(dp=args.dp, tp=args.tp, replicas=args.replicas, ep=args.ep,
+                  capacity_factor=args.capacity_factor, sharding=args.sharding,
                   optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq, ac=args.ac,
                   param_dtype=args.param_dtype, device=args.device, real=args.real)
     if args.one is not None:
