@@ -152,8 +152,12 @@ def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: s
         placement = Shard(1) if shards > experts[0].w1.shape[0] else Shard(0)
         for module in experts:
             fully_shard(module, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=lambda p: placement)
+    # torchtitan's apply_fsdp: the embedding, each block, the norm and head together (not
+    # resharded after forward: backward needs them at once), the root
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
@@ -169,7 +173,7 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
                   capacity_factor: float = 1.0, sharding: str = "fsdp2", optimizer: str = "AdamW",
                   opt_kwargs: dict[str, Any] | None = None, batch: int = 1, seq: int = 2048,
                   ac: str = "none", param_dtype: str = "bfloat16", device: str = "auto",
-                  real: bool = False) -> dict[str, Any]:
+                  real: bool = False, warmup: bool = True) -> dict[str, Any]:
     """Rank ``rank`` of a ``dp * tp``-rank job, in this process (which must not have a
     process group yet): peak memory by category, the optimizer state by kind, after two
     steps. ``ep``: expert-parallel ranks, taken from each replica's data-parallel shards
@@ -177,7 +181,9 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     that hold the same experts); ``capacity_factor``: the rows each ep rank's dispatch
     buffers hold, in units of a balanced router's (_layers.py). ``real=True`` runs on
     real tensors instead of fakes (small models: the check of the estimate; on CUDA it
-    also reports ``torch.cuda.max_memory_allocated`` over the steps)."""
+    also reports ``torch.cuda.max_memory_allocated`` over the steps). ``warmup=False``
+    tracks from the first step, as torchtitan's estimator does (its figures, DTensor's
+    first-use shape propagation included)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -231,14 +237,15 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         # (torch's meshes read their host rank tensors, which the fake mode would fake),
         # then made fake (real with real=True) by to_empty
         with torch.device("meta"):
-            model = Transformer(cfg)
+            model = Transformer(cfg, max_seq_len=seq)
         _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype, ep_meshes)
         with mode:
             model.to_empty(device=dev)
+            model.init_buffers()
     else:  # our fully_shard keeps its flat buffers made at sharding: made under the mode
         with mode:
             with torch.device(dev):
-                model = Transformer(cfg)
+                model = Transformer(cfg, max_seq_len=seq)
             _parallelize(model, tp_mesh, dp_mesh, fully_shard, ac, param_dtype, ep_meshes)
     for m in model.modules():
         if hasattr(m, "capacity_factor"):
@@ -257,14 +264,32 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         if measure_cuda:  # the check of the estimate on a GPU: the allocator's own peak
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        # torchtitan's estimator: one batch of inputs and labels, made before the steps
+        tokens = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
+        labels = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
+        if sharding == "fsdp2":
+            tracker.track_inputs((tokens, labels))
+
+        def train_step() -> None:
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                     reduction="sum")
+            del logits  # as torchtitan's step: the logits are not kept through backward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        # One step before the tracked ones. Its first use of each DTensor op makes DTensor
+        # propagate shapes by running the op on global-shape fake tensors, in the active fake
+        # mode when there is one. The tracker counts those, though a run on a GPU never
+        # allocates them. torch.optim.AdamW on FSDP2 at W = 3 showed 1.2 (foreach=False) to
+        # 5 (foreach=True) times its state in them at the first step. Later uses hit
+        # DTensor's cache, so the steps tracked here are steady-state steps, as on a GPU.
+        if warmup:
+            train_step()
         with tracker:
             for _ in range(2):
-                tokens = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
-                logits = model(tokens)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                train_step()
                 tracker.reset_mod_stats()  # per-module stats are per iteration (torchtitan's estimator does this)
         cuda_peak = None
         if measure_cuda:
@@ -376,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
     p.add_argument("--real", action="store_true",
                    help="run on real tensors instead of fakes (small models: to check the estimate)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="track from the first step, as torchtitan's estimator (DTensor's first-use shape "
+                        "propagation on global-shape fake tensors counted)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     cfg = _config(args)
@@ -383,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(dp=args.dp, tp=args.tp, replicas=args.replicas, ep=args.ep,
                   capacity_factor=args.capacity_factor, sharding=args.sharding,
                   optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq, ac=args.ac,
-                  param_dtype=args.param_dtype, device=args.device, real=args.real)
+                  param_dtype=args.param_dtype, device=args.device, real=args.real,
+                  warmup=not args.no_warmup)
     if args.one is not None:
         print(json.dumps(estimate_rank(cfg, args.one, **common)))
         return

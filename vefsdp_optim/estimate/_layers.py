@@ -2,8 +2,9 @@
 attention (LLaMA-3, Qwen3 with its query and key norms), DeepSeek-V3's latent attention,
 the SwiGLU MLP and the mixture of experts (a router, grouped experts, shared experts).
 
-Only shapes and the ops that make activations matter on fake tensors: positions are not
-rotated, and the experts' dispatch is static. Each token's ``top_k`` (token, expert) pairs
+Only shapes and the ops that make activations matter on fake tensors: positions are
+rotated as torchtitan rotates them (complex pairs in float32), and the experts' dispatch is
+static. Each token's ``top_k`` (token, expert) pairs
 are sorted by expert; with expert parallelism (the experts a DTensor ``Shard(0)`` over an
 ``ep`` mesh) they go to the ep ranks in one all-to-all of equal splits and come back in a
 second, as a balanced router sends them, ``capacity_factor`` times that many rows each (the
@@ -19,7 +20,7 @@ from torch import nn
 
 from ._config import ModelConfig
 
-__all__ = ["Attention", "FeedForward", "GroupedExperts", "LatentAttention", "MoE"]
+__all__ = ["Attention", "FeedForward", "GroupedExperts", "LatentAttention", "MoE", "rope_table", "rotary"]
 
 
 class Attention(nn.Module):
@@ -35,18 +36,35 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(cfg.head_dim)
             self.k_norm = nn.RMSNorm(cfg.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: the local heads under tensor parallelism (column-parallel projections)
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k, v = k.repeat_interleave(self.rep, dim=1), v.repeat_interleave(self.rep, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        q, k = rotary(q, freqs_cis), rotary(k, freqs_cis)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        # grouped-query attention without repeating the keys and values (torchtitan's sdpa)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=self.rep > 1)
+        return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+def rope_table(seq: int, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """torchtitan's ``freqs_cis``: (seq, dim // 2) complex64 rotations (theta 500,000)."""
+    inv = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
+    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``apply_rotary_emb`` on one tensor (b, s, heads, dim): in float32 as
+    complex pairs, back to ``x``'s dtype."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    f = freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    return torch.view_as_real(xc * f).flatten(3).type_as(x)
 
 
 class LatentAttention(nn.Module):
@@ -77,14 +95,16 @@ class LatentAttention(nn.Module):
         )
         self.wo = nn.Linear(h * cfg.v_head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
-        q = q.view(b, s, self.n_heads, self.qk).transpose(1, 2)
+        q_nope, q_pe = q.view(b, s, self.n_heads, self.qk).split([self.nope, self.rope], dim=-1)
+        q = torch.cat([q_nope, rotary(q_pe, freqs_cis)], dim=-1).transpose(1, 2)
         kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
+        k_pe = rotary(k_pe.unsqueeze(2), freqs_cis)
         kv = self.wkv_b(self.kv_norm(kv)).view(b, s, self.n_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(b, s, self.n_heads, self.rope)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, s, self.n_heads, self.rope)], dim=-1)
         if (
             self.v_dim < self.qk
         ):  # values padded to the key size, as flash attention kernels take them

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._config import ModelConfig
-from ._layers import Attention, FeedForward, LatentAttention, MoE
+from ._layers import Attention, FeedForward, LatentAttention, MoE, rope_table
 
 __all__ = ["Transformer", "tp_plan", "tp_plan_root"]
 
@@ -30,27 +30,37 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis)
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
         return x + mlp(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
-    """torchtitan's ``Transformer`` (llama3, deepseek_v3, qwen3): its parameter names and shapes."""
+    """torchtitan's ``Transformer`` (llama3, deepseek_v3, qwen3): its parameter names and
+    shapes, and its rotary table ``freqs_cis``, a buffer of ``max_seq_len`` rows."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, max_seq_len: int = 2048) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.max_seq_len = cfg, max_seq_len
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.register_buffer("freqs_cis", rope_table(max_seq_len, self._rope_dim()), persistent=True)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
+    def _rope_dim(self) -> int:
+        return self.cfg.qk_rope_head_dim if self.cfg.kv_lora_rank else self.cfg.head_dim
+
+    def init_buffers(self) -> None:
+        """The rotary table's values, after ``to_empty``."""
+        with torch.no_grad():
+            self.freqs_cis.copy_(rope_table(self.max_seq_len, self._rope_dim(), self.freqs_cis.device))
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, self.freqs_cis)
         return self.output(self.norm(h))
 
 
