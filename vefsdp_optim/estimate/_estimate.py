@@ -260,10 +260,6 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         else:
             tracker = global_peak_memory_tracker()
             tracker.track_external(model, opt)
-        measure_cuda = real and dev == "cuda"
-        if measure_cuda:  # the check of the estimate on a GPU: the allocator's own peak
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
         # torchtitan's estimator: one batch of inputs and labels, made before the steps
         tokens = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
         labels = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
@@ -287,6 +283,10 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         # DTensor's cache, so the steps tracked here are steady-state steps, as on a GPU.
         if warmup:
             train_step()
+        measure_cuda = real and dev == "cuda"
+        if measure_cuda:  # the check of the estimate on a GPU: the allocator's own peak, same steps
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         with tracker:
             for _ in range(2):
                 train_step()
