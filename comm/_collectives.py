@@ -53,20 +53,24 @@ class FlatWork(NamedTuple):
 # [Note: gloo flat collectives]
 # gloo's own reduce-scatter and all-gather are several times slower than sending the
 # same bytes point to point, and its reduce-scatter first copies its whole input. So on
-# gloo the flat collectives are point-to-point sends between every pair of ranks,
-# launched together (``batch_isend_irecv``), straight from and into the caller's
-# buffers: an all-gather sends this rank's shard to every peer and receives each peer's
-# shard into its place in the output (no copy); at W = 2 a reduce-scatter sends the
-# peer's chunk of its input to the peer, receives its own chunk from the peer into the
-# output, and adds its own chunk on ``wait()`` (no buffer; two terms sum alike in either
-# order, so the bits are those of ``c_0 + c_1``). At W >= 3 the reduce-scatter stays on
-# gloo's collective: received chunks would need (W - 2) m elements of buffers of our
-# own, and fully_shard's peak live bytes are held at FSDP2's. Tags keep them apart from
-# other traffic; every rank launches the same flat collectives in the same order (the
-# plans are checked equal first), so sends and receives pair up. A point-to-point
-# message pays a rendezvous that a collective between two ranks does not, so at W = 2
-# shards under P2P_MIN_SHARD_BYTES_W2 keep gloo's own collective. NCCL keeps its native
-# collectives. The measurements behind each choice: docs/decisions.md.
+# gloo the flat collectives are point-to-point sends between every pair of ranks. They
+# are launched together with ``batch_isend_irecv``, straight from and into the caller's
+# buffers.
+#   - An all-gather sends this rank's shard to every peer. It receives each peer's shard
+#     into its place in the output, with no copy.
+#   - At W = 2 a reduce-scatter sends the peer's chunk of its input to the peer. It
+#     receives its own chunk from the peer into the output and adds its own chunk on
+#     ``wait()``, with no buffer. Two terms sum alike in either order, so the bits are
+#     those of ``c_0 + c_1``.
+#   - At W >= 3 the reduce-scatter stays on gloo's collective. Received chunks would
+#     need (W - 2) m elements of buffers of our own, and fully_shard's peak live bytes
+#     are held at FSDP2's.
+# Tags keep these sends apart from other traffic. Every rank launches the same flat
+# collectives in the same order, because the plans are checked equal first, so sends and
+# receives pair up. A point-to-point message pays a rendezvous that a collective between
+# two ranks does not. So at W = 2 shards under P2P_MIN_SHARD_BYTES_W2 keep gloo's own
+# collective. NCCL keeps its native collectives. The measurements are in
+# docs/decisions.md.
 _P2P_BACKENDS = frozenset({"gloo"})
 _TAG_ALL_GATHER, _TAG_REDUCE_SCATTER = 0x7A6, 0x7A7
 #: at W = 2, shards below this many bytes keep gloo's own collective (measured crossover)

@@ -18,22 +18,22 @@ from ._requirement import Requirement, check_shape
 __all__ = ["BoxShard", "Box", "flat_range_boxes"]
 
 # [Note: boxes in flat order]
-# Tensor parallelism shards a parameter on several tensor dims over several mesh axes
-# (FSDP2 + TP: ``(_StridedShard(0, sf=2), Shard(0))`` for a colwise weight,
-# ``(Shard(0), Shard(1))`` for a rowwise one). Each rank then holds a *box*: per tensor
-# dim one contiguous index range (nested torch.chunk splits of a range are ranges), so
-# its local tensor is ``full[o0:o0+s0, o1:o1+s1, ...]``. The key fact: a box's elements
-# in its own row-major order are in increasing order of their global row-major flat
-# index. So
-#   - the box elements below a flat index x are a prefix of the local data, and its
-#     length is counted in O(ndim) (``count_below``): the elements a box holds of a
-#     flat range [lo, hi) are one contiguous run of the local data;
-#   - a rank that holds a contiguous range (a RaggedShard slice) holds any box's part
+# Tensor parallelism shards a parameter on several tensor dims over several mesh axes.
+# FSDP2 + TP gives ``(_StridedShard(0, sf=2), Shard(0))`` for a colwise weight and
+# ``(Shard(0), Shard(1))`` for a rowwise one. Each rank then holds a *box*: one
+# contiguous index range per tensor dim. Nested torch.chunk splits of a range are
+# ranges, so the local tensor is ``full[o0:o0+s0, o1:o1+s1, ...]``.
+# The key fact: a box's elements, in its own row-major order, come in increasing order
+# of their global row-major flat index. Two things follow.
+#   - The box elements below a flat index x are a prefix of the local data. Its length
+#     is counted in O(ndim) by ``count_below``. So the elements a box holds of a flat
+#     range [lo, hi) are one contiguous run of the local data.
+#   - A rank that holds a contiguous range, a RaggedShard slice, holds any box's part
 #     of it at the flat indices ``flat_indices`` returns, also in increasing order.
 # Redistributing between a BoxShard (the storage) and a RaggedShard (a compute layout
-# with whole blocks) therefore needs no sort: one side of every piece is a contiguous
-# run, the other an index gather / scatter. fully_shard over a TP-local tensor cuts
-# that box's row-major order into runs, one per data-parallel rank: a ``Box`` carries an
+# with whole blocks) therefore needs no sort. One side of every piece is a contiguous
+# run, the other an index gather or scatter. fully_shard over a TP-local tensor cuts
+# that box's row-major order into runs, one per data-parallel rank. A ``Box`` carries an
 # optional run ``[start, start + length)`` of its row-major order, which keeps the fact.
 
 

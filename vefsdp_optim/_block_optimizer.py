@@ -33,23 +33,24 @@ __all__ = ["BlockOptimizer", "BlockContext"]
 # Every parameter is reduced to a ShardedView: this rank's 1-D slice of the flat
 # parameter, its RaggedShard layout and the shard process group. Plain tensors, FSDP2
 # DTensors and the library's own sharded parameters all look the same from here.
-# Each optimizer declares a Requirement per parameter. The compute layout is
-#   - the storage layout itself when it already satisfies the requirement (no comm);
-#   - the storage layout with each boundary snapped to the nearest legal cut
-#     (only pieces at boundaries move) for block and band requirements;
-#   - "whole on an owner" for WholeTensor, owners balanced by cost (LPT).
-# A step walks exchange buckets of parameters (same param group, process group, dtype,
-# device; so every override sees one param group per bucket; whole tensors in balanced
-# owner rounds, [Note: owner rounds] in _step_loop.py): it gathers the inputs of every
-# moving parameter of the bucket in ONE all_to_all (launched before the previous
-# bucket's compute, so they overlap), computes on whole blocks, and sends the results
-# back in one more (waited for after the next bucket's compute). The loop is written
-# once, here; a subclass supplies only what differs, through the override points in
-# BlockOptimizer's table: always requirement, init_state and update_block (the state
-# lives with the blocks: the default data flow moves (param, grad), runs update_block
-# on each whole block and copies the param back); optionally the three data-flow
-# overrides gather_inputs / compute_bucket / apply_results, where the data that move
-# are not (param, grad): Muon keeps its momentum sharded and moves one tensor.
+# Each optimizer declares a Requirement per parameter. The compute layout is one of:
+#   - the storage layout itself, when it already satisfies the requirement (no comm);
+#   - for block and band requirements, the storage layout with each boundary snapped
+#     to the nearest legal cut, so only pieces at boundaries move;
+#   - for WholeTensor, "whole on an owner", owners balanced by cost (LPT).
+# A step walks exchange buckets of parameters. A bucket shares param group, process
+# group, dtype and device, so every override sees one param group per bucket. Whole
+# tensors go in balanced owner rounds (see ``make_buckets`` in _step_loop.py). For each
+# bucket the step gathers the inputs of every moving parameter in ONE all_to_all,
+# launched before the previous bucket's compute so that the two overlap. It computes on
+# whole blocks and sends the results back in one more all_to_all, waited for after the
+# next bucket's compute. The loop is written once, here. A subclass supplies only what
+# differs, through the override points in BlockOptimizer's table. It always supplies
+# requirement, init_state and update_block. The state lives with the blocks: the default
+# data flow moves (param, grad), runs update_block on each whole block and copies the
+# param back. The three data-flow overrides gather_inputs, compute_bucket and
+# apply_results are optional, for optimizers whose moving data are not (param, grad).
+# Muon keeps its momentum sharded and moves one tensor.
 
 
 class BlockOptimizer(Optimizer):

@@ -26,21 +26,22 @@ __all__ = ["NorMuon"]
 _VARIANCE = "variance_neuron."  # + global block index: one block's row second moment
 
 # [Note: NorMuon state]
-# The row second moment of a block needs the block's whole orthogonalized update, which
-# only the rank that runs its Newton-Schulz has (the owner of a whole matrix; the rank
-# holding a block where blocks stay in place: whole experts, QKV blocks). So it lives
-# there, as state["variance_neuron.{b}"] (rows_b floats) per block b of
-# [Note: Muon blocks], created at the block's first step; the normalization runs on the
-# owner and the normalized update (float32) comes back instead of Newton-Schulz's
-# bfloat16. The momentum stays sharded, as Muon's. The entries are saved under these
-# keys, by global block index, by the rank that holds them, so a checkpoint loads at any
-# world size onto whichever rank then computes the block (the keys are the live ones,
-# as Shampoo's tiles: [Note: Shampoo's live state keys are its saved keys]). The owner
-# stays from step to step ([Note: owners stay] in _block_optimizer.py) and, after a
-# load, is the rank that saved the moments; each parameter still keeps the compute
-# layout of its last step (state["compute"], LOCAL), and a step that would compute it
-# elsewhere raises, on every rank alike and before its exchange, instead of restarting
-# the moment from zero.
+# The row second moment of a block needs the block's whole orthogonalized update. Only
+# the rank that runs the block's Newton-Schulz has it. That rank is the owner of a whole
+# matrix, or the rank holding a block where blocks stay in place, as whole experts and
+# QKV blocks do. So the moment lives there, as state["variance_neuron.{b}"] with rows_b
+# floats, per block b of [Note: Muon blocks]. It is created at the block's first step.
+# The normalization runs on the owner, and the normalized float32 update comes back
+# instead of Newton-Schulz's bfloat16 one. The momentum stays sharded, as Muon's.
+# The rank that holds the entries saves them under these keys, by global block index.
+# So a checkpoint loads at any world size onto whichever rank then computes the block.
+# The saved keys are the live ones, as for Shampoo's tiles
+# ([Note: Shampoo's live state keys are its saved keys]). The owner stays from step to
+# step ([Note: owners stay] in _step_loop.py). After a load it is the rank that saved
+# the moments. Each parameter still keeps the compute layout of its last step, in
+# state["compute"], which is LOCAL. A step that would compute the parameter elsewhere
+# raises, on every rank alike and before its exchange, instead of restarting the moment
+# from zero.
 
 
 def _check_beta2(value: object) -> None:

@@ -24,19 +24,20 @@ __all__ = ["SOAP"]
 
 # [Note: SOAP state]
 # A tensor with a factor ([Note: SOAP geometry] in _math/_soap.py) is updated whole on
-# one rank, its owner, with all its state: the moments (exp_avg in the eigenbasis, both
-# in the work shape) and per factor dim i "GG.{i}" (the factor, the reference's
-# state['GG'][i]) and "Q.{i}" (its eigenbasis, state['Q'][i]), all WHOLE: saved whole by
-# the owner, loaded whole by the owner at any world size. Tensors without one are Adam
-# element by element on any slice: the moments ELEMENTWISE. The owner stays the same
-# from step to step ([Note: owners stay] in _block_optimizer.py); each whole parameter
-# still remembers the compute layout of its last step, and a step that would compute it
-# elsewhere (which would find no factors there) raises, on every rank alike, before its
-# exchange. A step rebinds the moments
-# and bases to new tensors where the reference rebinds its own (their memory layouts set
-# the bits of the next step's matmuls); the keys stay. With capturable=True the step copies
-# the new values into the state's own tensors instead: a captured step reads and writes
-# those, and an eager step between replays must leave them where the graph finds them.
+# one rank, its owner, with all its state. That state is the moments, with exp_avg in
+# the eigenbasis and both in the work shape, and per factor dim i two entries: "GG.{i}",
+# the factor, the reference's state['GG'][i]; and "Q.{i}", its eigenbasis, the
+# reference's state['Q'][i]. All of them are WHOLE. The owner saves them whole, and the
+# owner at any world size loads them whole. A tensor without a factor is Adam element by
+# element on any slice, so its moments are ELEMENTWISE. The owner stays the same from
+# step to step ([Note: owners stay] in _step_loop.py). Each whole parameter still
+# remembers the compute layout of its last step. A step that would compute it elsewhere
+# would find no factors there, so it raises, on every rank alike, before its exchange.
+# A step rebinds the moments and bases to new tensors where the reference rebinds its
+# own, since their memory layouts set the bits of the next step's matmuls. The keys
+# stay. With capturable=True the step copies the new values into the state's own
+# tensors instead. A captured step reads and writes those, and an eager step between
+# replays must leave them where the graph finds them.
 
 
 _HPARAMS = ("lr", "betas", "shampoo_beta", "eps", "weight_decay", "precondition_frequency",

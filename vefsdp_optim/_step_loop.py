@@ -34,15 +34,15 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, as it was after.
 
     [Note: no collection during a step]
-    A step holds ~15 short-lived Python objects per parameter (views, items, entries,
-    argument lists) until its end, all freed by reference counting then. With the
-    collector on, every 700 of them start a young-generation collection, whose survivors
-    (the step's still-live objects) are promoted, so that every few steps a full
-    collection walks every object of the process (~0.3 s with torch imported and 1,000
-    parameters). torch's foreach step frees its temporaries as it goes and does not pay
-    this. So the step runs with the collector off, as torch.distributed.checkpoint's
-    state-dict functions do; the objects it frees by reference counting never reach a
-    collection. Measured in docs/performance.md.
+    A step holds about 15 short-lived Python objects per parameter until its end: views,
+    items, entries, argument lists. Reference counting frees them all then. With the
+    collector on, every 700 of them start a young-generation collection. Its survivors
+    are the step's still-live objects, and they are promoted. So every few steps a full
+    collection walks every object of the process. That takes ~0.3 s with torch imported
+    and 1,000 parameters. torch's foreach step frees its temporaries as it goes and does
+    not pay this. So the step runs with the collector off, as
+    torch.distributed.checkpoint's state-dict functions do. The objects it frees by
+    reference counting never reach a collection. Measured in docs/performance.md.
     """
     if not gc.isenabled():
         yield
@@ -167,27 +167,28 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
 
 # [Note: consistent steps]
 # An exchange needs every rank of its process group to step the same parameters with
-# the same layouts: a rank that skips a parameter (its .grad is None there only) would
-# leave the all_to_all waiting forever. A check costs a collective and a host sync to
-# read it, so a steady-state step checks nothing. The check runs on the first step
-# after something that every rank does alike changed what a step exchanges:
-# construction, replan(), load_state_dict, add_param_group, or a change of the step's
-# structure (per parameter: its position, identity, process group, storage and compute
-# layouts; a re-plan by another optimizer, an edited structural key or param list),
-# which each rank sees in its own copy. A change of which parameters have gradients is
-# not a trigger: a rank sees only its own gradients, so a check it entered alone would
-# be the hang it guards against. Gradients that differ between ranks are then a user
-# error that may hang, as a torch collective called differently on two ranks does;
-# TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1 (``_debug.DEBUG``) checks every step.
-# The check: each process group that exchanges anything compares, on the parameters'
-# device, one fingerprint per rank of (position, has a gradient, shape, storage and
-# compute layouts) in one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
-# comm/_collectives.py); only on a mismatch do four more collectives of O(P + W) int64
-# (comm's first_difference) name the first parameter and the ranks that differ. Which
-# process groups check depends only on the layouts, never on gradients, so on a step
-# every rank checks, the check cannot hang. BlockOptimizer keeps the structure it last
-# checked, and compares it only when it rebuilds its step plan ([Note: step plan]),
-# which every such change causes.
+# the same layouts. A rank that skips a parameter, because its .grad is None there only,
+# would leave the all_to_all waiting forever. A check costs a collective and a host sync
+# to read it, so a steady-state step checks nothing. The check runs on the first step
+# after something changed what a step exchanges that every rank does alike and sees in
+# its own copy. That is construction, replan(), load_state_dict(), add_param_group(), or
+# a change of the step's structure. The structure is, per parameter, its position,
+# identity, process group, storage and compute layouts. A re-plan by another optimizer,
+# an edited structural key or an edited param list changes it. A change of which
+# parameters have gradients is not a trigger. A rank sees only its own gradients, so a
+# check it entered alone would be the hang it guards against. Gradients that differ
+# between ranks are then a user error that may hang, as a torch collective called
+# differently on two ranks does. TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1
+# (``_debug.DEBUG``) checks every step. In the check, each process group that exchanges
+# anything compares one fingerprint per rank, on the parameters' device, of each
+# parameter's position, whether it has a gradient, shape, storage and compute layouts.
+# That takes one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
+# comm/_collectives.py). Only on a mismatch do four more collectives of O(P + W) int64,
+# comm's first_difference, name the first parameter and the ranks that differ. Which
+# process groups check depends only on the layouts, never on gradients. So on a step
+# every rank checks, and the check cannot hang. BlockOptimizer keeps the structure it
+# last checked and compares it only when it rebuilds its step plan ([Note: step plan]).
+# Every such change causes that rebuild.
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:
@@ -303,15 +304,15 @@ class PendingExchange:
 
 
 # [Note: owners stay]
-# The rank that computes a whole tensor (its owner) is chosen by balancing the whole
-# tensors that step together ([Note: owner assignment]), so it would move when that
-# set changes: a parameter of the param group without a gradient, one added later.
-# State kept by the owner (SOAP's factors and eigenbases, [Note: SOAP state]) would
-# then be missing where the tensor is computed. So a parameter keeps the owner of
-# its first step for as long as its storage layout stays the same (a re-plan or a
-# load at another world size chooses again); only parameters new to the step are
-# balanced. Every rank pins the same owners: they follow from the same layouts and
-# costs in the same order.
+# The rank that computes a whole tensor is its owner. Owners are chosen by balancing the
+# whole tensors that step together ([Note: owner assignment]). So an owner would move
+# when that set changes, as when a parameter of the param group has no gradient or one
+# is added later. State kept by the owner, such as SOAP's factors and eigenbases
+# ([Note: SOAP state]), would then be missing where the tensor is computed. So a
+# parameter keeps the owner of its first step for as long as its storage layout stays
+# the same. A re-plan, or a load at another world size, chooses again. Only parameters
+# new to the step are balanced. Every rank pins the same owners, because they follow
+# from the same layouts and costs in the same order.
 def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]], float],
                owner_cache: dict[tuple, tuple[int, ...]],
                pinned: dict[int, tuple[RaggedShard | BoxShard, int]]) -> None:

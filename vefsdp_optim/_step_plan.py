@@ -22,28 +22,29 @@ __all__ = ["GroupPlan", "StepPlan", "group_values", "identity", "param_key", "sa
 _TENSOR = torch.Tensor
 
 # [Note: step plan]
-# A step derives from each parameter its view, requirement and compute layout, from the
-# parameters with gradients its step items, owners ([Note: owners stay]), consistency
-# entries ([Note: consistent steps]), exchange buckets and the items each bucket moves
-# ([Note: owner rounds]). All of it is a function of host facts that a steady-state
-# training loop does not change, so it is built at the first step and reused; a step
-# then reads, per parameter, only its key and its gradient. A GroupPlan is rebuilt when
-# any of its inputs differs from what it was built from:
-#   - the param group (by identity) or a value of its plan keys (structural_keys and
-#     plan_keys: what requirement() and cost() read);
+# A step derives from each parameter its view, requirement and compute layout. From the
+# parameters with gradients it derives its step items, owners ([Note: owners stay]),
+# consistency entries ([Note: consistent steps]), exchange buckets and the items each
+# bucket moves (``make_buckets`` in _step_loop.py). All of it is a function of host
+# facts that a steady-state training loop does not change. So it is built at the first
+# step and reused. A step then reads, per parameter, only its key and its gradient.
+# A GroupPlan is rebuilt when any of its inputs differs from what it was built from:
+#   - the param group, by identity, or a value of its plan keys. These are
+#     structural_keys and plan_keys, what requirement() and cost() read.
 #   - the parameters claim_params() leaves to the loop, by identity and order;
 #   - per parameter, which of them have a gradient;
-#   - per plain tensor, its data_ptr, shape and contiguity (a `.data` swap or a new
-#     storage; the plan's view keeps the old storage alive, so a new one cannot reuse its
-#     address); per other kind (DTensor, fully_shard), its view's storage, offset,
-#     layout, process group and shape, from a fresh view each step;
-# and dropped whole by replan(), add_param_group() and load_state_dict(). A gradient is
+#   - per plain tensor, its data_ptr, shape and contiguity. A `.data` swap or a new
+#     storage changes them. The plan's view keeps the old storage alive, so a new one
+#     cannot reuse its address.
+#   - per other kind, DTensor or fully_shard, its view's storage, offset, layout,
+#     process group and shape, from a fresh view each step. ``identity`` skips that
+#     fresh view where the parameter's objects are unchanged.
+# replan(), add_param_group() and load_state_dict() drop the plan whole. A gradient is
 # read afresh every step and must match its parameter's layout, or the rebuild raises
-# the same error as a first step; the items let go of their gradients when the step ends
-# (the plan keeps no gradient alive between steps: after zero_grad() the last step's are
-# freed, as with torch.optim). No key reads a device value: a step stays free of host
-# syncs. A fresh view of a DTensor or a fully_shard parameter is skipped where its
-# identity is unchanged ([Note: step plan identities]).
+# the same error as a first step. The items let go of their gradients when the step
+# ends, so the plan keeps no gradient alive between steps. After zero_grad() the last
+# step's gradients are freed, as with torch.optim. No key reads a device value, so a
+# step stays free of host syncs.
 
 # [Note: step plan identities]
 # A DTensor's or a ShardedParameter's view is a pure function of a few objects: its local

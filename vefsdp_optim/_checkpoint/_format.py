@@ -33,26 +33,28 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 
 # [Note: world-size-free optimizer state]
 # state_dict() gives every state tensor a form that does not depend on the world size
-# that wrote it, so DCP (torch.distributed.checkpoint) can reshard it on load:
-#   - ELEMENTWISE state (Adam moments, Muon momentum, 8-bit codes): a ShardedParameter
-#     of the parameter's global shape holding this rank's slice (a plain tensor at W = 1);
-#   - per-block state (an int k, e.g. 8-bit absmax): a 1-D ShardedParameter of
-#     ceil(numel / k) values, indexed by global block;
-#   - REPLICATED state (step counters): as is, by the ranks whose slice is not empty
-#     (all hold the same value; an empty slice may never have stepped);
-#   - a whole-tensor requirement's state lives on its owner: every entry, each in its
-#     own form, is saved whole by the rank that holds it and loaded whole by the owner
-#     at the new world size;
-#   - LOCAL entries are not saved; anything else (Shampoo's tiles) by the subclass
-#     hooks, keyed by global index.
+# that wrote it, so DCP (torch.distributed.checkpoint) can reshard it on load.
+#   - ELEMENTWISE state, such as Adam moments, Muon momentum and 8-bit codes: a
+#     ShardedParameter of the parameter's global shape holding this rank's slice. At
+#     W = 1 it is a plain tensor.
+#   - Per-block state with an int k, such as 8-bit absmax: a 1-D ShardedParameter of
+#     ceil(numel / k) values, indexed by global block.
+#   - REPLICATED state, such as step counters: as is, saved by the ranks whose slice is
+#     not empty. All of them hold the same value, and an empty slice may never have
+#     stepped.
+#   - The state of a whole-tensor requirement lives on its owner. The rank that holds an
+#     entry saves it whole, each entry in its own form, and the owner at the new world
+#     size loads it whole.
+#   - LOCAL entries are not saved. Anything else, such as Shampoo's tiles, is saved by
+#     the subclass hooks, keyed by global index.
 # Every saved key is a key of the live state, since framework flows rebuild entries from
-# the live keys (_saved_entry; [Note: Shampoo's live state keys are its saved keys]), and
-# a parameter without state when saved has none after loading ([Note: no state saved,
+# the live keys (_saved_entry; [Note: Shampoo's live state keys are its saved keys]). A
+# parameter without state when saved has none after loading ([Note: no state saved,
 # none loaded]). validate_state() checks the live state against this declaration after
 # the step that creates it, so a mismatch fails there, not at a load at another world
 # size. The local data handed out are the live state tensors themselves, so ``dcp.load``
-# into ``state_dict()`` writes in place; load_state_dict() copies whatever is not
-# already in place (plain full tensors from torch.load or a full export) into the state.
+# into ``state_dict()`` writes in place. load_state_dict() copies into the state whatever
+# is not already in place, as plain full tensors from torch.load or a full export.
 
 
 def export_state(opt: CheckpointedOptimizer, sd: dict[str, Any]) -> dict[str, Any]:

@@ -38,24 +38,26 @@ __all__ = ["PendingReduce", "StoreGrads"]
 # views]), so every cached view stays valid.
 #
 # [Note: lazy gradient buffer]
-# At W > 1 the W*m gradient buffer gets its bytes (zero-filled) late, not at
-# pre-backward: the first backward after a reduction leaves each unsharded
-# ``.grad`` None. Then, by the shard group's policy (``FSDPModule.set_gradient_copy_in``):
-#   - copy-in (the default): autograd makes each parameter's gradient as usual, and
-#     the shard group's end of backward allocates the buffer and copies them in (one
-#     copy of the shard group's gradients, FSDP2's copy-in). A module's gradients then
-#     take memory one parameter at a time, as FSDP2's do, and the peak is FSDP2's
-#     (measured in docs/decisions.md);
-#   - in place (``set_gradient_copy_in(False)``): a hook on the gradients of the
-#     unsharded parameters (run before AccumulateGrad) allocates the buffer at the
-#     store's first gradient and points every ``.grad`` at its view, so autograd adds
-#     into it as [Note: grads into the buffer] says: no copy, one store's buffer more.
+# At W > 1 the W*m gradient buffer gets its bytes late, zero-filled, not at
+# pre-backward. The first backward after a reduction leaves each unsharded ``.grad``
+# None. What follows depends on the shard group's policy, set by
+# ``FSDPModule.set_gradient_copy_in``.
+#   - Copy-in, the default. Autograd makes each parameter's gradient as usual. The shard
+#     group's end of backward allocates the buffer and copies them in, one copy of the
+#     shard group's gradients, as FSDP2's copy-in does. A module's gradients then take
+#     memory one parameter at a time, as FSDP2's do, and the peak is FSDP2's. The
+#     measurement is in docs/decisions.md.
+#   - In place, with ``set_gradient_copy_in(False)``. A hook on the gradients of the
+#     unsharded parameters runs before AccumulateGrad. It allocates the buffer at the
+#     store's first gradient and points every ``.grad`` at its view. Autograd then adds
+#     into it as [Note: grads into the buffer] says. There is no copy, and one store's
+#     buffer more is live.
 # Later backwards of an accumulation without sync add into the buffer in place either
-# way. Under activation checkpointing the recomputation runs first, so the buffer and
-# the recomputed activations no longer overlap with an earlier shard group's
-# reduce-scatter input: just before allocating, completed reduce-scatters of earlier
-# shard groups are finished, which frees their inputs ([Note: async reduce-scatter]).
-# A backward in which no gradient reached the store still reduces zeros.
+# way. Under activation checkpointing the recomputation runs first. So the buffer and the
+# recomputed activations no longer overlap with an earlier shard group's reduce-scatter
+# input. Just before allocating, completed reduce-scatters of earlier shard groups are
+# finished, which frees their inputs ([Note: async reduce-scatter]). A backward in
+# which no gradient reached the store still reduces zeros.
 #
 # [Note: unused parameters]
 # A shard group reduces its whole gradient buffer, so each member's reduced slice exists

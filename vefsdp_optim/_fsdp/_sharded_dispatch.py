@@ -26,32 +26,31 @@ __all__ = ["dispatch"]
 aten = torch.ops.aten
 
 # [Note: sharded dispatch]
-# A ShardedParameter holds one rank's contiguous slice of the flattened tensor, so an op
+# A ShardedParameter holds one rank's contiguous slice of the flattened tensor. So an op
 # runs on the slices only when each output element depends on the inputs at the same
-# flat element; anything else follows DTensor's "redistribute to Replicate, compute,
-# return a replicated result". Never a silently wrong local result. The rules:
-# 1. Local: pointwise ops (torch.Tag.pointwise), masked_fill, *_like / clone / copy_ /
-#    detach / _to_copy, their in-place, out= and _foreach_ forms, torch's fused optimizer
-#    kernels (_FUSED), and a boolean-mask index_put_ (Rprop) with a mask of the same
-#    layout. Sharded operands must share shape, layout and process group (else
-#    ValueError); a plain operand is broadcast to the global shape and this rank's slice
-#    taken (0-d tensors and scalars as they are): `param.add_(full_update)` works.
-# 2. Flat-order views (contiguous at offset 0 on the global shape: view, reshape,
-#    flatten, squeeze, unsqueeze, t of a vector): a ShardedParameter of the new shape
-#    over the same slice, a true view.
+# flat element. Anything else follows DTensor: redistribute to Replicate, compute, return
+# a replicated result. A local result is never silently wrong. The rules:
+# 1. Local: pointwise ops (torch.Tag.pointwise), masked_fill, *_like, clone, copy_,
+#    detach and _to_copy, with their in-place, out= and _foreach_ forms; torch's fused
+#    optimizer kernels (_FUSED); a boolean-mask index_put_ with a mask of the same
+#    layout, as Rprop uses. Sharded operands must share shape, layout and process group,
+#    else ValueError. A plain operand is broadcast to the global shape and this rank's
+#    slice taken, so `param.add_(full_update)` works. 0-d tensors and scalars stay as is.
+# 2. Flat-order views, contiguous at offset 0 on the global shape (view, reshape, flatten,
+#    squeeze, unsqueeze, t of a vector): a ShardedParameter of the new shape, same slice.
 # 3. new_zeros / new_ones / new_empty / new_full of another size: a plain tensor.
-# 4. Norms with no dim (linalg_vector_norm, _foreach_norm): partial sums of the slices
-#    (float32 for 16-bit inputs), one all_reduce per process group, a plain result equal
-#    on every rank, within rounding of one device's (as DTensor's).
-# 5. Everything else: gather every sharded operand (one collective each, in argument
-#    order, alike on every rank), run the op on plain tensors and return replicated
-#    results, bitwise one device's; a sharded operand the op writes gets its slice back.
-#    So a non-flat-order view (p.t(), p[1]) is a gathered copy: writes miss p.
-# 6. In-place random fills (uniform_, normal_, ...: nn.init): every rank draws the whole
-#    tensor from the same generator and keeps its slice, so meta-device initialization
-#    equals one device's when the ranks share a seed.
-# Refused with NotImplementedError naming the op: in-place shape changes (t_, resize_,
-# set_), other random ops, fused / foreach kernels handed a plain non-scalar tensor.
+# 4. Norms with no dim (linalg_vector_norm, _foreach_norm) all-reduce the slices' partial
+#    sums, in float32 for 16-bit inputs, once per process group. The plain result is
+#    equal on every rank, within rounding of one device's, as DTensor's.
+# 5. Everything else gathers every sharded operand, one collective each in argument
+#    order, alike on every rank. The op runs on plain tensors and returns replicated
+#    results, bitwise one device's. A sharded operand the op writes gets its slice back.
+#    So a non-flat-order view such as p.t() or p[1] is a gathered copy: writes miss p.
+# 6. In-place random fills (uniform_, normal_: nn.init) draw the whole tensor on every
+#    rank from one generator and keep the slice. With a seed shared by the ranks,
+#    meta-device initialization then equals one device's.
+# NotImplementedError, naming the op, refuses in-place shape changes (t_, resize_, set_),
+# other random ops, and fused or foreach kernels handed a plain non-scalar tensor.
 
 _RANDOM_FILLS = {
     aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.random_.default,

@@ -330,27 +330,27 @@ class FSDPState:
 
 
 # [Note: use outside forward]
-# A shard group's backward starts at its module's outputs (pre-backward hooks) and ends at
-# its inputs or at the root's final callback; a gradient is reduced only if it reaches the
-# unsharded face in that window. The ways around the module's forward:
-#  - an op on the sharded face (``x @ child.weight.T`` in a parent's forward), which is
-#    this rank's slice there: the gradient goes to the sharded leaf, unreduced (this
-#    rank's full gradient or, for ops the slices compute locally, [Note: sharded
-#    dispatch], its slice of one, which no reduction can average). FSDP2 refuses that mix
-#    of DTensor and plain tensor; we raise at the first such gradient, naming the
-#    parameter (a hook on each sharded face). A parameter used nowhere gets no gradient,
-#    hence no error, as under FSDP2;
-#  - ``p.full_tensor()``, FSDP2's DTensor way: differentiable for a parameter that
-#    requires grad, under grad mode. A gathered copy (new storage, which no reshard
-#    frees) whose backward starts the shard group's backward and adds the gradient, in
-#    param_dtype, where autograd puts the unsharded face's. It counts as a forward without
-#    a post-backward hook ([Note: repeated use]): one reduction, by the final callback,
-#    averaged over the ranks (FSDP2 leaves each shard its own rank's gradient);
-#  - ``module.unshard()``, then the unsharded face, FSDP2's other way: a hook on that face
-#    starts the shard group's backward at its first gradient, before AccumulateGrad, as
-#    the module's pre-backward would, so the gradient is attached and reduced, not dropped.
-# Before any forward of the root (no root context) such a backward queues its own final
-# callback.
+# A shard group's backward starts at its module's outputs, in pre-backward hooks, and
+# ends at its inputs or at the root's final callback. A gradient is reduced only if it
+# reaches the unsharded face in that window. Three ways go around the module's forward.
+#  - An op on the sharded face, such as ``x @ child.weight.T`` in a parent's forward.
+#    The sharded face is this rank's slice, so the gradient goes to the sharded leaf,
+#    unreduced. It is this rank's full gradient, or, for ops the slices compute locally
+#    ([Note: sharded dispatch]), its slice of one, which no reduction can average.
+#    FSDP2 refuses that mix of DTensor and plain tensor. We raise at the first such
+#    gradient, naming the parameter, from a hook on each sharded face. A parameter used
+#    nowhere gets no gradient, hence no error, as under FSDP2.
+#  - ``p.full_tensor()``, FSDP2's DTensor way. It is differentiable for a parameter that
+#    requires grad, under grad mode. It gives a gathered copy in new storage, which no
+#    reshard frees. Its backward starts the shard group's backward and adds the gradient,
+#    in param_dtype, where autograd puts the unsharded face's. It counts as a forward
+#    without a post-backward hook ([Note: repeated use]): one reduction, by the
+#    final callback, averaged over the ranks. FSDP2 leaves each shard its own rank's one.
+#  - ``module.unshard()``, then the unsharded face, FSDP2's other way. A hook on that
+#    face starts the shard group's backward at its first gradient, before
+#    AccumulateGrad, as the module's pre-backward would. So the gradient is attached and
+#    reduced, not dropped.
+# Before any forward of the root, with no root context, a backward queues its own final callback.
 
 
 class ParamOutsideUse:

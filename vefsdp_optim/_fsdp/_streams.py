@@ -30,28 +30,30 @@ class _Releasable(Protocol):
 
 
 # [Note: fully_shard streams]
-# On an accelerator, as FSDP2: the module's compute runs on the current stream; a
-# shard group's all-gather (the cast into param_dtype and the allocation of its W*m
-# buffer on the copy-in stream, the collective on the all-gather stream) and its
-# reduce-scatter (with the division, the cast into the master's dtype and the kept-
-# gradient sum), HSDP's all-reduce and the all-reduce hook each run on their own stream.
-#  - Producer and consumer: a tensor written on one stream is read on another only
-#    after the reader's stream waits on an event recorded after the write: the cast ->
-#    the all-gather (wait_stream); the gathered buffer -> compute (wait_unshard); the
-#    gradients -> the reduce-scatter (wait_stream); its output -> the all-reduce or hook
-#    stream -> compute (the post-reduce event, waited on in the root's final callback,
-#    before the optimizer reads .grad); the optimizer's writes -> the first all-gathers
-#    of the next forward (the root's pre-forward: the post-optim event, else the stream).
-#  - Freeing: a buffer is allocated on one stream (a gathered buffer on the copy-in
-#    stream; gradient buffers on the current stream), and the caching allocator hands
-#    its block to later work of that stream only. So its storage is resized to 0 only
-#    after that stream has waited on an event recorded after its last use on any other
-#    stream: no record_stream. A gathered buffer resharded by a hook stays allocated,
-#    with the event of its reshard, until the all-gather after next (``CommContext.free``):
-#    module i + 1's all-gather overlaps module i's compute, and at most two gathered
-#    buffers are in flight. A reduce-scatter's input is freed when the current stream
-#    has waited on its collective (the next shard group's post-backward).
-# On the CPU there are no streams and every buffer is freed when resharded, as before.
+# On an accelerator the module's compute runs on the current stream, as in FSDP2. Each
+# collective of a shard group runs on its own stream. The all-gather casts into
+# param_dtype and allocates its W*m buffer on the copy-in stream, then runs on the
+# all-gather stream. The reduce-scatter runs with the division, the cast into the
+# master's dtype and the kept-gradient sum. HSDP's all-reduce and the all-reduce hook
+# each have a stream too. Two rules keep this correct.
+#  - Producer and consumer. A tensor written on one stream is read on another only after
+#    the reader's stream waits on an event recorded after the write. The pairs are: the
+#    cast, then the all-gather (wait_stream); the gathered buffer, then compute
+#    (wait_unshard); the gradients, then the reduce-scatter (wait_stream); its output,
+#    then the all-reduce or hook stream, then compute. That last wait is the post-reduce
+#    event, waited on in the root's final callback before the optimizer reads .grad.
+#    The optimizer's writes come before the first all-gathers of the next forward, by
+#    the post-optim event or else the stream, in the root's pre-forward.
+#  - Freeing. A buffer is allocated on one stream: a gathered buffer on the copy-in
+#    stream, gradient buffers on the current stream. The caching allocator hands its
+#    block to later work of that stream only. So its storage is resized to 0 only after
+#    that stream has waited on an event recorded after its last use on any other stream,
+#    with no record_stream. A gathered buffer resharded by a hook stays allocated, with
+#    the event of its reshard, until the all-gather after next (``CommContext.free``).
+#    Module i + 1's all-gather overlaps module i's compute, and at most two gathered
+#    buffers are in flight. A reduce-scatter's input is freed when the current stream has
+#    waited on its collective, at the next shard group's post-backward.
+# On the CPU there are no streams, and every buffer is freed when resharded.
 
 
 class Streams:

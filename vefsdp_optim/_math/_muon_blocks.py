@@ -82,13 +82,16 @@ def _adjust_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
 
 
 # [Note: Muon blocks]
-# A Muon parameter is orthogonalized as one or more separate matrices ("blocks"), each
-# updated exactly as a separate 2-D parameter of its shape would be (Newton-Schulz and
-# lr adjustment on the block alone). ``flatten=True`` (or a 2-D parameter): one
-# (dim 0, rest) matrix. ``flatten=False``: a batch of matrices over the leading dims,
-# each [..., m, n] slice one matrix (MoE experts). ``split_sizes``: each matrix further
-# cut into row blocks of these sizes (a fused QKV projection). Blocks are consecutive
-# in row-major flat order, so each is a contiguous range of the flat parameter.
+# A Muon parameter is orthogonalized as one or more separate matrices, its "blocks".
+# Each block is updated exactly as a separate 2-D parameter of its shape would be:
+# Newton-Schulz and the lr adjustment see the block alone.
+#   - ``flatten=True``, or a 2-D parameter: one (dim 0, rest) matrix.
+#   - ``flatten=False``: a batch of matrices over the leading dims. Each [..., m, n]
+#     slice is one matrix, as for the experts of a mixture of experts.
+#   - ``split_sizes``: each matrix is further cut into row blocks of these sizes, as for
+#     a fused QKV projection.
+# Blocks are consecutive in row-major flat order, so each block is a contiguous range
+# of the flat parameter.
 
 
 def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int, shape: tuple[int, ...]) -> tuple[int, ...]:
