@@ -3,7 +3,7 @@
 The layout comes from a ``BufferPlan``: rank r holds elements ``[r*m, (r+1)*m)`` of a
 W * m buffer. Parameters are all-gathered and gradients reduce-scattered with one
 collective each, straight between the flat buffers; every per-tensor tensor handed out
-is a view ([Note: zero-copy views]).
+is a view (see the comment above ``DistributedBuffer``).
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, redu
 
 __all__ = ["DistributedBuffer"]
 
-# [Note: zero-copy views]
 # The local shard (`local`, m elements) and the global buffer (`global_buffer`, W * m)
 # are separate storages, and the all-gather is out of place:
-# all_gather_single(global_buffer, local). The in-place form (local as a view of
-# global_buffer[rank*m:(rank+1)*m]) cannot outlive free_global: freeing the global
-# storage would free the shard too, so it would cost a copy-out before every free and a
-# copy-in after every alloc, the very copies FSDP2 pays (it copies each parameter into
-# a flat all-gather input, then splits the output into per-parameter tensors). Out of
-# place, the collective itself moves this rank's m elements to their slot (NCCL inside
-# the same kernel), nothing is copied around it, and nothing is allocated per tensor.
-# Gradients are the same: reduce_scatter_single(local_grad, grad_global).
-# Per-tensor views (local_view, full_view, ...) are made once and cached. Global views
-# are made on the first alloc and survive free/alloc: freeing resizes the one global
-# tensor's storage to 0 bytes and allocating resizes it back (FSDP2's free_storage /
-# alloc_storage), so the view objects see the new storage. With W == 1 (or no process group)
-# the global buffers *are* the local ones and no collective runs.
+# all_gather_single(global_buffer, local); gradients likewise reduce_scatter_single(
+# local_grad, grad_global). A local shard that viewed the global buffer would be freed with
+# it, so it would cost a copy-out before every free and a copy-in after every alloc, the
+# copies FSDP2 pays: it copies each parameter into a flat all-gather input, then splits
+# the output into per-parameter tensors. Out of place, the collective itself moves this
+# rank's m elements to their slot (NCCL inside the same kernel), and nothing is copied or
+# allocated per tensor. Per-tensor views (local_view, full_view, ...) are made
+# once and cached; global views survive free/alloc, which resize the one global storage
+# to 0 bytes and back (FSDP2's free_storage / alloc_storage). With W == 1, or no process
+# group, the global buffers *are* the local ones and no collective runs.
 
 
 class DistributedBuffer:
@@ -110,7 +106,7 @@ class DistributedBuffer:
         self._local_views = self._make_local_views(self.local)
         self._local_grad_views = self._make_local_views(self.local_grad)
         if self._collective:
-            # allocated on the first alloc_*; views are made then ([Note: zero-copy views])
+            # allocated on the first alloc_*; views are made then (see ``DistributedBuffer``)
             self._global = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, W*m once alloc'd
             self._grad_global = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, W*m
             self._full_views: dict[str, torch.Tensor] | None = None

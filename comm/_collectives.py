@@ -31,7 +31,7 @@ __all__ = [
 
 _REDUCE_OPS = ("sum", "avg")
 # Backends whose reduce-scatter takes ReduceOp.AVG (NCCL >= 2.10). Elsewhere (gloo):
-# SUM, then one in-place division of the m-element result; see [Note: avg fallback].
+# SUM, then one in-place division of the m-element result; see ``supports_native_avg``.
 _NATIVE_AVG_BACKENDS = frozenset({"nccl"})
 
 
@@ -157,13 +157,18 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def supports_native_avg(group: dist.ProcessGroup) -> bool:
-    """Whether reduce-scatter on ``group`` takes ``ReduceOp.AVG`` directly."""
+    """Whether reduce-scatter on ``group`` takes ``ReduceOp.AVG`` directly.
+
+    gloo in torch 2.13 accepts ReduceOp.AVG for reduce_scatter_single, but its rounding is
+    the backend's business. Elsewhere than NCCL an average is therefore SUM, then one
+    in-place division: exactly the reference's sum / W, one pass over m elements and no
+    allocation."""
     return dist.get_backend(group) in _NATIVE_AVG_BACKENDS
 
 
 def all_reduce_avg(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     """In-place average of ``t`` over ``group`` (AVG where the backend has it, else SUM
-    and one division, as [Note: avg fallback])."""
+    and one division, as ``supports_native_avg``)."""
     if supports_native_avg(group):
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
     else:
@@ -223,7 +228,7 @@ def reduce_scatter_flat(
 
     On backends without ``ReduceOp.AVG`` an average is a SUM followed by one in-place
     ``output.div_(W)`` (on ``wait()`` when ``async_op``), which rounds exactly as
-    ``sum / W`` does ([Note: avg fallback]).
+    ``sum / W`` does (see ``supports_native_avg``).
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce op must be one of {_REDUCE_OPS}, got {op!r}")
@@ -255,12 +260,6 @@ def reduce_scatter_flat(
     return None
 
 
-# [Note: avg fallback]
-# gloo in torch 2.13 accepts ReduceOp.AVG for reduce_scatter_single, but its rounding
-# is the backend's business; SUM then one in-place division gives exactly the
-# reference's sum / W, costs one pass over m elements and allocates nothing.
-
-
 def group_device(group: dist.ProcessGroup) -> torch.device:
     """The device a check's tensor lives on for ``group``: the host for gloo (and the fake
     process group), else the current accelerator (NCCL's current CUDA device)."""
@@ -274,7 +273,7 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 def same_on_all_ranks(key: str | int, group: dist.ProcessGroup, device: torch.device | None = None) -> bool:
     """Whether every rank of ``group`` passes the same ``key``, the same answer on every rank.
 
-    [Note: agreement in O(1) bytes] One ``all_reduce(MAX)`` of two int64 per rank, the
+    One ``all_reduce(MAX)`` of two int64 per rank, the
     62-bit hash ``h`` of the key and ``-h``: the ranks agree iff max(h) == -max(-h) (the
     minimum). What a rank sends and holds is the same at any W, where gathering every
     rank's key (``all_gather_object``) costs each rank W keys, W tensors and W
@@ -337,7 +336,7 @@ def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | N
     """Raise ValueError on every rank if the ranks of ``process_group`` hold different plans.
 
     Compares each rank's ``(plan fingerprint, plan.world_size)`` with
-    :func:`same_on_all_ranks` ([Note: agreement in O(1) bytes]), and only where they
+    :func:`same_on_all_ranks` (see ``same_on_all_ranks``), and only where they
     differ gathers them (``all_gather_object``) to name the ranks, so that a mismatch
     raises everywhere instead of hanging the first collective on a wrongly sized buffer.
     ``process_group=None`` or a single-rank process group: only the plan's world size is checked.

@@ -1,7 +1,7 @@
 """Choose one owner rank per whole-tensor computation (Muon), balancing compute.
 
 Pure and deterministic: every rank computes the same assignment from the same layouts
-and costs without talking. See [Note: owner assignment].
+and costs without talking. See ``assign_owners``.
 """
 
 from __future__ import annotations
@@ -17,16 +17,6 @@ from vefsdp_optim._torch_compat import host_scratch
 from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["OwnerAssignment", "assign_owners"]
-
-# [Note: owner assignment]
-# Longest processing time first (Graham's LPT): tensors by cost descending (ties by
-# index), each to the least-loaded rank. Among ranks whose load is within `tolerance`
-# (a fraction of the mean load per rank) of the minimum, prefer the rank that already
-# holds most of the tensor, then the lower load, then the lower rank. The preference
-# matters at the start (all loads 0) and for equal costs; it keeps a tensor off ranks
-# with empty shards and cuts the elements that must move. Makespan stays within
-# Graham's list-scheduling bound: max load <= total / W + (1 - 1/W) * max cost
-# (plus the tolerance).
 
 
 class OwnerAssignment(NamedTuple):
@@ -50,7 +40,16 @@ def assign_owners(
     *,
     tolerance: float = 1e-6,
 ) -> OwnerAssignment:
-    """Assign each tensor (layout i, cost i) to one rank, balancing the summed cost."""
+    """Assign each tensor (layout i, cost i) to one rank, balancing the summed cost.
+
+    Longest processing time first (Graham's LPT): tensors by cost descending, ties by
+    index, each to the least-loaded rank. Among ranks whose load is within ``tolerance``
+    (a fraction of the mean load per rank) of the minimum, the rank that already holds
+    most of the tensor wins, then the lower load, then the lower rank. This preference
+    matters at the start, when all loads are 0, and for equal costs. It keeps a tensor off
+    ranks with empty shards and cuts the elements that must move. The makespan stays within
+    Graham's list-scheduling bound, max load <= total / W + (1 - 1/W) * max cost, plus the
+    tolerance."""
     layouts = list(layouts)
     costs = [float(c) for c in costs]
     if len(layouts) != len(costs):
@@ -78,7 +77,7 @@ def assign_owners(
     owners = [0] * len(layouts)
     # the per-rank scans run as tensor ops over W float64 loads on the host (real tensors
     # under FakeTensorMode too, seen by no dispatch mode): the same IEEE sums and
-    # comparisons as Python floats, so the same owners ([Note: owner assignment])
+    # comparisons as Python floats, so the same owners (see ``assign_owners``)
     with host_scratch():
         load = torch.zeros(w, dtype=torch.float64, device="cpu")
         inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")

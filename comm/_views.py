@@ -2,7 +2,8 @@
 
 The optimizers accept three kinds of parameter (plain tensors, FSDP2 DTensors, this
 library's own sharded parameters) and see each through a :class:`ShardedView`, so the
-step loop never branches on the parameter's kind. See [Note: views alias storage].
+step loop never branches on the parameter's kind. ``local`` always aliases the
+parameter's storage (see the comment above ``ShardedView``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["ShardedView", "dtensor_boxes", "sharded_view"]
 
-# [Note: views alias storage]
-# ``ShardedView.local`` is always a view of the parameter's own storage, never a copy:
-# an optimizer that writes its update into ``local`` updates the parameter. For FSDP2
-# the DTensor's local tensor is a narrow of a padded per-rank buffer
-# (``FSDPParam._sharded_param_data``); the narrow starts at offset 0 and is contiguous,
+# ``ShardedView.local`` is always a view of the parameter's own storage, never a copy, so
+# an optimizer that writes its update into ``local`` updates the parameter. For FSDP2 the
+# DTensor's local tensor is a narrow of a padded per-rank buffer
+# (``FSDPParam._sharded_param_data``). The narrow starts at offset 0 and is contiguous,
 # so ``_local_tensor.view(-1)`` aliases exactly this rank's rows and not the padding.
 
 _SUPPORTED = (
@@ -90,7 +90,7 @@ def sharded_view(t: object) -> ShardedView:
     """The :class:`ShardedView` of a parameter (or of its ``.grad``).
 
     Accepts plain tensors / nn.Parameter, DTensors on any mesh placed with ``Shard``,
-    ``_StridedShard`` and ``Replicate`` ([Note: N-D placements]), and any object with a
+    ``_StridedShard`` and ``Replicate`` (see ``_dtensor_meta``), and any object with a
     ``__sharded_view__()`` method returning a ShardedView. Other placements (Partial)
     raise ValueError naming them; other tensor subclasses, padded DTensor local tensors
     and non-contiguous tensors raise NotImplementedError; non-tensors without the
@@ -207,18 +207,17 @@ def _whole_layout(numel: int) -> RaggedShard:
     return RaggedShard.whole(numel, 1, 0)
 
 
-# [Note: N-D placements]
-# A DTensor's placements say, per mesh axis, Shard(d) / _StridedShard(d, sf) /
-# Replicate(). The axes that shard form the shard process group (flattened in mesh order when
-# there are several, rank = row-major coordinate over them); Replicate axes hold
-# copies that compute alike, as HSDP's replicas do. Each tensor dim is split by its
-# axes in nesting order, outermost first, each with torch.chunk semantics: DTensor's
+# A DTensor's placements say, per mesh axis, Shard(d), _StridedShard(d, sf) or
+# Replicate(). The axes that shard form the shard process group, flattened in mesh order
+# when there are several (rank = row-major coordinate over them). Replicate axes hold
+# copies that compute alike, as HSDP's replicas do. Each tensor dim is split by its axes
+# in nesting order, outermost first, each with torch.chunk semantics: DTensor's
 # left-to-right order for Shard, except that _StridedShard(d, sf) on an axis is applied
-# after the axes to its right whose sizes multiply to sf (FSDP2 + TP: the tp split
-# first, then dp's chunk of the TP-local rows). Every rank then holds a box
-# ([Note: boxes in flat order]); one contiguous flat range per rank in rank order is a
-# RaggedShard (FSDP2's Shard(0), HSDP), anything else a BoxShard. Partial (a pending
-# reduction) is refused: its values are not the tensor's.
+# after the axes to its right whose sizes multiply to sf. For FSDP2 + TP that is the tp
+# split first, then dp's chunk of the TP-local rows. Every rank then holds a box
+# ([Note: boxes in flat order]). One contiguous flat range per rank in rank order is a
+# RaggedShard (FSDP2's Shard(0), HSDP), anything else a BoxShard. Partial, a pending
+# reduction, is refused: its values are not the tensor's.
 
 
 def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple[
@@ -258,7 +257,7 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
 
 def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
                   per_dim: list[list[tuple[int, int | None]]] | None = None) -> tuple[BoxShard, list[int]]:
-    """Every shard rank's box of a DTensor placement ([Note: N-D placements]) and the
+    """Every shard rank's box of a DTensor placement (see ``_dtensor_meta``) and the
     mesh axes that shard (the box ranks are their row-major coordinates)."""
     from torch.distributed.tensor import Shard
 
@@ -280,7 +279,7 @@ def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
 
 def _nesting(entries: list[tuple[int, int | None]], mesh: Any, placements: tuple,
              shape: tuple[int, ...]) -> list[int]:
-    """The mesh axes that split one dim, outermost first ([Note: N-D placements])."""
+    """The mesh axes that split one dim, outermost first (see ``_dtensor_meta``)."""
     if not entries:
         return []
     (axis, sf), rest = entries[0], entries[1:]

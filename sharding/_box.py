@@ -212,7 +212,7 @@ class BoxShard:
 
     def sub_boxes(self, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Rank's part as whole boxes ``(global offsets, sizes)`` in flat order: its box, or
-        the at most 2 * ndim - 1 boxes of its run ([Note: ragged slices as DCP boxes])."""
+        the at most 2 * ndim - 1 boxes of its run (see :func:`flat_range_boxes`)."""
         b = self.boxes[rank]
         if self.is_whole_box(rank):
             return [(b.offsets, b.sizes)] if b.length else []
@@ -222,8 +222,8 @@ class BoxShard:
     def range_parts(self, rank: int, lo: int, hi: int) -> list[tuple[int, tuple[int, ...], tuple[slice, ...],
                                                                      tuple[int, ...]]]:
         """Rank's part intersected with the flat range ``[lo, hi)``, as strided pieces
-        ([Note: box exchange] in comm): per box of the range ([Note: ragged slices as DCP
-        boxes]) and sub-box of the rank that meet, ``(the range box's flat offset in the
+        (see comm/_box_exchange.py): per box of the range (:func:`flat_range_boxes`) and
+        sub-box of the rank that meet, ``(the range box's flat offset in the
         range, its sizes, the slices of the intersection inside it, the intersection's
         sizes)``. In this order the intersections' elements are the rank's local elements
         in ``[lo, hi)``, in order."""
@@ -368,19 +368,17 @@ def _flat_of(b: Box, pos: int, shape: tuple[int, ...]) -> int:
     return flat
 
 
-# [Note: ragged slices as DCP boxes]
-# DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
-# (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
-# which is the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row (itself
-# split recursively over the inner dims), a run of whole rows, and a partial trailing
-# row. Each box is contiguous in flat order, so it is a plain view of the local data,
-# and DCP reshards between these boxes and any other layout (FSDP2's Shard(0), a plain
-# tensor, another world size) by itself.
-
-
 def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[torch.Size, torch.Size, int]]:
     """Boxes ``(offsets, sizes, flat offset in the range)`` covering the flat range
-    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order."""
+    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order.
+
+    DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
+    (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
+    the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row, itself split
+    recursively over the inner dims, a run of whole rows, and a partial trailing row. Each
+    box is contiguous in flat order, so it is a plain view of the local data. DCP then
+    reshards between these boxes and any other layout by itself: FSDP2's Shard(0), a plain
+    tensor, another world size."""
     shape = tuple(shape)
     numel = math.prod(shape)
     if start < 0 or length < 0 or start + length > numel:

@@ -2,9 +2,9 @@
 
 Every rank holds ``m`` consecutive elements of the buffer (``m`` a multiple of
 ``align``, equal on every rank). Each rank boundary ``k * m`` that falls strictly inside
-a tensor must be a legal cut of that tensor ([Note: legal cuts]). Padding is
+a tensor must be a legal cut of that tensor (see sharding/_requirement.py). Padding is
 ``W * m - N``. Minimizing it contains multiprocessor scheduling (NP-hard), so the
-planner is a polynomial heuristic; see [Note: planner heuristic].
+planner is a polynomial heuristic; see :func:`plan_buffer`.
 """
 
 from __future__ import annotations
@@ -196,25 +196,6 @@ def fsdp2_row_padding(shapes: Iterable[Sequence[int]], world_size: int) -> int:
     return total
 
 
-# [Note: planner heuristic]
-# For a fixed tensor order and a fixed m, placing each tensor at its earliest legal
-# offset minimizes every later position (a legal offset stays legal whatever came
-# before), so an order and an m define one placement. The heuristic
-#   1. scans m upward from the lower bound (in steps of align, then geometrically),
-#      adding the multiples of each unit, since m % u == 0 lets a tensor of unit u span
-#      any number of ranks;
-#   2. for each m tries a few orders: coarse units first (fine tensors then fill the
-#      tail), largest first, and the given order (so it is never worse than that);
-#      for few tensors also each of those with one tensor moved to the front;
-#   3. when a tensor must be pushed forward to reach a legal cut, first fills the gap
-#      with the largest remaining tensors that fit it (fine-grained ones, usually);
-#   4. then tries a dynamic order: at each position, the remaining tensor that wastes
-#      the least (earliest legal offset minus position), coarse or large ones on ties.
-#      It packs whole tensors next to the pieces of splittable ones that fill a rank.
-# The first m with a placement wins: padding W * m - N grows with m. Work per m is
-# O(k^3) for k tensors in a small plan, O(k^2) beyond _ROTATE_MAX, and the dynamic
-# order is skipped beyond _GREEDY_MAX tensors, so big plans stay fast.
-
 _ROTATE_MAX = 16
 _GREEDY_MAX = 64
 
@@ -290,7 +271,7 @@ def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offse
 
 def _place_dynamic(sizes: Sequence[int], units: Sequence[int], key: Sequence[tuple[int, ...]], m: int,
                    cap: int) -> list[int] | None:
-    """Step 4 of [Note: planner heuristic]: least waste next, ties by ``key``."""
+    """Step 4 of :func:`plan_buffer`'s heuristic: least waste next, ties by ``key``."""
     offsets = [0] * len(sizes)
     remaining = list(range(len(sizes)))
     pos = 0
@@ -331,6 +312,26 @@ def plan_buffer(specs: Iterable[TensorSpec], world_size: int, align: int = 1) ->
     """Plan one buffer: order and offsets of its tensors in a W * m buffer.
 
     Deterministic: the same arguments give the same plan on every rank and every run.
+
+    For a fixed tensor order and a fixed m, placing each tensor at its earliest legal
+    offset minimizes every later position, since a legal offset stays legal whatever came
+    before. So an order and an m define one placement. The heuristic:
+
+    1. scans m upward from the lower bound, in steps of align, then geometrically, adding
+       the multiples of each unit, since m % u == 0 lets a tensor of unit u span any
+       number of ranks;
+    2. for each m tries a few orders: coarse units first, so that fine tensors fill the
+       tail; largest first; and the given order, so it is never worse than that. For few
+       tensors it also tries each of those with one tensor moved to the front;
+    3. when a tensor must be pushed forward to reach a legal cut, first fills the gap with
+       the largest remaining tensors that fit it, usually fine-grained ones;
+    4. then tries a dynamic order: at each position, the remaining tensor that wastes the
+       least (earliest legal offset minus position), coarse or large ones on ties. It packs
+       whole tensors next to the pieces of splittable ones that fill a rank.
+
+    The first m with a placement wins, since padding W * m - N grows with m. Work per m is
+    O(k^3) for k tensors in a small plan, O(k^2) beyond _ROTATE_MAX, and the dynamic order
+    is skipped beyond _GREEDY_MAX tensors, so big plans stay fast.
     """
     specs = _check_specs(specs)
     w = _check_world(world_size)

@@ -30,16 +30,6 @@ from ._torch_compat import foreach_add_
 
 __all__ = ["AdamW8bit", "Adam8bit"]
 
-# [Note: which tensors are 8-bit]
-# A parameter is quantized iff its GLOBAL numel (from its global shape, never the local
-# shard) is at least the group's ``min_8bit_size``. Every rank sees the same global
-# shapes and the same param groups, so every rank takes the same decision without
-# talking. Smaller tensors (biases, norms) keep float32 moments and plain Adam(W) math
-# with an elementwise requirement, so they never move; their 8-bit state would save
-# little and cost accuracy. Quantized tensors require FlatBlocks(block_size): each
-# compute slice starts on a block boundary of the full parameter, so the block-local
-# dequantize / update / requantize gives the same bits as on a single device.
-
 
 def _check_8bit_args(block_size: object, min_8bit_size: object) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -75,7 +65,7 @@ class _Adam8bitBase(BlockOptimizer):
         if fused is not None and not isinstance(fused, bool):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         #: a fused kernel (Triton on CUDA, C++ on the CPU): None where one runs, True
-        #: required, False never ([Note: 8-bit Adam backends]; the same bits every way)
+        #: required, False never (see vefsdp_optim/_kernels/_backend.py; the same bits every way)
         self.fused = fused
         from vefsdp_optim._kernels import requested_backend, select_backend
 
@@ -95,8 +85,9 @@ class _Adam8bitBase(BlockOptimizer):
         self._host_quantizers = host_table_quantizers()
         super().__init__(params, defaults)
         if fused:  # a kernel must run on every device type that holds parameters; capturable:
-            # the Triton kernel, which reads the coefficients on the device ([Note: coefficients
-            # on the device]), never the C++ kernel's host scalars
+            # the Triton kernel, which reads the coefficients on the device (see
+            # ``_adam8bit_step_kernel`` in vefsdp_optim/_kernels/_quant8_triton.py), never the C++
+            # kernel's host scalars
             select = select_capturable_backend if capturable else select_backend
             for device_type in sorted({p.device.type for g in self.param_groups
                                        for p in g["params"]} - {"meta"}):
@@ -116,8 +107,17 @@ class _Adam8bitBase(BlockOptimizer):
         super().add_param_group(param_group)
 
     def is_quantized(self, shape: torch.Size, group: dict[str, Any]) -> bool:
-        """Whether a parameter of global ``shape`` in ``group`` keeps 8-bit moments
-        (see [Note: which tensors are 8-bit])."""
+        """Whether a parameter of global ``shape`` in ``group`` keeps 8-bit moments.
+
+        A parameter is quantized iff its GLOBAL numel (from its global shape, never the
+        local shard) is at least the group's ``min_8bit_size``. Every rank sees the same
+        global shapes and the same param groups, so every rank takes the same decision
+        without talking. Smaller tensors (biases, norms) keep float32 moments and plain
+        Adam(W) math with an elementwise requirement, so they never move; their 8-bit state
+        would save little and cost accuracy. Quantized tensors require
+        FlatBlocks(block_size): each compute slice starts on a block boundary of the full
+        parameter, so the block-local dequantize / update / requantize gives the same bits
+        as on a single device."""
         numel = math.prod(shape)
         return numel > 0 and numel >= group["min_8bit_size"]
 
@@ -193,7 +193,8 @@ class _Adam8bitBase(BlockOptimizer):
         signed, unsigned = self._code_maps(device)
         beta1, beta2 = group["betas"]
         if group.get("capturable"):  # [Note: capturable steps]: the coefficients on the device, read
-            # there by the Triton kernel or the eager ops ([Note: coefficients on the device])
+            # there by the Triton kernel or the eager ops (see ``_adam8bit_step_kernel`` in
+            # vefsdp_optim/_kernels/_quant8_triton.py)
             adam8bit_capturable_step_(
                 [p for p, _, _, _ in work], [g for _, g, _, _ in work],
                 [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
@@ -242,7 +243,7 @@ class AdamW8bit(_Adam8bitBase):
     ``exp_avg_sq``) and one float32 absmax per block of ``block_size`` consecutive
     elements counted from the parameter's first element: about 2 + 8 / block_size
     bytes per element. Smaller parameters keep float32 moments (see
-    [Note: which tensors are 8-bit]). On plain, FSDP2/HSDP and fully_shard parameters
+    ``is_quantized``). On plain, FSDP2/HSDP and fully_shard parameters
     the result is bit-identical to a single-device run at any world size: only whole
     blocks are ever updated together, and only pieces of blocks cut by a shard
     boundary move.
@@ -251,7 +252,7 @@ class AdamW8bit(_Adam8bitBase):
     CUDA (with ``pip install 'vefsdp-optim[triton]'``), C++ on the CPU where the system
     compiler can build it; with eager torch ops elsewhere (a logged reason; also with
     ``fused=False``). ``VEFSDP_ADAM8BIT_BACKEND`` =
-    ``triton`` / ``c`` / ``eager`` forces one ([Note: 8-bit Adam backends]);
+    ``triton`` / ``c`` / ``eager`` forces one (see vefsdp_optim/_kernels/_backend.py);
     ``fused=True`` raises where no kernel can run. All give the same bits.
     ``capturable=True`` ([Note: capturable steps]) computes each step's coefficients on the
     device and steps with the Triton kernel, which reads them there, where it runs (CUDA),

@@ -24,23 +24,20 @@ from ._torch_compat import FakeTensor, device_dtype_check_for_fused, to_scalar
 __all__ = ["AdamW"]
 
 
-# [Note: fused stores]
 # A fully_shard store ([Note: flat store contract]) keeps this rank's shard of every
-# parameter of one shard group and dtype in one flat buffer (flat_param(), m elements), and
-# after the reduce-scatter every .grad is the same segment of one flat gradient buffer
-# (flat_grad()). When the whole store steps together (every member in one param group,
-# grads in place, one step count), AdamW runs ONCE on the flat buffers: about ten
-# elementwise ops per store whatever the number of parameters, in torch.optim.AdamW's
-# op order (adamw_step_), so each element gets the same bits as torch gives it.
-# Padding stays zero: zero param, zero grad -> zero moments, and 0 / (0 + eps) = 0.
-# The state is the flat _FlatState; each parameter's self.state[p] holds 1-D views of
-# it (and a 0-d view of a float32 step vector), so state_dict(), schedulers and users
-# see torch's per-parameter keys. The fallback (adam_bucket_ on per-parameter slices)
-# updates those views in place, so both paths share one state. If a state entry is not
-# the view handed out (load_state_dict replaced it), the flat state is rebuilt by
-# copying the entries in, once. With ``fused=True`` the flat buffers are stepped in the
-# pieces of [Note: fused kernel positions] (torch's fused CPU kernel rounds an element
-# by its position in its tensor), so each element still gets one device's bits.
+# parameter of one shard group and dtype in one flat buffer. When the whole store steps
+# together (every member in one param group, grads in place, one step count), AdamW runs
+# ONCE on the flat buffers: about ten elementwise ops per store whatever the number of
+# parameters, in torch.optim.AdamW's op order (adamw_step_), so each element gets the
+# same bits as torch gives it. Padding stays zero: zero param, zero grad -> zero moments,
+# and 0 / (0 + eps) = 0. The state is the flat _FlatState; each parameter's self.state[p]
+# holds 1-D views of it (and a 0-d view of a float32 step vector), so state_dict(),
+# schedulers and users see torch's per-parameter keys. The fallback (adam_bucket_ on
+# per-parameter slices) updates those views in place, so both paths share one state. If
+# a state entry is not the view handed out (load_state_dict replaced it), the flat state
+# is rebuilt by copying the entries in, once. With ``fused=True`` the flat buffers are
+# stepped in the pieces of ``FUSED_BLOCK`` in vefsdp_optim/_math/_adam.py (torch's fused CPU kernel rounds
+# an element by its position in its tensor), so each element still gets one device's bits.
 
 
 @dataclass(slots=True)
@@ -66,7 +63,7 @@ class AdamW(BlockOptimizer):
 
     Same signature, defaults and results (elementwise math on each rank's slice). On
     fully_shard parameters each store's whole local buffer is updated in one set of
-    fused ops ([Note: fused stores]); elsewhere each step-loop bucket's slices are
+    fused ops (see ``_FlatState``); elsewhere each step-loop bucket's slices are
     updated in one foreach call. No communication either way.
     """
 
@@ -134,7 +131,7 @@ class AdamW(BlockOptimizer):
         """torch's Adam keeps ``step`` on the device when capturable or fused."""
         return bool(group.get("capturable", False) or group.get("fused", False))
 
-    # -- fused fully_shard stores ([Note: fused stores]) ---------------------------------
+    # -- fused fully_shard stores (see ``_FlatState``) ---------------------------------
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Update the whole fully_shard stores of ``group`` fused; the rest go to the loop."""
@@ -179,7 +176,7 @@ class AdamW(BlockOptimizer):
                   weight_decay=group["weight_decay"], amsgrad=amsgrad,
                   maximize=group["maximize"], decoupled=self.decoupled)
         if group["fused"] and flat.flat_param.device.type == "cpu":
-            if flat.pieces is None:  # torch's fused kernel, in pieces ([Note: fused kernel positions])
+            if flat.pieces is None:  # torch's fused kernel, in pieces (``FUSED_BLOCK``, _math/_adam.py)
                 flat.pieces = fused_pieces([_local_slice(p, *store.segment(p)) for p in flat.members])
             adam_fused_pieces_(flat.pieces, flat.flat_param, store.flat_grad(), flat.exp_avg,
                                flat.exp_avg_sq, flat.max_exp_avg_sq, step=steps[0], **hp)
@@ -243,7 +240,8 @@ class AdamW(BlockOptimizer):
 
 
 def _local_slice(p: torch.Tensor, offset: int, length: int) -> LocalSlice:
-    """Member ``p``'s segment of its flat buffer as a LocalSlice ([Note: fused kernel positions])."""
+    """Member ``p``'s segment of its flat buffer as a LocalSlice (see ``FUSED_BLOCK`` in
+    vefsdp_optim/_math/_adam.py)."""
     view = sharded_view(p)
     layout, numel = view.layout, view.layout.numel
     first = numel - numel % FUSED_BLOCK  # the parameter's last partial block starts here

@@ -93,7 +93,7 @@ class BlockOptimizer(Optimizer):
 
     #: elements per bucket of parameters exchanged together
     bucket_numel: int = 1 << 26
-    #: fewest elements per round of whole tensors sent to owners ([Note: owner rounds]);
+    #: fewest elements per round of whole tensors sent to owners (see ``make_buckets`` in vefsdp_optim/_step_loop.py);
     #: 0 keeps them in the buckets above
     min_round_numel: int = 1 << 20
     #: ``capturable=True`` on a device CUDA graphs cannot capture: our ValueError when the
@@ -102,8 +102,9 @@ class BlockOptimizer(Optimizer):
     checks_capturable: bool = True
     #: True where the optimizer keeps no state on the compute layout of a block
     #: requirement its storage cuts (where state_layout() is the storage), so that its
-    #: cuts may differ between plans: they then balance the ranks' shares ([Note: balanced
-    #: compute cuts]); False keeps the nearest cuts, a function of the parameter alone
+    #: cuts may differ between plans: they then balance the ranks' shares (see
+    #: ``balanced_compute`` in vefsdp_optim/_compute_layouts.py); False keeps the
+    #: nearest cuts, a function of the parameter alone
     balance_compute_cuts: bool = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
@@ -121,20 +122,20 @@ class BlockOptimizer(Optimizer):
                     who = repr(names[pi]) if names else f"{pi} (shape {tuple(p.shape)})"
                     raise ValueError(f"{type(self).__name__}: param group {gi} parameter {who}: {e}") from None
                 self.requirement(view.shape, group)  # validates the shape too
-        #: what the re-plan at construction changed ([Note: requirements flow in])
+        #: what the re-plan at construction changed (see ``BlockOptimizer.replan``)
         self.replan_report: ReplanReport = self.replan()
 
     def replan(self) -> ReplanReport:
         """Re-plan the fully_shard groups of this optimizer's parameters so that the blocks
         each parameter's requirement names are whole on single ranks.
 
-        [Note: requirements flow in] The constructor calls it once; call it again after
-        ``add_param_group``. What the padding rule refuses stays exact, through the
-        exchange of the step loop (the report's ``kept``). Collective over the process
-        group of every re-planned store ([Note: flat store contract]); FSDP2 and plain
-        parameters need none and are left alone. Raises ValueError, before any
-        communication, if a parameter that would move already has optimizer state
-        (in this or another optimizer): build the optimizers before the first step.
+        The constructor calls it once; call it again after ``add_param_group``. What the
+        padding rule refuses stays exact, through the exchange of the step loop (the
+        report's ``kept``). Collective over the process group of every re-planned store
+        ([Note: flat store contract]); FSDP2 and plain parameters need none and are left
+        alone. Raises ValueError, before any communication, if a parameter that would move
+        already has optimizer state (in this or another optimizer): build the optimizers
+        before the first step.
         """
         wanted = {p: self.requirement(sharded_view(p).shape, group)
                   for group in self.param_groups for p in group["params"] if flat_store(p) is not None}
@@ -143,7 +144,7 @@ class BlockOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        try:  # before any state or collective ([Note: flattened parameters])
+        try:  # before any state or collective (see vefsdp_optim/_flattened.py)
             check_not_flattened(self, self.param_groups[-1], len(self.param_groups) - 1)
         except ValueError:
             self.param_groups.pop()
@@ -167,12 +168,12 @@ class BlockOptimizer(Optimizer):
     def updates_elementwise(self, group: dict[str, Any]) -> bool:
         """Whether ``group``'s update is element by element whatever a parameter's shape,
         so that a 1-D slice of a flattened parameter (FSDP1's) gets one device's update:
-        only then are such parameters accepted ([Note: flattened parameters])."""
+        only then are such parameters accepted (see vefsdp_optim/_flattened.py)."""
         return False
 
     def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
         """Relative compute cost of a whole-tensor update in param group ``group``, for
-        owner balancing ([Note: owner assignment] in comm/_owners.py)."""
+        owner balancing (see ``assign_owners`` in comm/_owners.py)."""
         return float(math.prod(shape))
 
     # -- checkpoint API (see [Note: world-size-free optimizer state]) ------------------
@@ -251,7 +252,7 @@ class BlockOptimizer(Optimizer):
     def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
         """Create the state of ``params``: one step with lr 0 and zero gradients for them
         (as DCP's _init_optim_state), none for the others, every parameter and gradient
-        restored after ([Note: state created alike on every rank])."""
+        restored after (see ``_to_create`` in vefsdp_optim/_checkpoint/_format.py)."""
         create = {id(p) for p in params}
         saved = []  # (param, its gradient, and for the stepped ones their local data and a copy)
         for g in self.param_groups:
@@ -316,7 +317,7 @@ class BlockOptimizer(Optimizer):
     def _compute_block(self, item: StepItem, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         p, g = inputs
         if p.numel():
-            g = aligned(g)  # [Note: aligned gradients]
+            g = aligned(g)  # ``aligned`` in vefsdp_optim/_step_loop.py
             ctx = item.ctx(item.compute)
             state = self._block_state(item, p, ctx)
             self.update_block(p, g, state, ctx, item.group)
@@ -366,7 +367,7 @@ class BlockOptimizer(Optimizer):
             for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
                 state[it.param]
         buckets, moving, routes = plan.buckets, plan.moving, plan.routes
-        # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
+        # pipeline (see ``make_buckets`` in vefsdp_optim/_step_loop.py): bucket k+1's inputs and bucket k-1's results
         # are in flight while bucket k computes
         pending = self._launch(buckets[0], moving[0], routes[0]) if buckets else None
         returning: tuple[list[StepItem], PendingExchange] | None = None
@@ -396,7 +397,7 @@ class BlockOptimizer(Optimizer):
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Hook: the parameters of ``group`` left to the step loop. A subclass may first
         update, itself, parameters that need no exchange (AdamW's fused fully_shard
-        stores, [Note: fused stores]) and leave out those it updated."""
+        stores, ``_FlatState`` in vefsdp_optim/_adamw.py) and leave out those it updated."""
         return group["params"]
 
     def checkpoint_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
@@ -410,7 +411,7 @@ class BlockOptimizer(Optimizer):
 
     def _apply_bucket(self, bucket: list[StepItem], outputs: list[list[torch.Tensor]]) -> None:
         """apply_results over a bucket (one param group); the library's optimizers may
-        batch it across parameters (Muon's foreach ops, [Note: Muon's bucket ops])."""
+        batch it across parameters (Muon's foreach ops, ``Muon._gather_bucket`` in vefsdp_optim/_muon.py)."""
         if type(self).apply_results is BlockOptimizer.apply_results:  # the default, inlined
             for it, (p,) in zip(bucket, outputs, strict=True):
                 if p is not it.view.local and p.numel():

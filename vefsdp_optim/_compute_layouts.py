@@ -16,22 +16,21 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 __all__ = ["balanced_compute", "snapped_compute", "spread_compute", "spreads"]
 
 
-# [Note: balanced compute cuts]
 # A block requirement that the storage layout cuts (Muon's row blocks of a fused QKV on
 # FSDP2's row shards) computes on the snapped layout: each boundary at its nearest legal
 # cut, ties down. Where every parameter ties alike (MHA's 3 blocks over 2 ranks: rank 0
 # one block, rank 1 two), one rank computes twice the other's blocks in every layer. So
-# where the optimizer keeps no state on the compute layout (BlockOptimizer's
-# balance_compute_cuts, and state_layout() the storage: Muon's float momentum, not its
-# 8-bit one nor NorMuon's row moments), whose cuts may then differ between plans (a
-# gradient fewer moves the later ones), each boundary instead takes whichever of its two
-# nearest legal cuts brings the rank before it closer to an even share of the elements
-# the param group's moving parameters computed so far, ties to the nearer cut (then
-# down). Every rank derives the same cuts from the same items in the same order. The
-# bits do not change: each block is computed whole, wherever.
+# where the optimizer keeps no state on the compute layout, each boundary instead takes
+# whichever of its two nearest legal cuts brings the rank before it closer to an even
+# share of the elements the param group's moving parameters computed so far, ties to the
+# nearer cut, then down. That holds under BlockOptimizer's balance_compute_cuts with
+# state_layout() the storage: Muon's float momentum, not its 8-bit one nor NorMuon's row
+# moments. The cuts may then differ between plans, since a gradient fewer moves the later
+# ones. Every rank derives the same cuts from the same items in the same order. The bits
+# do not change: each block is computed whole, wherever.
 def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, load: list[int]) -> RaggedShard:
     """The snapped compute layout of ``layout`` under ``req``, balanced against ``load``
-    (elements computed so far per rank, updated) ([Note: balanced compute cuts])."""
+    (elements computed so far per rank, updated) (see ``balanced_compute``)."""
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
     target = (sum(load) + n) / w
     out, prev = [0], 0

@@ -1,6 +1,5 @@
 """Parameters that another sharding has flattened into 1-D shards, refused by name.
 
-[Note: flattened parameters]
 FSDP1 (``FullyShardedDataParallel``) and DeepSpeed's ZeRO-3 hand the optimizer 1-D
 tensors cut at arbitrary elements: a ``FlatParameter`` (FSDP1, ``use_orig_params=False``)
 concatenates several parameters and holds one rank's slice of them; with
@@ -14,7 +13,7 @@ does. The results then differ from one device's without a word. So the construct
 ``add_param_group``) raises ValueError for a flattened parameter unless its group's update
 is element by element whatever the shape (``BlockOptimizer.updates_elementwise``: AdamW,
 Muon's ``use_muon=False`` groups), or every original shape the flattening records gets an
-``Elementwise`` requirement. The decision depends only on what every rank sees alike (the
+``Elementwise`` requirement (:func:`check_not_flattened`). The decision depends only on what every rank sees alike (the
 class, the flags, the recorded shapes, the group), so either all ranks raise or none.
 What cannot be told apart from a genuine vector (ZeRO-1/2's flat fp32 groups carry no
 mark) is not detected.
@@ -60,7 +59,7 @@ class _Declares(Protocol):
 def check_not_flattened(opt: _Declares, group: dict[str, Any], gi: int) -> None:
     """Raise ValueError for the first parameter of ``group`` (param group ``gi`` of
     ``opt``) that a sharding flattened and ``opt`` cannot update as one device would
-    ([Note: flattened parameters])."""
+    (see the module docstring)."""
     if opt.updates_elementwise(group):
         return
     for pi, p in enumerate(group["params"]):

@@ -35,10 +35,9 @@ _VARIANCE = "variance_neuron."  # + global block index: one block's row second m
 # instead of Newton-Schulz's bfloat16 one. The momentum stays sharded, as Muon's.
 # The rank that holds the entries saves them under these keys, by global block index.
 # So a checkpoint loads at any world size onto whichever rank then computes the block.
-# The saved keys are the live ones, as for Shampoo's tiles
-# ([Note: Shampoo's live state keys are its saved keys]). The owner stays from step to
-# step ([Note: owners stay] in _step_loop.py). After a load it is the rank that saved
-# the moments. Each parameter still keeps the compute layout of its last step, in
+# The saved keys are the live ones, as for Shampoo's tiles (see vefsdp_optim/_shampoo.py).
+# The owner stays from step to step ([Note: owners stay] in _step_loop.py). After a load
+# it is the rank that saved the moments. Each parameter still keeps the compute layout of its last step, in
 # state["compute"], which is LOCAL. A step that would compute the parameter elsewhere
 # raises, on every rank alike and before its exchange, instead of restarting the moment
 # from zero.
@@ -56,7 +55,7 @@ class NorMuon(Muon):
 
     Muon's update, then per orthogonalized matrix ``O`` (m x n): the row second moment
     ``v <- muon_beta2 v + (1 - muon_beta2) mean_j O_ij^2``, ``O / (sqrt(v) + 1e-8)`` row by
-    row, rescaled to ``||O||_F`` ([Note: NorMuon normalization] in _math/_normuon.py),
+    row, rescaled to ``||O||_F`` (see vefsdp_optim/_math/_normuon.py),
     then the learning-rate adjustment and decoupled weight decay. Newton-Schulz and the
     normalization run once per matrix in the world, on whole matrices (or whole blocks),
     as in :class:`Muon`; ``v`` lives on that rank ([Note: NorMuon state]).
@@ -169,7 +168,7 @@ class NorMuon(Muon):
                     "gradient and moved the owners ([Note: NorMuon state]); give every parameter "
                     "of a NorMuon group a gradient at every step (zeros rather than None)")
             state["compute"] = item.compute
-        return super()._gather_bucket(bucket)  # Muon's momentum ([Note: Muon's bucket ops])
+        return super()._gather_bucket(bucket)  # Muon's momentum (see ``Muon._gather_bucket`` in vefsdp_optim/_muon.py)
 
     def _update_dtype(self, item: StepItem) -> torch.dtype:
         return torch.promote_types(item.view.local.dtype, torch.float32)

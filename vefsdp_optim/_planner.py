@@ -132,7 +132,7 @@ class StepPlanner:
             compute = self.spread_or(opt, p, view, req, group, self.compute_layout(req, view), loads)
             if (opt.balance_compute_cuts and compute is not None and compute != view.layout
                     and isinstance(view.layout, RaggedShard)
-                    and opt.state_layout(view, group) == view.layout):  # [Note: balanced compute cuts]
+                    and opt.state_layout(view, group) == view.layout):  # see ``balanced_compute``
                 w = view.layout.world_size
                 compute = balanced_compute(view.layout, req, view.shape,
                                            loads.setdefault(id(view.process_group), [0] * w))

@@ -1,5 +1,5 @@
 """QK-clip for Muon and NorMuon: which weights are an attention module's query and key
-projections, and their clip after a step, on any sharding ([Note: QK-clip on shards])."""
+projections, and their clip after a step, on any sharding (see ``QKClip``)."""
 
 from __future__ import annotations
 
@@ -25,26 +25,6 @@ from ._debug import check_every_step
 
 __all__ = ["QKClip", "qk_clip_defaults"]
 
-# [Note: QK-clip on shards]
-# The clip multiplies every row of a registered query or key weight by a factor that
-# depends only on the row's index and on the per-head maximum logits, which every rank
-# holds whole: the user reduces them over the data-parallel ranks first (Megatron-LM's
-# clip_qk all-reduces them with MAX) and tensor-parallel ranks pass every head. So each
-# rank scales the elements it holds and sends nothing. Through the parameter's
-# ShardedView its local data is one run of a row-major matrix: for a RaggedShard the
-# flat slice [start, start + n) of the (rows, cols) weight (a fully_shard slice may begin
-# or end inside a row, even inside a head; FSDP2's Shard(0) holds whole rows); for a
-# BoxShard (tensor parallel, fully_shard over it) the run [start, start + n) of the box's
-# own row-major order, whose row i is the weight's row offsets[0] + i. scale_rows_
-# multiplies the run's partial first row, its whole rows and its partial last row, each
-# element by its row's factor in the factor's dtype, rounded once: the product one device
-# computes for that element ([Note: QK-clip] in _math/_qk_clip.py), so the bits are the
-# same at every world size and placement. The factors are device-side selects on the
-# logits (no host sync) and a step's collectives stay the step loop's alone; under
-# VEFSDP_OPTIM_DEBUG=1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL) a MAX all-reduce checks that
-# the ranks of each shard process group were given the same logits, since different
-# logits would scale the pieces of one row differently and nothing else would notice.
-
 
 def qk_clip_defaults(threshold: float | None, alpha: float) -> dict[str, Any]:
     """The param-group keys of QK-clip, validated: ``qk_clip_threshold`` (None: off) and
@@ -62,6 +42,24 @@ class _Attention:
     weights: tuple[tuple[str, Any], ...]
 
 
+# The clip multiplies every row of a registered query or key weight by a factor that
+# depends only on the row's index and on the per-head maximum logits, which every rank
+# holds whole: the user reduces them over the data-parallel ranks first (Megatron-LM's
+# clip_qk all-reduces them with MAX) and tensor-parallel ranks pass every head. So each
+# rank scales the elements it holds and sends nothing. Through the parameter's
+# ShardedView its local data is one run of a row-major matrix: for a RaggedShard the
+# flat slice [start, start + n) of the (rows, cols) weight (a fully_shard slice may begin
+# or end inside a row, even inside a head; FSDP2's Shard(0) holds whole rows); for a
+# BoxShard (tensor parallel, fully_shard over it) the run [start, start + n) of the box's
+# own row-major order, whose row i is the weight's row offsets[0] + i. scale_rows_
+# multiplies the run's partial first row, its whole rows and its partial last row, each
+# element by its row's factor in the factor's dtype, rounded once: the product one device
+# computes for that element (vefsdp_optim/_math/_qk_clip.py), so the bits are the same at
+# every world size and placement. The factors are device-side selects on the logits (no
+# host sync) and a step's collectives stay the step loop's alone; under
+# VEFSDP_OPTIM_DEBUG=1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL) a MAX all-reduce checks that
+# the ranks of each shard process group were given the same logits, since different
+# logits would scale the pieces of one row differently and nothing else would notice.
 class QKClip:
     """QK-clip for an optimizer whose param groups carry ``qk_clip_threshold`` and
     ``qk_clip_alpha`` (mixed into :class:`~vefsdp_optim.Muon`, hence NorMuon)."""
@@ -89,7 +87,7 @@ class QKClip:
         (default ``num_heads``; fewer: GQA, one factor per key group) of ``head_dim`` rows
         (+ ``v_head_dim`` value rows each, when ``k`` is MLA's key-value up-projection).
         MLA's shared rotary key k^R is not registered: the clip never touches it
-        ([Note: QK-clip] in _math/_qk_clip.py). The threshold and alpha are the param group's
+        (see vefsdp_optim/_math/_qk_clip.py). The threshold and alpha are the param group's
         ``qk_clip_threshold`` / ``qk_clip_alpha``.
         """
         if not isinstance(name, str):
@@ -142,10 +140,10 @@ class QKClip:
         ``max_logits``, ``max_logits[name]`` is the largest pre-softmax logit of each query
         head in this step's forward pass, ``(num_heads,)``, floating, on the weights' device,
         the same on every rank (reduce it with MAX over the data-parallel ranks, and gather
-        the heads of tensor-parallel ranks). Heads above their group's
-        ``qk_clip_threshold`` get their query and key rows scaled ([Note: QK-clip] in
-        _math/_qk_clip.py); each rank scales the rows it holds, without a host sync or a
-        collective ([Note: QK-clip on shards]). Attentions left out are not touched."""
+        the heads of tensor-parallel ranks). Heads above their group's ``qk_clip_threshold``
+        get their query and key rows scaled (see vefsdp_optim/_math/_qk_clip.py); each rank
+        scales the rows it holds, without a host sync or a collective (see ``QKClip``).
+        Attentions left out are not touched."""
         if not isinstance(max_logits, Mapping):
             raise TypeError(f"qk_clip_ takes a mapping from registered attention names to per-head max "
                             f"logits, got {type(max_logits).__name__}")
@@ -217,7 +215,7 @@ def _check_logits(name: str, logits: object, heads: QKClipHeads, views: list[tup
 
 
 def _check_replicated(name: str, logits: torch.Tensor, views: list[tuple[str, ShardedView]]) -> None:
-    """Debug check ([Note: QK-clip on shards]): every rank of each shard process group
+    """Debug check (see ``QKClip``): every rank of each shard process group
     holds the same logits (NaN included)."""
     seen: set[int] = set()
     for _, view in views:

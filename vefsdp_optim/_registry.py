@@ -15,10 +15,9 @@ __all__ = ["register_optimizer", "get_optimizer", "list_optimizers"]
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
 
-# [Note: built-in names]
 # The built-in optimizers register their names with @register_optimizer when their
 # module is imported, and the package imports its modules only when a name is asked
-# for ([Note: lazy top level] in __init__.py). So a lookup must not depend on which
+# for (the comment at the top of __init__.py). So a lookup must not depend on which
 # optimizer happens to be loaded: _BUILTINS names each built-in's module and class, and
 # get_optimizer and list_optimizers import that module before they read _REGISTRY.
 # register_optimizer does the same for a built-in's name, unless the class being
@@ -38,7 +37,7 @@ _BUILTINS: dict[str, tuple[str, str]] = {
 
 def _load_builtin(key: str) -> None:
     """Import the module of the built-in optimizer named ``key``, if it is one
-    ([Note: built-in names])."""
+    (see ``_BUILTINS``)."""
     if key in _BUILTINS and key not in _REGISTRY:
         importlib.import_module(_BUILTINS[key][0])
 

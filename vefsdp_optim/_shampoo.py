@@ -28,7 +28,6 @@ def _tile_key(stat: str, band: int, col: int) -> str:
     """The state key (live and saved) of one statistic of tile (band, col)."""
     return f"{stat}.{band}.{col}"
 
-# [Note: Shampoo tiles by global band]
 # A matrix (dim 0, rest) of shape (rows, cols) is cut into tiles of at most
 # max_preconditioner_dim (= d) on each side; tile (b, c) covers rows [b*d, (b+1)*d) and
 # columns [c*d, (c+1)*d), clipped at the edges. The requirement RowBlocks(d) makes every
@@ -37,7 +36,6 @@ def _tile_key(stat: str, band: int, col: int) -> str:
 # index, the band counted from the slice's first row ctx.start // cols: the math on a
 # tile is then the same on any rank at any world size as on a single device.
 #
-# [Note: Shampoo's live state keys are its saved keys]
 # A tile's statistics live in the parameter's state as flat entries
 # state["{stat}.{band}.{col}"] (stat one of L, R, L_inv_root, R_inv_root), the very keys
 # state_dict() saves them under (through export_extra_state). Framework flows rebuild a
@@ -67,7 +65,7 @@ class Shampoo(ReplayCounting, BlockOptimizer):
 
     A parameter with 2 or more dims is viewed as the matrix ``(dim 0, rest)`` and cut
     into tiles of at most ``max_preconditioner_dim`` on each side (see
-    [Note: Shampoo tiles by global band]). Per step ``t`` (from 1), with
+    the comments at the top of this file). Per step ``t`` (from 1), with
     ``(beta1, beta2) = betas`` and ``g`` the raw gradient:
 
     * ``m <- beta1 m + (1 - beta1) g`` (momentum, per element), ``m_hat = m / (1 - beta1^t)``;
@@ -178,7 +176,7 @@ class Shampoo(ReplayCounting, BlockOptimizer):
 
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard,
                            group: dict[str, Any]) -> dict[str, Any]:
-        # the live keys themselves ([Note: Shampoo's live state keys are its saved keys])
+        # the live keys themselves (see the comments at the top of this file)
         return {k: v for k, v in state.items() if k.startswith(self.extra_state_prefixes)}
 
     def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
@@ -227,7 +225,7 @@ class Shampoo(ReplayCounting, BlockOptimizer):
         cols = _matrix_cols(ctx.shape)
         if cols is not None:
             dtype = torch.promote_types(p.dtype, torch.float32)
-            # flat keys, as saved: [Note: Shampoo's live state keys are its saved keys]
+            # flat keys, as saved (the comments at the top of this file)
             for (band, col), rs, cs, *_ in self._tiles(ctx, group):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 state[_tile_key("L", band, col)] = torch.zeros(r, r, dtype=dtype, device=p.device)

@@ -23,7 +23,7 @@ from ._torch_compat import FakeTensor
 __all__ = ["SOAP"]
 
 # [Note: SOAP state]
-# A tensor with a factor ([Note: SOAP geometry] in _math/_soap.py) is updated whole on
+# A tensor with a factor (see ``SoapGeometry`` in vefsdp_optim/_math/_soap.py) is updated whole on
 # one rank, its owner, with all its state. That state is the moments, with exp_avg in
 # the eigenbasis and both in the work shape, and per factor dim i two entries: "GG.{i}",
 # the factor, the reference's state['GG'][i]; and "Q.{i}", its eigenbasis, the
@@ -63,7 +63,7 @@ class SOAP(ReplayCounting, BlockOptimizer):
 
     The signature, defaults and numerics are those of the reference implementation
     (github.com/nikhilvyas/SOAP, ``soap.py``). Per parameter, with its gradient ``G``
-    viewed in the work shape ([Note: SOAP geometry] in _math/_soap.py: each dim of at
+    viewed in the work shape (see ``SoapGeometry`` in vefsdp_optim/_math/_soap.py: each dim of at
     most ``max_precond_dim`` gets a factor ``F_i``, a larger one is left unrotated):
 
     * the first step only starts the factors ``F_i = (1 - beta_F) G_(i) G_(i)^T`` and
@@ -86,10 +86,11 @@ class SOAP(ReplayCounting, BlockOptimizer):
     Factors, bases and moments are float32 (float64 for float64 parameters).
 
     The arithmetic is the reference's, op for op (its momentum round trip included:
-    [Note: SOAP momentum round trip] in _math/_soap.py), so one device gives the
+    ``soap_step_`` in vefsdp_optim/_math/_soap.py), so one device gives the
     reference's bits, and any sharding gives one device's. What differs is the work
-    around it: a matrix is rotated by ``mm`` without ``tensordot``'s wrapper ([Note: SOAP
-    rotations]) and plain parameters skip the exchange bookkeeping (``claim_params``).
+    around it: a matrix is rotated by ``mm`` without ``tensordot``'s wrapper (see
+    ``soap_project`` in vefsdp_optim/_math/_soap.py) and plain parameters skip the
+    exchange bookkeeping (``claim_params``).
 
     ``capturable=True`` ([Note: capturable steps] in _capturable.py): ``state["step"]``
     is a float32 0-d tensor on the parameter's device (an int otherwise, as the
@@ -170,7 +171,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         self._check_group(group)
 
     def geometry(self, shape: torch.Size, group: dict[str, Any]) -> SoapGeometry:
-        """How SOAP views a parameter of ``shape`` in ``group`` ([Note: SOAP geometry])."""
+        """How SOAP views a parameter of ``shape`` in ``group`` (see ``SoapGeometry`` in
+        vefsdp_optim/_math/_soap.py)."""
         return _geometry(tuple(shape), group["max_precond_dim"], group["merge_dims"],
                          group["precondition_1d"], group["data_format"])
 
@@ -271,7 +273,7 @@ class SOAP(ReplayCounting, BlockOptimizer):
                 if ctx.length == 0:
                     continue
                 state.update(self.init_state(flat, ctx, group))
-            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)  # [Note: aligned gradients]
+            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)  # ``aligned`` in vefsdp_optim/_step_loop.py
             if id(p) not in self._validated:
                 validate_state(self, p, group)
                 self._validated.add(id(p))

@@ -4,7 +4,7 @@
 parameter with a gradient into a :class:`StepItem`, puts items into exchange buckets
 (:func:`make_buckets`), and moves the inputs of items whose compute layout differs from
 their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dtype
-(asynchronous: see [Note: owner rounds]).
+(asynchronous: see ``make_buckets``).
 """
 
 from __future__ import annotations
@@ -102,20 +102,6 @@ class StepItem:
         return BlockContext(self.view.shape, start, length, rank, layout.world_size)
 
 
-# [Note: owner rounds]
-# Items computed whole on an owner rank (Muon's matrices on FSDP2 row shards) are not
-# exchanged in one bucket: the step loop would then wait for every input before the
-# first Newton-Schulz and send every result back after the last. Instead they form
-# rounds: each owner's items in decreasing cost (the order LPT gave them), and round j
-# holds the j-th item of every owner, so every rank has about the same work in every
-# round. Rounds below ``min_round_numel`` elements are merged with the next (a
-# collective costs a fixed latency). The step loop launches round k+1's inputs before
-# it computes round k and waits for round k's results only after computing round k+1,
-# so both exchanges run under Newton-Schulz; only the first send and the last return
-# are exposed. The bucket sequence is a pure function of the items, owners and costs,
-# which every rank shares ([Note: consistent steps]), so the collectives match.
-
-
 def _owner(it: StepItem) -> int | None:
     """The rank that computes ``it`` whole, or None when it is not an owner item."""
     if not it.moves or not it.requirement.needs_whole:
@@ -132,7 +118,19 @@ def _end(extent: tuple[int, int]) -> int:
 def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int = 0) -> list[list[StepItem]]:
     """Exchange buckets: items of one param group, process group, dtype and device, at
     most ``bucket_numel`` elements each (one oversized item gets a bucket alone); owner
-    items in balanced rounds after the rest ([Note: owner rounds])."""
+    items in balanced rounds after the rest.
+
+    Items computed whole on an owner rank (Muon's matrices on FSDP2 row shards) are not
+    exchanged in one bucket: the step loop would then wait for every input before the
+    first Newton-Schulz and send every result back after the last. Instead they form
+    rounds: each owner's items in decreasing cost (the order LPT gave them), and round j
+    holds the j-th item of every owner, so every rank has about the same work in every
+    round. Rounds below ``min_round_numel`` elements are merged with the next (a
+    collective costs a fixed latency). The step loop launches round k+1's inputs before it
+    computes round k and waits for round k's results only after computing round k+1, so
+    both exchanges run under Newton-Schulz; only the first send and the last return are
+    exposed. The bucket sequence is a pure function of the items, owners and costs, which
+    every rank shares ([Note: consistent steps]), so the collectives match."""
     buckets: list[list[StepItem]] = []
     open_: dict[tuple, list[StepItem]] = {}
     sizes: dict[tuple, int] = {}
@@ -165,24 +163,23 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
     return buckets
 
 
-# [Note: consistent steps]
-# An exchange needs every rank of its process group to step the same parameters with
-# the same layouts. A rank that skips a parameter, because its .grad is None there only,
-# would leave the all_to_all waiting forever. A check costs a collective and a host sync
-# to read it, so a steady-state step checks nothing. The check runs on the first step
-# after something changed what a step exchanges that every rank does alike and sees in
-# its own copy. That is construction, replan(), load_state_dict(), add_param_group(), or
-# a change of the step's structure. The structure is, per parameter, its position,
-# identity, process group, storage and compute layouts. A re-plan by another optimizer,
-# an edited structural key or an edited param list changes it. A change of which
-# parameters have gradients is not a trigger. A rank sees only its own gradients, so a
-# check it entered alone would be the hang it guards against. Gradients that differ
-# between ranks are then a user error that may hang, as a torch collective called
-# differently on two ranks does. TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1
-# (``_debug.DEBUG``) checks every step. In the check, each process group that exchanges
-# anything compares one fingerprint per rank, on the parameters' device, of each
-# parameter's position, whether it has a gradient, shape, storage and compute layouts.
-# That takes one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
+# [Note: consistent steps] An exchange needs every rank of its process group to step the
+# same parameters with the same layouts. A rank that skips a parameter, because its .grad
+# is None there only, would leave the all_to_all waiting forever. A check costs a
+# collective and a host sync to read it, so a steady-state step checks nothing. The check
+# runs on the first step after something changed what a step exchanges that every rank
+# does alike and sees in its own copy. That is construction, replan(), load_state_dict(),
+# add_param_group(), or a change of the step's structure. The structure is, per
+# parameter, its position, identity, process group, storage and compute layouts. A
+# re-plan by another optimizer, an edited structural key or an edited param list changes
+# it. A change of which parameters have gradients is not a trigger. A rank sees only its
+# own gradients, so a check it entered alone would be the hang it guards against.
+# Gradients that differ between ranks are then a user error that may hang, as a torch
+# collective called differently on two ranks does. TORCH_DISTRIBUTED_DEBUG=DETAIL or
+# VEFSDP_OPTIM_DEBUG=1 (``_debug.DEBUG``) checks every step. In the check, each process
+# group that exchanges anything compares one fingerprint per rank, on the parameters'
+# device, of each parameter's position, whether it has a gradient, shape, storage and
+# compute layouts. That takes one all-reduce of two int64 (see ``same_on_all_ranks`` in
 # comm/_collectives.py). Only on a mismatch do four more collectives of O(P + W) int64,
 # comm's first_difference, name the first parameter and the ranks that differ. Which
 # process groups check depends only on the layouts, never on gradients. So on a step
@@ -220,7 +217,7 @@ def check_consistent(entries: list[StepEntry]) -> None:
         # ints only: hash(None) and str hashes differ between processes
         keys = [hash((e.position, e.shape, _layout_key(e.layout),
                       _layout_key(e.compute) if e.compute is not None else ())) for e in es]
-        if same_on_all_ranks(hash(tuple(keys)), process_group, es[0].device):  # [Note: agreement in O(1) bytes]
+        if same_on_all_ranks(hash(tuple(keys)), process_group, es[0].device):
             continue
         # the first parameter and the ranks that differ, in O(P + W) int64 per rank: a
         # gather of every rank's layouts would be O(P x W) objects of W extents each
@@ -305,7 +302,7 @@ class PendingExchange:
 
 # [Note: owners stay]
 # The rank that computes a whole tensor is its owner. Owners are chosen by balancing the
-# whole tensors that step together ([Note: owner assignment]). So an owner would move
+# whole tensors that step together (see ``assign_owners`` in comm/_owners.py). So an owner would move
 # when that set changes, as when a parameter of the param group has no gradient or one
 # is added later. State kept by the owner, such as SOAP's factors and eigenbases
 # ([Note: SOAP state]), would then be missing where the tensor is computed. So a
@@ -343,17 +340,15 @@ def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]
             it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
 
 
-# [Note: aligned gradients]
 # CPU BLAS and vectorized reductions pick their kernels by the address of their operands:
 # the same matrix product or norm of a gradient that starts 4 bytes past a 64-byte
-# boundary rounds differently from one in a fresh allocation (measured: Shampoo's result
-# moves by ~3e-6 and SOAP's, through its eigenbases, by ~3e-2 on a 7 x 5 matrix after
-# four steps). fully_shard's gradients are views into one flat buffer at any offset, and
-# an exchange delivers slices of a receive buffer, while one device's gradient is a
-# tensor of its own, 64-byte aligned by torch's allocators. So the update of a block sees
-# its gradient at an aligned address, copied there when it is not (a copy of the
-# gradient per step and parameter where the store put it off the boundary; never on a
-# fresh tensor), and every layout gives the bits of one device.
+# boundary rounds differently from one in a fresh allocation (figures in
+# docs/decisions.md). fully_shard's gradients are views into one flat buffer at any
+# offset, and an exchange delivers slices of a receive buffer, while one device's
+# gradient is a tensor of its own, 64-byte aligned by torch's allocators. So the update
+# of a block sees its gradient at an aligned address, copied there when it is not (a copy
+# of the gradient per step and parameter where the store put it off the boundary; never
+# on a fresh tensor), and every layout gives the bits of one device.
 # The check reads the view's offset into its storage, not its address: storages start
 # aligned, and metadata is all a fake tensor (FakeTensorMode, torch.compile) has.
 _ALIGN = 64  # bytes: torch's CPU allocator alignment (CUDA's caching allocator: 512)

@@ -46,27 +46,27 @@ _TENSOR = torch.Tensor
 # step's gradients are freed, as with torch.optim. No key reads a device value, so a
 # step stays free of host syncs.
 
-# [Note: step plan identities]
-# A DTensor's or a ShardedParameter's view is a pure function of a few objects: its local
-# tensor (with that tensor's address, shape and dtype) and its DTensorSpec (mesh,
-# placements, shape) or its layout, process group and rank. The plan keeps those objects
-# (the objects, not their ids: an id is never reused while the plan holds it) and a step
-# compares them by identity, ~1 us a parameter, where a fresh view and its key cost
-# ~10-15 us on a CPU (two per parameter: the parameter's and its gradient's). Where any
-# differs, the step takes the fresh view and its key as before and, where the key still
-# matches, keeps the new identity. A gradient likewise skips its fresh view when it is a
-# DTensor on the spec object of the last gradient accepted for its parameter (FSDP2
-# builds all gradients of a parameter on one spec object) with its parameter's local
-# shape, contiguous and outside autograd, or a ShardedParameter on its parameter's
-# layout, process group and rank (fully_shard's gradients): exactly the cases where the
-# fresh view would give the same layout and a local tensor of the same elements.
 
 _DT, _SP = 0, 1  # identity kinds
 
 
 def identity(t: Any) -> tuple | None:
-    """The identity of a DTensor or a ShardedParameter ([Note: step plan identities]);
-    None for other kinds (subclasses included: they may view themselves otherwise)."""
+    """The identity of a DTensor or a ShardedParameter; None for other kinds (subclasses
+    included: they may view themselves otherwise).
+
+    A DTensor's or a ShardedParameter's view is a pure function of a few objects: its
+    local tensor (with that tensor's address, shape and dtype) and its DTensorSpec (mesh,
+    placements, shape) or its layout, process group and rank. The plan keeps those objects
+    (the objects, not their ids: an id is never reused while the plan holds it) and a step
+    compares them by identity, much cheaper than a fresh view and its key (figures in
+    docs/decisions.md; two per parameter: the parameter's and its gradient's). Where any
+    differs, the step takes the fresh view and its key as before and, where the key still
+    matches, keeps the new identity. A gradient likewise skips its fresh view when it is a
+    DTensor on the spec object of the last gradient accepted for its parameter (FSDP2
+    builds all gradients of a parameter on one spec object) with its parameter's local
+    shape, contiguous and outside autograd, or a ShardedParameter on its parameter's
+    layout, process group and rank (fully_shard's gradients): exactly the cases where the
+    fresh view would give the same layout and a local tensor of the same elements."""
     kind = type(t)
     if kind is ShardedParameter:
         local = t._local
@@ -126,7 +126,7 @@ class GroupPlan:
     entries: list[StepEntry]  # [Note: consistent steps]
     structure: list[tuple]  # [Note: consistent steps]
     # per row: identity() of a DTensor or ShardedParameter, else None; and the spec of the
-    # last DTensor gradient accepted ([Note: step plan identities])
+    # last DTensor gradient accepted (see ``identity``)
     idents: list[tuple | None] = field(init=False)
     grad_specs: list[Any] = field(init=False)
 
@@ -152,7 +152,7 @@ class GroupPlan:
                     item.grad = g if len(shape) == 1 else g.ravel()  # a view: contiguous (sparse is not)
                     continue
             elif (ident := idents[i]) is not None and same_identity(p, ident):
-                if item is not None and g is not None:  # [Note: step plan identities]
+                if item is not None and g is not None:  # ``identity``
                     if ident[0] == _SP:
                         if (type(g) is ShardedParameter and g._layout is ident[5]
                                 and g._process_group is ident[6] and g._rank == ident[7]):

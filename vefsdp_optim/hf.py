@@ -1,15 +1,14 @@
 """Hugging Face ``transformers.Trainer`` for a model sharded before the Trainer sees it.
 
 Accelerate shards a model itself only where its FSDP plugin is active, and on CPU ranks
-(gloo) it ignores the plugin and wraps the model in DDP ([Note: Trainer on a sharded
-model]). A model sharded by FSDP2's ``fully_shard`` or ours before the Trainer is the
-path that works on every device: ``vefsdp_optim.hf.Trainer`` takes such a model, keeps
-Accelerate from wrapping it again, and saves and resumes it the way a sharded model
-needs: the weights gathered once for ``save_pretrained`` (every rank joins, rank 0
-writes), and the model and optimizer state as one distributed checkpoint of each rank's
-shards (``vefsdp_optim.save``), loadable at another world size.
+(gloo) it ignores the plugin and wraps the model in DDP (see below). A model sharded by
+FSDP2's ``fully_shard`` or ours before the Trainer is the path that works on every
+device: ``vefsdp_optim.hf.Trainer`` takes such a model, keeps Accelerate from wrapping
+it again, and saves and resumes it the way a sharded model needs: the weights gathered
+once for ``save_pretrained`` (every rank joins, rank 0 writes), and the model and
+optimizer state as one distributed checkpoint of each rank's shards
+(``vefsdp_optim.save``), loadable at another world size.
 
-[Note: Trainer on a sharded model]
 ``transformers.Trainer``'s own paths assume an unsharded model on every rank where no
 FSDP plugin is set: ``save_model`` calls ``state_dict()`` on rank 0 alone (a collective
 the other ranks never join: a hang), and the optimizer state it saves is rank 0's shard

@@ -48,13 +48,13 @@ CLASS_KEY = "optimizer"  # added to each saved param group: the optimizer's clas
 #   - LOCAL entries are not saved. Anything else, such as Shampoo's tiles, is saved by
 #     the subclass hooks, keyed by global index.
 # Every saved key is a key of the live state, since framework flows rebuild entries from
-# the live keys (_saved_entry; [Note: Shampoo's live state keys are its saved keys]). A
-# parameter without state when saved has none after loading ([Note: no state saved,
-# none loaded]). validate_state() checks the live state against this declaration after
-# the step that creates it, so a mismatch fails there, not at a load at another world
-# size. The local data handed out are the live state tensors themselves, so ``dcp.load``
-# into ``state_dict()`` writes in place. load_state_dict() copies into the state whatever
-# is not already in place, as plain full tensors from torch.load or a full export.
+# the live keys (_saved_entry; vefsdp_optim/_shampoo.py). A parameter without state when
+# saved has none after loading (see ``load_state``). validate_state() checks the live
+# state against this declaration after the step that creates it, so a mismatch fails
+# there, not at a load at another world size. The local data handed out are the live state
+# tensors themselves, so ``dcp.load`` into ``state_dict()`` writes in place.
+# load_state_dict() copies into the state whatever is not already in place, as plain full
+# tensors from torch.load or a full export.
 
 
 def export_state(opt: CheckpointedOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +69,22 @@ def export_state(opt: CheckpointedOptimizer, sd: dict[str, Any]) -> dict[str, An
 
 
 def load_state(opt: CheckpointedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load ``state_dict`` (from :func:`export_state`, at any world size) into ``opt``."""
+    """Load ``state_dict`` (from :func:`export_state`, at any world size) into ``opt``.
+
+    No state saved, none loaded. torch.optim.Optimizer.load_state_dict replaces the whole
+    state: a parameter whose entry is missing or empty has no state afterwards, and its
+    next step is its first (Adam's bias correction counts from 1, SOAP and Shampoo start
+    their factors). This load first creates every parameter's state with a zero step (the
+    optimizer's ``materialize_state``) so that the saved tensors can be copied into the
+    live ones in place. The state of a parameter without a saved entry on this rank is
+    then emptied again, as torch would have it. The entry is per rank: a rank whose slice
+    of a parameter is empty saves and loads none. The emptied entry stays a key of
+    ``opt.state``, as the step keeps one on every rank: torch's DCP helpers step an
+    optimizer whose ``state`` has no keys at all, a decision each rank takes alone, and a
+    collective step on some ranks only would hang. Through DCP at another world size the
+    fresh optimizer's template asks for state the checkpoint never had;
+    vefsdp_optim.load empties such entries (``_empty_stateless_entries`` in
+    _save_load.py) so that they arrive here empty."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("an optimizer state dict must have 'state' and 'param_groups', got "
                          f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
@@ -100,28 +115,12 @@ def load_state(opt: CheckpointedOptimizer, state_dict: dict[str, Any]) -> None:
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:  # (every rank holds every entry in a full import: the owner takes it)
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
-        elif opt.state.get(p):  # [Note: no state saved, none loaded]
+        elif opt.state.get(p):  # ``load_state``
             opt.forget_state(p)
     for g, sg in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in sg.items():
             if k not in ("params", CLASS_KEY):
                 g[k] = v
-
-
-# [Note: no state saved, none loaded]
-# torch.optim.Optimizer.load_state_dict replaces the whole state: a parameter whose
-# entry is missing or empty has no state afterwards, and its next step is its first
-# (Adam's bias correction counts from 1, SOAP and Shampoo start their factors). Our
-# load first creates every parameter's state with a zero step (the optimizer's ``materialize_state``) so that the
-# saved tensors can be copied into the live ones in place; the state of a parameter
-# without a saved entry on this rank is then emptied again, as torch would have it. The
-# entry is per rank: a rank whose slice of a parameter is empty saves and loads none.
-# The emptied entry stays a key of ``opt.state`` (as the step keeps one on every rank):
-# torch's DCP helpers step an optimizer whose ``state`` has no keys at all, a decision
-# each rank takes alone, and a collective step on some ranks only would hang.
-# Through DCP at another world size the fresh optimizer's template asks for state the
-# checkpoint never had; vefsdp_optim.load empties such entries ([Note: stateless
-# parameters in a checkpoint] in _save_load.py) so that they arrive here empty.
 
 
 def _saved_entry(saved: Any) -> Any:
@@ -139,28 +138,27 @@ def _params_in_order(opt: CheckpointedOptimizer) -> list[tuple[torch.Tensor, dic
     return [(p, g) for g in opt.param_groups for p in g["params"]]
 
 
-# [Note: state created alike on every rank]
-# Loading copies saved tensors into live state, so a parameter with a saved entry but
-# no live state first gets its state from a step with zero gradients and lr 0
-# (the optimizer's ``materialize_state``). That step is collective over each parameter's shard process group, and
-# whether a rank needs it is rank-local: a rank holding no state of a parameter (an
-# empty slice, or not the owner of a whole-tensor requirement) saved an empty entry.
-# So each rank's wish is OR-ed over the parameter's shard process group (one small
-# all_reduce per process group, on its device) and every rank steps the same
-# parameters, the others' gradients set aside for the step; a rank deciding alone would
+# Loading copies saved tensors into live state, so a parameter with a saved entry but no
+# live state first gets its state from a step with zero gradients and lr 0 (the
+# optimizer's ``materialize_state``). That step is collective over each parameter's shard
+# process group, and whether a rank needs it is rank-local: a rank holding no state of a
+# parameter (an empty slice, or not the owner of a whole-tensor requirement) saved an
+# empty entry. So each rank's wish is OR-ed over the parameter's shard process group (one
+# small all_reduce per process group, on its device), and every rank steps the same
+# parameters, the others' gradients set aside for the step. A rank deciding alone would
 # hang or abort the collective. The same all_reduce names the rank that saved a whole
-# tensor's owner-held state, and where one rank alone did (not a full import, which
-# gives every rank everything), that rank stays its owner ([Note: owners stay]), so the
-# state is created, loaded and used where it was saved. A rank whose state the step also touched gets it
-# overwritten by the import, or deleted where it saved none ([Note: no state saved,
-# none loaded]).
+# tensor's owner-held state. Where one rank alone did (not a full import, which gives
+# every rank everything), that rank stays its owner ([Note: owners stay]), so the state
+# is created, loaded and used where it was saved. A rank whose state the step also
+# touched gets it overwritten by the import, or deleted where it saved none (see
+# ``load_state``).
 
 
 def _to_create(opt: CheckpointedOptimizer,
                wanted: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]) -> set[int]:
     """ids of the parameters whose state the load must create: saved here without live
     state on some rank of their shard process group. The owner of a whole tensor's saved
-    state computes it from now on ([Note: state created alike on every rank])."""
+    state computes it from now on (see ``_to_create``)."""
     import torch.distributed as dist
 
     out: set[int] = set()

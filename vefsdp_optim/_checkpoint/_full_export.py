@@ -148,9 +148,9 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                   ("not tensors:", bad)) if items]
         raise ValueError(f"{where!r} does not match the model: " + "; ".join(parts))
     if optimizer is not None:
-        # [Note: import validates, then writes] the optimizer's load_state_dict checks
-        # class, groups and every state entry before it changes anything; it runs before
-        # the model's weights are written, so a refused import leaves both untouched.
+        # The optimizer's load_state_dict checks class, groups and every state entry
+        # before it changes anything; it runs before the model's weights are written, so a
+        # refused import leaves both untouched.
         if not isinstance(data.get("optim"), Mapping):
             raise ValueError(f"{where!r} has no optimizer state ('optim' entry)")
         optimizer.load_state_dict(data["optim"])

@@ -44,10 +44,10 @@ class CheckpointedOptimizer(Protocol):
 
     def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
         """Create the state of ``params`` with the optimizer's own code, changing no
-        parameter ([Note: state created alike on every rank]); collective."""
+        parameter (see ``_to_create`` in vefsdp_optim/_checkpoint/_format.py); collective."""
 
     def forget_state(self, p: torch.Tensor) -> None:
-        """Empty ``p``'s state ([Note: no state saved, none loaded])."""
+        """Empty ``p``'s state (see ``load_state`` in vefsdp_optim/_checkpoint/_format.py)."""
 
     def pin_owner(self, p: torch.Tensor, layout: RaggedShard | BoxShard, rank: int) -> None:
         """The rank of ``p``'s ``layout`` that computes its whole tensor from now on

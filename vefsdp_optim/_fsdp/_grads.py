@@ -3,7 +3,7 @@ reduce-scatter and its epilogue, and the debug check that ranks used members ali
 
 :class:`StoreGrads` holds these methods of :class:`DtypeStore` (_store.py), which derives
 from it; they read the store's buffers and settings and know nothing of its shard group
-([Note: store and shard group]). The knobs a user may change between steps arrive with
+(see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py). The knobs a user may change between steps arrive with
 every call that reads them, as :class:`GradSettings` (_settings.py).
 """
 
@@ -25,18 +25,6 @@ from ._streams import NO_STREAMS, CommContext, Streams
 __all__ = ["PendingReduce", "StoreGrads"]
 
 
-# [Note: gradient memory]
-# At W > 1 no gradient bytes outlive their use. The m-element shard gradient
-# (``master.local_grad``; the sharded ``.grad`` are views of it) gets its storage when a
-# reduce-scatter writes it and gives it back once no ``.grad`` refers to it any more
-# (``zero_grad(set_to_none=True)``), checked before the next forward: FSDP2 frees its
-# sharded gradients the same way, by dropping them. "No one refers to it" is the
-# storage's use count back at its value after build (the buffer's own views), so a
-# ``.grad`` (or a view of it) the user kept keeps the bytes. The mixed-precision
-# staging shards (``compute`` / ``reduce`` local_grad) hold bytes only around a
-# reduction. Storages are resized in place, as the global buffers ([Note: zero-copy
-# views]), so every cached view stays valid.
-#
 # [Note: lazy gradient buffer]
 # At W > 1 the W*m gradient buffer gets its bytes late, zero-filled, not at
 # pre-backward. The first backward after a reduction leaves each unsharded ``.grad``
@@ -50,30 +38,14 @@ __all__ = ["PendingReduce", "StoreGrads"]
 #   - In place, with ``set_gradient_copy_in(False)``. A hook on the gradients of the
 #     unsharded parameters runs before AccumulateGrad. It allocates the buffer at the
 #     store's first gradient and points every ``.grad`` at its view. Autograd then adds
-#     into it as [Note: grads into the buffer] says. There is no copy, and one store's
-#     buffer more is live.
+#     into it as the comment above ``ManagedParam`` in vefsdp_optim/_fsdp/_param.py
+#     says. There is no copy, and one store's buffer more is live.
 # Later backwards of an accumulation without sync add into the buffer in place either
 # way. Under activation checkpointing the recomputation runs first. So the buffer and the
 # recomputed activations no longer overlap with an earlier shard group's reduce-scatter
 # input. Just before allocating, completed reduce-scatters of earlier shard groups are
-# finished, which frees their inputs ([Note: async reduce-scatter]). A backward in
+# finished, which frees their inputs (see ``StoreGrads.launch_reduce``). A backward in
 # which no gradient reached the store still reduces zeros.
-#
-# [Note: unused parameters]
-# A shard group reduces its whole gradient buffer, so each member's reduced slice exists
-# whether any rank used the member or not. Which members got a ``.grad`` follows FSDP2:
-# a hook on each unsharded parameter (and ``add_grad``) records the members this rank
-# gave a gradient since the last reduction; after the reduction only those get their
-# sharded ``.grad`` (a ``.grad`` the user kept stays, with zeros added). A member no rank
-# used then keeps ``.grad`` None, as on one device, so optimizers skip it instead of
-# applying weight decay and momentum to a zero gradient. The rule is local, so it costs
-# no collective and no host read: as under FSDP2, every rank must use a member in a
-# backward or none must (FSDP2 mismatches its reduce-scatter otherwise; here the ranks
-# that did not use it would leave their slice unstepped). Debug mode ([Note: consistent
-# steps]) all-reduces the marks and raises on a partial use. For conditional use (mixture
-# of experts, skipped branches) ``set_reduce_scatter_unused_params(True)``, FSDP2's
-# option, gives every member its reduced gradient, zero where no rank used it: DDP's
-# ``find_unused_parameters`` answer, which needs no knowledge of the other ranks.
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -99,14 +71,30 @@ def _uses(t: torch.Tensor) -> int:
 
 
 class StoreGrads:
-    """The gradient methods of :class:`DtypeStore`, which sets these attributes."""
+    """The gradient methods of :class:`DtypeStore`, which sets these attributes.
+
+    Unused parameters: a shard group reduces its whole gradient buffer, so each member's
+    reduced slice exists whether any rank used the member or not. Which members get a
+    ``.grad`` follows FSDP2: a hook on each unsharded parameter (and ``add_grad``) records
+    the members this rank gave a gradient since the last reduction; after the reduction
+    only those get their sharded ``.grad`` (a ``.grad`` the user kept stays, with zeros
+    added). A member no rank used then keeps ``.grad`` None, as on one device, so
+    optimizers skip it instead of applying weight decay and momentum to a zero gradient.
+    The rule is local, so it costs no collective and no host read: as under FSDP2, every
+    rank must use a member in a backward or none must (FSDP2 mismatches its
+    reduce-scatter otherwise; here the ranks that did not use it would leave their slice
+    unstepped). Debug mode ([Note: consistent steps]) all-reduces the marks and raises on
+    a partial use. For conditional use (mixture of experts, skipped branches)
+    ``set_reduce_scatter_unused_params(True)``, FSDP2's option, gives every member its
+    reduced gradient, zero where no rank used it: DDP's ``find_unused_parameters``
+    answer, which needs no knowledge of the other ranks."""
 
     params: list[ManagedParam]
     settings: StoreSettings
     master: DistributedBuffer
     compute: DistributedBuffer
     reduce: DistributedBuffer
-    _lazy: bool  # [Note: gradient memory], [Note: lazy gradient buffer]
+    _lazy: bool  # ``StoreGrads.release_grads``, [Note: lazy gradient buffer]
     _gbuf: torch.Tensor | None  # compute's W*m gradient buffer, once allocated
     _awaiting: bool
     _awaited_settings: GradSettings | None
@@ -117,12 +105,23 @@ class StoreGrads:
 
     def grad_shard(self) -> torch.Tensor:
         """``master.local_grad`` with its storage (1-D, m elements; contents undefined
-        when it had been released, [Note: gradient memory])."""
+        when it had been released, ``StoreGrads.release_grads``)."""
         _ensure_storage(self.master.local_grad)
         return self.master.local_grad
 
     def release_grads(self) -> None:
-        """Give back the shard gradient's bytes if no ``.grad`` refers to them."""
+        """Give back the shard gradient's bytes if no ``.grad`` refers to them.
+
+        At W > 1 no gradient bytes outlive their use. The m-element shard gradient
+        (``master.local_grad``; the sharded ``.grad`` are views of it) gets its storage when
+        a reduce-scatter writes it and gives it back once no ``.grad`` refers to it any
+        more (``zero_grad(set_to_none=True)``), checked before the next forward: FSDP2
+        frees its sharded gradients the same way, by dropping them. "No one refers to it"
+        is the storage's use count back at its value after build (the buffer's own views),
+        so a ``.grad`` (or a view of it) the user kept keeps the bytes. The mixed-precision
+        staging shards (``compute`` / ``reduce`` local_grad) hold bytes only around a
+        reduction. Storages are resized in place, as the global buffers
+        (``DistributedBuffer`` in comm/_buffer.py), so every cached view stays valid."""
         t = self.master.local_grad
         if (self._lazy and t.untyped_storage().nbytes() and self._kept is None
                 and all(p.sharded.grad is None for p in self.params) and _uses(t) == self._grad_uses):
@@ -182,7 +181,7 @@ class StoreGrads:
 
     def _on_grad(self, fqn: str, grad: torch.Tensor) -> None:
         """Hook on an unsharded parameter's gradient, before AccumulateGrad: marks ``fqn``
-        used ([Note: unused parameters]); the store's first gradient allocates the buffer
+        used (see ``StoreGrads``); the store's first gradient allocates the buffer
         ([Note: lazy gradient buffer]), under the settings of the backward that
         ``attach_grads`` began."""
         self._used.add(fqn)
@@ -249,14 +248,14 @@ class StoreGrads:
                       hook_stream: Any = None) -> PendingReduce | None:
         """Start the reduce-scatter (avg) of the accumulated gradients; ``finish_reduce`` ends it.
 
-        [Note: async reduce-scatter] The collective is launched with ``async_op=True`` so
-        that it runs while autograd computes the previous shard group's gradients; everything
-        that reads its output (the division of gloo's SUM-as-AVG, HSDP's replicate
-        all-reduce, the cast into the master's dtype, kept-gradient accumulation, the
-        sharded ``.grad`` views) happens in ``finish_reduce``, after ``wait()``. The
-        gradient buffer (the collective's input) stays allocated until then.
-        On an accelerator the collective and that epilogue are issued here, on the side
-        streams, and ``finish_reduce`` only frees the input ([Note: fully_shard streams]).
+        The collective is launched with ``async_op=True`` so that it runs while autograd
+        computes the previous shard group's gradients; everything that reads its output
+        (the division of gloo's SUM-as-AVG, HSDP's replicate all-reduce, the cast into the
+        master's dtype, kept-gradient accumulation, the sharded ``.grad`` views) happens in
+        ``finish_reduce``, after ``wait()``. The gradient buffer (the collective's input)
+        stays allocated until then. On an accelerator the collective and that epilogue are
+        issued here, on the side streams, and ``finish_reduce`` only frees the input
+        ([Note: fully_shard streams]).
         """
         compute, reduce, master = self.compute, self.reduce, self.master
         world_size = self.settings.world_size
@@ -295,8 +294,8 @@ class StoreGrads:
 
     def _reduce_epilogue(self, prev: torch.Tensor | None, grad_settings: GradSettings, streams: Streams,
                          hook_stream: Any) -> Any:
-        """What follows the reduce-scatter, in order (see [Note: async reduce-scatter] and
-        [Note: gradient reduction policy]): the division, the kept partial sum, HSDP's
+        """What follows the reduce-scatter, in order (see ``StoreGrads.launch_reduce`` and
+        ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py): the division, the kept partial sum, HSDP's
         all-reduce (its own stream), the hook (the all-reduce stream under HSDP, else
         ``hook_stream`` or the all-reduce stream), the cast into the master's dtype and the
         kept gradients. Returns the event recorded after it (None without streams)."""
@@ -331,7 +330,7 @@ class StoreGrads:
                     grad_settings.all_reduce_hook(reduce.local_grad)
             with streams.use(last):
                 if reduce is not master:  # under offload: device to host, asynchronous unless
-                    # the host adds to the result next ([Note: CPU offload])
+                    # the host adds to the result next (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py)
                     self.grad_shard().copy_(reduce.local_grad,
                                             non_blocking=streams.active and settings.pinned and prev is None)
                 if prev is not None:
@@ -341,7 +340,7 @@ class StoreGrads:
     def finish_reduce(self, pending: PendingReduce, grad_settings: GradSettings,
                       comm: CommContext | None = None) -> None:
         """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note
-        and [Note: gradient reduction policy]). On an accelerator the epilogue was issued
+        and ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py). On an accelerator the epilogue was issued
         at launch: the current stream waits on the collective, which frees its input; the
         staging buffers it read are released once the current stream has waited on the
         epilogue's event, in the root's final callback ([Note: fully_shard streams])."""
@@ -372,14 +371,14 @@ class StoreGrads:
                 self._check_used_alike(used)
         for p in self.params:
             if p.requires_grad:
-                # [Note: unused parameters]; a fresh alias: the use count sees who holds it
+                # ``StoreGrads``; a fresh alias: the use count sees who holds it
                 if p.sharded.grad is None and (p.fqn in used or grad_settings.reduce_scatter_unused_params):
                     p.sharded.grad = p.sharded.with_local(master.local_grad_view(p.fqn).view(-1))
                 if p.unsharded is not None:
                     p.unsharded.grad = None
 
     def _check_used_alike(self, used: set[str]) -> None:
-        """Debug check ([Note: unused parameters]): every rank of the shard group (and of
+        """Debug check (see ``StoreGrads``): every rank of the shard group (and of
         HSDP's replicate group) used each member since the last reduction, or none did."""
         settings = self.settings
         members = [p.fqn for p in self.params if p.requires_grad]
@@ -397,7 +396,6 @@ class StoreGrads:
                 "backward or none must; for conditional use (mixture of experts, skipped branches) call "
                 "set_reduce_scatter_unused_params(True) on the module, which gives every rank the reduced "
                 "gradient, zero where no rank used it")
-
 
 
 class PendingReduce(NamedTuple):

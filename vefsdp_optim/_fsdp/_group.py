@@ -8,9 +8,9 @@ installs call into :class:`ShardGroup`: unshard before forward and backward, res
 after, one reduce-scatter when the shard group's gradients are complete. Where the
 shard group is in its step is two explicit states (``GatherState``, ``GradState`` in
 _lifecycle.py), which only the shard group changes; its stores hold no reference to it
-([Note: store and shard group] in _settings.py). The optimizers see each store through a
+(see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py). The optimizers see each store through a
 :class:`StoreBinding` (the ``FlatStore`` of [Note: flat store contract]). See
-[Note: grads into the buffer] in _param.py.
+``ManagedParam`` in vefsdp_optim/_fsdp/_param.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_shard_group_consistent(signature: list, shard_process_group: dist.Proc
     """Raise ValueError on every rank unless all ranks hold the same shard group signature.
 
     One ``same_on_all_ranks`` per process group before the first collective on the
-    shard group's buffers (two int64 per rank: [Note: agreement in O(1) bytes]), on
+    shard group's buffers (two int64 per rank: ``same_on_all_ranks`` in comm/_collectives.py), on
     ``device``: dtypes, plans and frozen flags that differ (or a module with parameters
     on some ranks only) raise instead of hanging or mixing buffers; only then are the
     signatures gathered, to name the ranks.
@@ -64,9 +64,9 @@ def check_shard_group_consistent(signature: list, shard_process_group: dist.Proc
 
 class StoreBinding:
     """The ``FlatStore`` ([Note: flat store contract]) a sharded parameter is bound to: one
-    store of a shard group. The data questions go to the store; a re-plan goes to the
-    shard group, which owns the lifecycle transition it needs ([Note: store and shard
-    group] in _store.py)."""
+    store of a shard group. The data questions go to the store; a re-plan goes to the shard
+    group, which owns the lifecycle transition it needs (see ``StoreSettings`` in
+    vefsdp_optim/_fsdp/_settings.py)."""
 
     __slots__ = ("shard_group", "store", "__weakref__")  # optimizers cache per store, weakly
 
@@ -105,7 +105,7 @@ class ShardGroup:
                  pin_memory: bool = False) -> None:
         replicate = (replicate_process_group if replicate_process_group is not None
                      and replicate_process_group.size() > 1 else None)
-        #: fixed at construction, and given to every store ([Note: store and shard group])
+        #: fixed at construction, and given to every store (see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py)
         self.settings = StoreSettings(
             shard_process_group, shard_process_group.size(), shard_process_group.rank(), replicate,
             replicate.size() if replicate is not None else 1, device, mp_policy, offload, offload and pin_memory)
@@ -121,15 +121,15 @@ class ShardGroup:
                 p.sharded.bind_store(binding)
         check_shard_group_consistent(self.signature(), shard_process_group, replicate, device)
         self.requires_gradient_sync = True
-        # [Note: gradient reduction policy] FSDP2's knobs (FSDPModule.set_*): by default the
-        # gradients are averaged over every data-parallel rank (the backend's AVG where it
-        # has one, else SUM and one division). With a gradient_divide_factor f, or with
-        # force_sum_reduction, every collective is a SUM and the result is divided once by
-        # f (default: the number of data-parallel ranks), before HSDP's all-reduce: f = 1
-        # gives summed gradients, as frameworks that normalize the loss themselves expect.
-        # requires_all_reduce=False (HSDP) skips the replicate all-reduce; the partial
-        # result is kept and joins the next all-reduce. all_reduce_hook(t) runs on the
-        # reduced shard before it becomes the sharded .grad.
+        # FSDP2's knobs (FSDPModule.set_*): by default the gradients are averaged over
+        # every data-parallel rank (the backend's AVG where it has one, else SUM and one
+        # division). With a gradient_divide_factor f, or with force_sum_reduction, every
+        # collective is a SUM and the result is divided once by f (default: the number of
+        # data-parallel ranks), before HSDP's all-reduce: f = 1 gives summed gradients, as
+        # frameworks that normalize the loss themselves expect. requires_all_reduce=False
+        # (HSDP) skips the replicate all-reduce; the partial result is kept and joins the
+        # next all-reduce. all_reduce_hook(t) runs on the reduced shard before it becomes
+        # the sharded .grad.
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True
@@ -138,7 +138,7 @@ class ShardGroup:
         #: [Note: lazy gradient buffer]: True (default) copies autograd's gradients into the
         #: buffer at the end of backward (FSDP2's memory); False adds into it in place
         self.grad_copy_in = True
-        #: [Note: unused parameters]: FSDPModule.set_reduce_scatter_unused_params
+        #: ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py: FSDPModule.set_reduce_scatter_unused_params
         self.reduce_scatter_unused_params = False
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
@@ -154,7 +154,8 @@ class ShardGroup:
         self.before_grad_alloc: Callable[[], None] = lambda: None
 
     def grad_settings(self) -> GradSettings:
-        """The gradient knobs as they are now, for the stores ([Note: store and shard group])."""
+        """The gradient knobs as they are now, for the stores (see ``StoreSettings`` in
+        vefsdp_optim/_fsdp/_settings.py)."""
         return GradSettings(self.grad_copy_in, self.gradient_divide_factor, self.force_sum_reduction,
                             self.requires_all_reduce, self.all_reduce_hook, self.before_grad_alloc,
                             self.reduce_scatter_unused_params)
@@ -286,7 +287,7 @@ class ShardGroup:
 
     def release_grads(self) -> None:
         """Give back the shard gradients' bytes where no ``.grad`` refers to them any more
-        ([Note: gradient memory]); the root calls it before each forward."""
+        (see ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py); the root calls it before each forward."""
         if self.grad_state is GradState.IDLE:
             for store in self.stores:
                 store.release_grads()
@@ -310,7 +311,7 @@ class ShardGroup:
     def reduce_grads(self) -> None:
         """End of this shard group's backward: launch the reduction unless accumulating without sync.
 
-        The reduce-scatters run asynchronously ([Note: async reduce-scatter]);
+        The reduce-scatters run asynchronously (see ``StoreGrads.launch_reduce`` in vefsdp_optim/_fsdp/_grads.py);
         ``wait_reduce`` completes them (the next shard group's post-backward, the root's
         final callback, or anything here that touches the gradients, whichever comes first).
         """

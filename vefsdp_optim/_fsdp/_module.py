@@ -100,7 +100,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: off skips the replicate all-reduce (the reduce-scatter still runs); the
-        partial result joins the next all-reduce ([Note: gradient reduction policy])."""
+        partial result joins the next all-reduce (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py)."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for shard_group in self._shard_groups(recurse):
             shard_group.requires_all_reduce = requires_all_reduce
@@ -182,7 +182,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging them over the
-        data-parallel ranks ([Note: gradient reduction policy]); 1.0 gives sums."""
+        data-parallel ranks (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py); 1.0 gives sums."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
         for shard_group in self._shard_groups():
@@ -200,7 +200,7 @@ class FSDPModule(_TorchFSDPModule):
         reduction keeps ``.grad`` None, so every rank of a shard group must use it or none
         must. True: every parameter that requires grad gets its reduced gradient, zero
         where no rank used it (conditional control flow, mixture of experts), as FSDP2's
-        option and DDP's ``find_unused_parameters``. See [Note: unused parameters]."""
+        option and DDP's ``find_unused_parameters``. See ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for shard_group in self._shard_groups(recurse):
             shard_group.reduce_scatter_unused_params = reduce_scatter_unused_params

@@ -22,22 +22,6 @@ from vefsdp_optim.comm import dtensor_boxes
 
 from ._param import ManagedParam, TensorParallel
 
-# [Note: shard placements]
-# FSDP2's ``shard_placement_fn`` picks the dim its even chunks cut (``Shard(0)``, or
-# ``Shard(1)``, which torchtitan gives experts fewer than edp x ep ranks so that dim 0 is
-# not padded). This library stores every parameter as a RaggedShard of its flattened
-# (TP-local) tensor, cut where the optimizers' blocks allow, so no placement changes the
-# storage: ``Shard(d)`` for any dim d of the parameter is accepted and means "sharded
-# over this call's mesh", as ``Shard(0)`` and ``None`` do. What FSDP2's dim-1 chunks buy
-# (no padding of a short dim 0) the ragged cut already has. A rank's slice is then not
-# FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
-# is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
-# the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
-# (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` also
-# names a mesh: the parameter is sharded over that one (torchtitan's experts on
-# ``efsdp``, the rest of the block on ``dp``), [Note: shard groups of one call]. Any other
-# placement (Replicate, _StridedShard) raises NotImplementedError naming it.
-
 
 def _default_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
@@ -113,8 +97,22 @@ def _result_mesh(result: object, name: str, mesh: DeviceMesh) -> DeviceMesh:
 
 
 def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mp`` is sharded over, for ``placement`` from shard_placement_fn, or raise
-    ([Note: shard placements])."""
+    """The mesh ``mp`` is sharded over, for ``placement`` from shard_placement_fn, or raise.
+
+    FSDP2's ``shard_placement_fn`` picks the dim its even chunks cut (``Shard(0)``, or
+    ``Shard(1)``, which torchtitan gives experts fewer than edp x ep ranks so that dim 0 is
+    not padded). This library stores every parameter as a RaggedShard of its flattened
+    (TP-local) tensor, cut where the optimizers' blocks allow, so no placement changes the
+    storage: ``Shard(d)`` for any dim d of the parameter is accepted and means "sharded
+    over this call's mesh", as ``Shard(0)`` and ``None`` do. What FSDP2's dim-1 chunks buy
+    (no padding of a short dim 0) the ragged cut already has. A rank's slice is then not
+    FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
+    is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
+    the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
+    (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` also
+    names a mesh: the parameter is sharded over that one (torchtitan's experts on
+    ``efsdp``, the rest of the block on ``dp``; ``_by_mesh`` in _fully_shard.py). Any
+    other placement (Replicate, _StridedShard) raises NotImplementedError naming it."""
     name = f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}"
     if placement is not None and hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
         mesh = _result_mesh(placement, name, mesh)  # FSDP2's ShardPlacementResult
@@ -135,7 +133,7 @@ def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> D
 
 def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorParallel:
     """The TensorParallel spec of a DTensor parameter that fully_shard shards over the
-    data-parallel ``mesh`` ([Note: fully_shard over tensor parallel])."""
+    data-parallel ``mesh`` (see ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py)."""
     tp_mesh = p.device_mesh
     if tp_mesh.ndim != 1:
         raise NotImplementedError(

@@ -2,7 +2,7 @@
 
 A re-plan (the ``FlatStore`` protocol's ``replan``, [Note: flat store contract]) reaches
 the store's shard group (``StoreBinding`` in _group.py), which calls two functions of
-this file around the lifecycle transition it owns ([Note: store and shard group]):
+this file around the lifecycle transition it owns (see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py):
 :func:`plan_replan` redoes the plan with the new units when the padding stays
 acceptable (pure: every rank takes the same decision), and :func:`move_store` moves the
 data into the new layout with one all-gather of the old buffer and re-points the same
@@ -77,7 +77,7 @@ def plan_replan(store: DtypeStore, units: Mapping[torch.Tensor, int],
     if not wanted:
         return ReplanDecision(None, None, {})
     old = store.plan
-    if store.tensor_parallel:  # [Note: fully_shard over tensor parallel]: the exchange keeps them
+    if store.tensor_parallel:  # ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py: the exchange keeps them
         return ReplanDecision(StoreReplan((), tuple(sorted(wanted.items())), old.padding, old.padding,
                                           replanned=False), None, {})
     plan, new_units, refused = _plan_for(store, wanted)
@@ -113,7 +113,7 @@ def move_store(store: DtypeStore, units: dict[str, int], plan: BufferPlan) -> No
         old.free_global()
     new = store.master
     if grads:
-        store.grad_shard()  # its storage ([Note: gradient memory])
+        store.grad_shard()  # its storage (see ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py)
     for p in store.params:
         full = grads.get(p.fqn)
         if full is None:
@@ -129,7 +129,7 @@ def _check_same_grads(has_grad: list[bool], process_group: torch.distributed.Pro
                       device: torch.device) -> None:
     """Raise ValueError on every rank unless all ranks hold the same gradients: one
     ``same_on_all_ranks`` on the store's device (a CPU tensor has no backend on NCCL),
-    [Note: agreement in O(1) bytes]; the flags are gathered only to say who differs."""
+    ``same_on_all_ranks`` in comm/_collectives.py; the flags are gathered only to say who differs."""
     key = "".join("1" if h else "0" for h in has_grad)
     if same_on_all_ranks(key, process_group, device):
         return

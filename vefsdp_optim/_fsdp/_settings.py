@@ -16,16 +16,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["GradSettings", "StoreSettings"]
 
-# [Note: store and shard group]
 # As FSDP2's ``FSDPParam`` knows nothing of its ``FSDPParamGroup``, a DtypeStore holds no
 # reference to its shard group. What it needs arrives as values: the fixed settings
 # (process groups, device, mixed precision) once, at construction (:class:`StoreSettings`),
-# and the gradient knobs a user may change between steps ([Note: gradient reduction
-# policy], ``set_gradient_copy_in``) with every call that reads them
-# (:class:`GradSettings`). The shard group owns every lifecycle transition
-# (``GatherState``, ``GradState``): the store only moves data when told to, and a re-plan
-# reaches the store through the shard group (``StoreBinding`` in _group.py), which first
-# checks and changes the gather and gradient states.
+# and the gradient knobs a user may change between steps (``ShardGroup``'s in _group.py,
+# ``set_gradient_copy_in``) with every call that reads them (:class:`GradSettings`). The
+# shard group owns every lifecycle transition (``GatherState``, ``GradState``): the store
+# only moves data when told to, and a re-plan reaches the store through the shard group
+# (``StoreBinding`` in _group.py), which first checks and changes the gather and gradient
+# states.
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +38,7 @@ class StoreSettings:
     replicate_world_size: int  # 1 without a replicate process group
     device: torch.device
     mp_policy: MixedPrecisionPolicy
-    # CPUOffloadPolicy ([Note: CPU offload]): the master buffer (the sharded parameters,
+    # CPUOffloadPolicy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py): the master buffer (the sharded parameters,
     # their gradients, the optimizer's data) on the CPU, pinned when ``device`` is an
     # accelerator and the policy asks for it
     offload: bool = False
@@ -65,10 +64,9 @@ class StoreSettings:
         return self.offload and self.pin_memory and self.device.type != "cpu"
 
 
-
 @dataclass(frozen=True, slots=True)
 class GradSettings:
-    """A shard group's gradient knobs at one call ([Note: gradient reduction policy],
+    """A shard group's gradient knobs at one call (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py,
     [Note: lazy gradient buffer]); the FSDPModule ``set_*`` methods change them."""
 
     copy_in: bool  # copy autograd's gradients into the buffer at the end of backward
@@ -79,11 +77,11 @@ class GradSettings:
     # called before a store allocates its gradient buffer: finishes completed reductions
     # of earlier shard groups
     before_grad_alloc: Callable[[], None]
-    # [Note: unused parameters]: True gives a parameter unused since the last reduction
+    # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py: True gives a parameter unused since the last reduction
     # its reduced (zero where no rank used it) gradient, as FSDP2's option of that name
     reduce_scatter_unused_params: bool = False
 
     @property
     def native_average(self) -> bool:
-        """Reduce with the default average ([Note: gradient reduction policy])."""
+        """Reduce with the default average (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py)."""
         return self.gradient_divide_factor is None and not self.force_sum_reduction

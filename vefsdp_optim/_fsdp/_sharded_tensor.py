@@ -222,7 +222,7 @@ class ShardedParameter(torch.Tensor):
     def __reduce_ex__(self, protocol: int) -> Any:
         raise NotImplementedError("ShardedParameter does not pickle; call full_tensor() first")
 
-    # -- torch.distributed.checkpoint protocol ([Note: ragged slices as DCP boxes]) -----
+    # -- torch.distributed.checkpoint protocol (see ``flat_range_boxes`` in sharding/_box.py) -----
 
     def _boxes(self) -> list[tuple[torch.Size, torch.Size, int]]:
         lay = self._layout

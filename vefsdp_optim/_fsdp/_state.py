@@ -69,7 +69,7 @@ class FSDPState:
         self.module = modules[0]
         self.module_class = type(self.module).__name__  # the user's class: fully_shard then swaps it
         # one per mesh of this call's parameters, in the order of their first parameter
-        # ([Note: shard groups of one call] in _fully_shard.py); none without parameters
+        # (see ``_by_mesh`` in vefsdp_optim/_fsdp/_fully_shard.py); none without parameters
         self.shard_groups = shard_groups
         self._not_run: set[int] = set()  # ids of the modules of this forward (a list of modules) yet to finish
         self.reshard_after_forward = reshard_after_forward
@@ -81,9 +81,9 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
         self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
-        # [Note: repeated use] forward calls (grad enabled) since the last backward whose
-        # inputs carry a post-backward hook; the shard group is reduced when the last of them
-        # has run backward, or by the root's final callback when some call had no hook.
+        # Forward calls (grad enabled) since the last backward whose inputs carry a
+        # post-backward hook; the shard group is reduced when the last of them has run
+        # backward, or by the root's final callback when some call had no hook.
         self.uses = 0
         self.untracked = False  # a forward call with grad whose inputs need no grad
         # id -> original Parameter this shard group replaced (weak: tensors compare elementwise)
@@ -297,7 +297,7 @@ class FSDPState:
         return f"{self.module_class}.{mp.fqn}"
 
     def post_backward(self, final: bool = False) -> None:
-        """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
+        """End of this module's backward: free, reduce-scatter (see ``FSDPState.uses``).
 
         From a use's post-backward hook (``final=False``) only the last outstanding use
         finishes the shard group; the root's final callback (``final=True``) finishes it always.
@@ -321,7 +321,7 @@ class FSDPState:
         if ctx is not None:
             wait_reductions(ctx)
         for g in self.shard_groups:  # this module's groups reduce together
-            g.reduce_grads()  # async ([Note: async reduce-scatter] in _grads.py)
+            g.reduce_grads()  # async (see ``StoreGrads.launch_reduce`` in vefsdp_optim/_fsdp/_grads.py)
             if g.reducing:
                 if ctx is not None:
                     ctx.reducing.append(g)
@@ -344,7 +344,7 @@ class FSDPState:
 #    requires grad, under grad mode. It gives a gathered copy in new storage, which no
 #    reshard frees. Its backward starts the shard group's backward and adds the gradient,
 #    in param_dtype, where autograd puts the unsharded face's. It counts as a forward
-#    without a post-backward hook ([Note: repeated use]): one reduction, by the
+#    without a post-backward hook (see ``FSDPState.uses``): one reduction, by the
 #    final callback, averaged over the ranks. FSDP2 leaves each shard its own rank's one.
 #  - ``module.unshard()``, then the unsharded face, FSDP2's other way. A hook on that
 #    face starts the shard group's backward at its first gradient, before
@@ -371,7 +371,7 @@ class ParamOutsideUse:
 
     def forward(self) -> None:
         state, _ = self._both()
-        state.untracked = True  # reduced by the final callback ([Note: repeated use])
+        state.untracked = True  # reduced by the final callback (see ``FSDPState.uses``)
 
     def backward(self, grad: torch.Tensor) -> None:
         state, mp = self._both()

@@ -188,7 +188,7 @@ class CommContext:
         self.pending_free: list[tuple[_Releasable, Any]] = []
         # (post-reduce event, what to release once the current stream waited on it)
         # True where the host must wait for it too: an offloaded store's device-to-host
-        # copy ([Note: CPU offload] in _store.py)
+        # copy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py)
         self.post_reduce: list[tuple[Any, Callable[[], None], bool]] = []
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
 

@@ -5,7 +5,7 @@ non-differentiable path) op for op: the same lerp, mul_/addcmul_, Python-float b
 corrections, sqrt / divide / add eps and addcdiv_. Every op is elementwise, so applying
 it to any slice of a parameter gives the same bits as applying it to the whole
 parameter: this is what makes sharded AdamW bit-identical to the single-device one.
-torch's fused kernel is the exception: see [Note: fused kernel positions] and
+torch's fused kernel is the exception: see ``FUSED_BLOCK`` and
 ``fused_pieces`` / ``adam_fused_pieces_``.
 """
 
@@ -34,7 +34,6 @@ from vefsdp_optim._torch_compat import (
 __all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fused_pieces_",
            "adamw_step_", "check_adam_hparams", "fused_pieces"]
 
-# [Note: fused kernel positions]
 # torch's fused CPU Adam(W) kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) steps
 # each tensor of its list in a vector body and then a scalar tail: the last numel % V
 # elements of a tensor, V the kernel's vector length (Vectorized<T>::size(); 8 float32s
@@ -60,7 +59,7 @@ __all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fu
 # Neither needs V. Zero rows stay zero where no element is copied in (zero param, grad
 # and moments), and nothing outside the slices (padding) is stepped.
 
-#: elements per block of [Note: fused kernel positions]; a multiple of every vector length
+#: elements per block of ``FUSED_BLOCK``; a multiple of every vector length
 FUSED_BLOCK = 64
 
 
@@ -91,7 +90,7 @@ class LocalSlice:
 @dataclass(frozen=True, slots=True)
 class FusedPieces:
     """How to step a flat buffer with torch's fused kernel so that every element gets
-    the bits one device gives it ([Note: fused kernel positions]): each ``views`` range
+    the bits one device gives it (see ``FUSED_BLOCK``): each ``views`` range
     of the buffer as its own tensor, then each ``rows`` zero row, into which element
     ``src[k]`` of the buffer is copied at index ``dst[k]`` of the rows laid end to end."""
 
@@ -102,7 +101,7 @@ class FusedPieces:
 
 
 def fused_pieces(slices: Sequence[LocalSlice]) -> FusedPieces:
-    """The pieces of [Note: fused kernel positions] for local slices of one flat buffer
+    """The pieces of ``FUSED_BLOCK`` for local slices of one flat buffer
     (disjoint, any order): consecutive body elements share views and rows."""
     views: list[tuple[int, int]] = []
     rows: list[int] = []
@@ -247,8 +246,8 @@ def adam_foreach_(
     ``steps`` are float32 0-d tensors, incremented here as torch does. Elementwise, so a
     list of slices (or one flat buffer) gets exactly the values the whole tensors would.
     ``uniform``: the caller knows that the parameters share one device and dtype (a
-    step-loop bucket's), so torch would take the lists as one group: [Note: host step
-    counts read once]'s path checks nothing more of them.
+    step-loop bucket's), so torch would take the lists as one group:
+    ``_multi_tensor_adam_host_steps_``'s path checks nothing more of them.
     """
     if not params:
         return
@@ -272,25 +271,11 @@ def adam_foreach_(
     )
 
 
-# [Note: host step counts read once]
-# torch's multi-tensor Adam (non-capturable) reads every parameter's step count back with
-# its own .item(), twice, and regroups the lists by device and dtype: about 2 us a
-# parameter of host work on every step, whatever its size. Where every tensor of a call
-# is on one device with one floating dtype and every step count is a host tensor (the
-# non-capturable, non-fused state), _multi_tensor_adam_host_steps_ runs the same foreach
-# ops in the same order with the same Python-float bias corrections, reading the counts
-# in one stack; where they are all equal (every parameter stepped every time: the usual
-# case) each op takes one scalar instead of a list of equal ones. An elementwise op
-# rounds its scalar to the tensors' opmath type either way, so the bits are torch's
-# (tests/test_math_functional.py checks them against torch's _multi_tensor_adam, mixed
-# counts, amsgrad, maximize and both decays included). Anything else goes to torch.
-
-
 def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                       exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
                       lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor, amsgrad: bool,
                       uniform: bool) -> bool:
-    """Whether [Note: host step counts read once]'s path takes this call (a device read
+    """Whether ``_multi_tensor_adam_host_steps_``'s path takes this call (a device read
     costs ~0.1 us a tensor: ``uniform`` skips those the caller vouches for)."""
     if isinstance(lr, Tensor) or isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
         return False
@@ -318,7 +303,19 @@ def _multi_tensor_adam_host_steps_(
     weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
 ) -> None:
     """torch.optim.adam._multi_tensor_adam's non-capturable path, op for op, with the step
-    counts read in one stack ([Note: host step counts read once])."""
+    counts read in one stack.
+
+    torch's multi-tensor Adam (non-capturable) reads every parameter's step count back
+    with its own .item(), twice, and regroups the lists by device and dtype: host work per
+    parameter on every step, whatever its size (figure in docs/decisions.md). Where every
+    tensor of a call is on one device with one floating dtype and every step count is a
+    host tensor (the non-capturable, non-fused state), this runs the same foreach ops in
+    the same order with the same Python-float bias corrections, reading the counts in one
+    stack; where they are all equal (every parameter stepped every time: the usual case)
+    each op takes one scalar instead of a list of equal ones. An elementwise op rounds its
+    scalar to the tensors' opmath type either way, so the bits are torch's
+    (tests/test_math_functional.py checks them against torch's _multi_tensor_adam, mixed
+    counts, amsgrad, maximize and both decays included). Anything else goes to torch."""
     if maximize:
         grads = foreach_neg(grads)
     foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
@@ -358,7 +355,7 @@ def adam_fused_pieces_(
 ) -> None:
     """torch's fused Adam(W) on 1-D flat buffers, in place, stepped in ``pieces`` (from
     :func:`fused_pieces`) so that each element gets the bits torch's fused kernel gives
-    it on one device ([Note: fused kernel positions]). ``step`` is the count before this
+    it on one device (see ``FUSED_BLOCK``). ``step`` is the count before this
     update, as in torch's ``state["step"]``; ``grad`` is read only."""
     tensors = [param, grad, exp_avg, exp_avg_sq]
     if amsgrad:

@@ -4,7 +4,7 @@
 one run of whole quantization blocks; ``adam8bit_multi_tensor_step_`` runs it on many
 tensors at once, as torch.optim's multi-tensor steps are split: the checks, then one
 dispatcher over the kernels (``_kernels/``) and the eager torch ops, which give the same
-bits ([Note: 8-bit Adam op order]).
+bits (see the op order in the comment after the imports).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ __all__ = ["adam8bit_block_step_", "adam8bit_capturable_step_", "adam8bit_device
            "adam8bit_multi_tensor_step_", "select_capturable_backend"]
 
 
-# [Note: 8-bit Adam op order]
 # The 8-bit step is its own sequence of float32 operations, each one correctly rounded
 # IEEE op (no fused multiply-add), so that the eager torch ops below and the fused C
-# kernel ([Note: fused 8-bit step]) give the same bits, vectorized or not:
+# kernel (see vefsdp_optim/_kernels/_native.py) give the same bits, vectorized or not:
 #     g = -g (maximize);  p = p * (1 - lr * wd) (AdamW)  or  g = g + p * wd (Adam)
 #     m = m + (g - m) * (1 - beta1)
 #     v = v * beta2 + (g * g) * (1 - beta2)
@@ -53,7 +52,8 @@ def adam8bit_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps: f
 
 def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ...], *, maximize: bool,
                  wd_on: bool, decoupled: bool) -> None:
-    """[Note: 8-bit Adam op order] with torch ops, in place on 1-D float32 ``p``, ``m``, ``v``."""
+    """The op order of the comment at the top of this file, with torch ops, in place on 1-D float32
+    ``p``, ``m``, ``v``."""
     c_wd, wd, w1, beta2, w2, bc2_sqrt, eps, neg_step = hp
     if maximize:
         g = -g
@@ -103,8 +103,8 @@ def adam8bit_block_step_(
     """One 8-bit Adam / AdamW step on a run of whole quantization blocks, in place.
 
     Dequantizes both moments (``exp_avg`` with ``signed_code``, ``exp_avg_sq`` with
-    ``unsigned_code``), applies the Adam (``decoupled=False``: L2) or AdamW update of
-    [Note: 8-bit Adam op order] in float32, updates ``param``, then requantizes both
+    ``unsigned_code``), applies the Adam (``decoupled=False``: L2) or AdamW update in the
+    op order of the comment at the top of this file, in float32, updates ``param``, then requantizes both
     moments into the given code and absmax tensors.
 
     ``param`` and ``grad`` have ``numel`` elements (any shape; a non-float32 ``param``
@@ -114,15 +114,15 @@ def adam8bit_block_step_(
     each slice's result is bit-identical to that part of the whole-tensor result.
 
     ``fused``: None runs the best kernel available for the tensors' device, or the one
-    ``VEFSDP_ADAM8BIT_BACKEND`` forces (``triton``, ``c`` or ``eager``; [Note: 8-bit
-    Adam backends]): the Triton kernel on CUDA ([Note: Triton 8-bit step]), the C++
-    kernel on the CPU ([Note: fused 8-bit step]), the eager torch ops where neither can
-    run; True requires a kernel (RuntimeError naming why none can run); False runs the
-    eager ops. All of them give the same bits. ``quantizers``
-    (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets callers build
-    the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
-    gives ``dequantize_blockwise``'s values, bit for bit (see [Note: table quantizer]).
-    Many tensors at once: :func:`adam8bit_multi_tensor_step_`.
+    ``VEFSDP_ADAM8BIT_BACKEND`` forces (``triton``, ``c`` or ``eager``;
+    vefsdp_optim/_kernels/_backend.py): the Triton kernel on CUDA (see
+    vefsdp_optim/_kernels/_quant8_triton.py), the C++ kernel on the CPU (see
+    vefsdp_optim/_kernels/_native.py), the eager torch ops where neither can run; True requires a
+    kernel (RuntimeError naming why none can run); False runs the eager ops. All of them give the
+    same bits. ``quantizers`` (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets
+    callers build the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
+    gives ``dequantize_blockwise``'s values, bit for bit (see ``TableQuantizer`` in
+    vefsdp_optim/_math/_quant8.py). Many tensors at once: :func:`adam8bit_multi_tensor_step_`.
     """
     adam8bit_multi_tensor_step_(
         [param], [grad], [(exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)],
@@ -164,7 +164,7 @@ def adam8bit_multi_tensor_step_(
     ``step=steps[i]`` (``states[i]``: the exp_avg codes and absmax, then the exp_avg_sq
     codes and absmax), the same bits as one call per tensor. The shared arguments are
     checked and the backend chosen once, and on the C++ kernel all tensors go in one
-    call ([Note: one call for many tensors] in ``_kernels/csrc/quant8_adam_op.cpp``): an
+    call (see ``adam8bit_steps_cpu`` in vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp): an
     optimizer's per-tensor overhead is then a few checks."""
     _check_multi_tensor_args(params, grads, states, steps, block_size, fused)
     if quantizers is None:
@@ -243,10 +243,10 @@ def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor],
                   states: Sequence[Sequence[Tensor]], hps: list[tuple[float, ...]] | Tensor, flags: int,
                   block_size: int, signed_code: Tensor, unsigned_code: Tensor,
                   quantizers: tuple[TableQuantizer, TableQuantizer]) -> None:
-    """The step on the C++ or Triton kernel ([Note: 8-bit Adam backends]): every tensor in
-    one call, on contiguous copies of the states where they are not contiguous. ``hps``: the
-    host coefficients of each tensor, or (Triton) their device table ([Note: coefficients
-    on the device]), one row per tensor, every tensor non-empty."""
+    """The step on the C++ or Triton kernel (see vefsdp_optim/_kernels/_backend.py): every tensor in
+    one call, on contiguous copies of the states where they are not contiguous. ``hps``: the host
+    coefficients of each tensor, or (Triton) their device table (see ``_adam8bit_step_kernel`` in
+    vefsdp_optim/_kernels/_quant8_triton.py), one row per tensor, every tensor non-empty."""
     from .._kernels import run_adam8bit_kernel_
 
     g32s = [_flat_float32(grad) for grad in grads]
@@ -310,10 +310,11 @@ def adam8bit_device_hparams(steps: Tensor, *, lr: float | Tensor, beta1: float, 
 
 def select_capturable_backend(device_type: str, block_size: int, max_k: int = 1,
                               fused: bool | None = None) -> str:
-    """``"triton"`` or ``"eager"`` for a capturable step ([Note: coefficients on the device]
-    in ``_kernels/_quant8_triton.py``): ``select_backend``'s choice ([Note: 8-bit Adam
-    backends]), except that the C++ kernel, which takes host scalars, is never chosen: where
-    it would be (the CPU, or ``VEFSDP_ADAM8BIT_BACKEND=c``) the eager ops run, and
+    """``"triton"`` or ``"eager"`` for a capturable step (see
+    ``_adam8bit_step_kernel`` in vefsdp_optim/_kernels/_quant8_triton.py):
+    ``select_backend``'s choice (see vefsdp_optim/_kernels/_backend.py), except
+    that the C++ kernel, which takes host scalars, is never chosen: where it would
+    be (the CPU, or ``VEFSDP_ADAM8BIT_BACKEND=c``) the eager ops run, and
     ``fused=True`` raises RuntimeError naming why."""
     from .._kernels import requested_backend, select_backend
 
@@ -345,13 +346,13 @@ def adam8bit_capturable_step_(
     quantizers: tuple[TableQuantizer, TableQuantizer] | None = None, maximize: bool = False,
     fused: bool | None = None,
 ) -> None:
-    """:func:`adam8bit_multi_tensor_step_` with ``capturable`` ([Note: capturable steps]):
-    ``steps`` are each tensor's count after this update (float32 0-d tensors on the
-    device), the coefficients :func:`adam8bit_device_hparams`, read on the device: by the
-    Triton kernel (one launch for every tensor, [Note: coefficients on the device]) where
-    it runs (:func:`select_capturable_backend`: CUDA by default, ``fused`` and
-    ``VEFSDP_ADAM8BIT_BACKEND`` as for the host-scalar step), else by the eager ops of
-    [Note: 8-bit Adam op order] with them as 0-d device tensors; the same bits either way."""
+    """:func:`adam8bit_multi_tensor_step_` with ``capturable`` ([Note: capturable steps]): ``steps``
+    are each tensor's count after this update (float32 0-d tensors on the device), the coefficients
+    :func:`adam8bit_device_hparams`, read on the device: by the Triton kernel (one launch for every
+    tensor, ``_adam8bit_step_kernel`` in vefsdp_optim/_kernels/_quant8_triton.py) where it runs
+    (:func:`select_capturable_backend`: CUDA by default, ``fused`` and ``VEFSDP_ADAM8BIT_BACKEND``
+    as for the host-scalar step), else by the eager ops of the op order at the top of this file,
+    with them as 0-d device tensors; the same bits either way."""
     if not params:
         return
     _check_multi_tensor_args(params, grads, states, steps, block_size, fused)

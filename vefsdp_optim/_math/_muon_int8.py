@@ -1,18 +1,17 @@
 """Muon's momentum kept in 8 bits: block-wise quantized with 8-bit Adam's signed code map.
 
-[Note: 8-bit Muon momentum] ``Muon(..., momentum_dtype=torch.int8)`` keeps the momentum
+``Muon(..., momentum_dtype=torch.int8)`` keeps the momentum
 as one uint8 code per element and one float32 absmax per block of 256 elements of the
 parameter's flat order (1.016 bytes per element against 4), with the signed dynamic code
-map of 8-bit Adam ([Note: dynamic code map]). Each step dequantizes the momentum, applies
+map of 8-bit Adam (see vefsdp_optim/_math/_quant8.py). Each step dequantizes the momentum, applies
 Muon's update in float32 (torch.optim.Muon's ``lerp`` order), and quantizes it back
-([Note: no dead zone]); the Newton-Schulz input is the float32 update, as with a float32
+(see "No dead zone" below); the Newton-Schulz input is the float32 update, as with a float32
 momentum. Blocks never straddle ranks: the compute layout keeps whole 256-blocks (or the
 whole tensor) on one rank, and the rounding depends only on an element's value, its
 flat index in the whole parameter and the step count, so the result is the same at
 every world size.
 
-[Note: no dead zone]
-Rounding to the nearest code would lose every step whose increment ``(1 - momentum)
+No dead zone. Rounding to the nearest code would lose every step whose increment ``(1 - momentum)
 (g - m)`` is below half a code spacing: the momentum would come back to its old code and
 stay there while the gradient drifts (the increment is 0.05 of ``g - m``; code spacings
 are 1.4% of the block's absmax in the top decade, up to 14% of the value). So an element
@@ -52,7 +51,7 @@ _GOLDEN32 = 0x9E3779B9  # 2**32 / golden ratio, odd
 
 def _dither(index: Tensor, step: int | Tensor) -> Tensor:
     """A float32 in [0, 1) per element from its int64 flat ``index`` and the momentum's
-    ``step`` count ([Note: no dead zone]): a hash of the index, rotated by ``step`` times
+    ``step`` count (see the module docstring): a hash of the index, rotated by ``step`` times
     2**32 / golden ratio (mod 2**32), so each element's draws over the steps are a
     low-discrepancy sequence and the draws of one step are spread over the elements.
     Integer arithmetic only: the same bits on every device; every product stays below
@@ -78,7 +77,7 @@ def _dither(index: Tensor, step: int | Tensor) -> Tensor:
 def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tensor, offset: int,
                          step: int | Tensor) -> None:
     """Quantize the float32 momentum ``m`` (1-D, whole blocks) into ``codes`` and
-    ``absmax`` in place, which hold its previous value ([Note: no dead zone]); ``offset``:
+    ``absmax`` in place, which hold its previous value (see the module docstring); ``offset``:
     the flat index of ``m[0]`` in the whole parameter; ``step``: the number of momentum
     steps before this one (the dither's phase). The dithered code is computed for every
     element and selected where the nearest one is stuck: elementwise ops, so each

@@ -1,6 +1,6 @@
 """NorMuon's neuron-wise normalization (Li et al., arXiv 2510.05491), as Dion computes it.
 
-[Note: NorMuon normalization] After Newton-Schulz, each row (output neuron) of the
+After Newton-Schulz, each row (output neuron) of the
 orthogonalized update ``O`` (m x n) is divided by the root of an exponential moving
 average of its mean square, and the result is rescaled to ``O``'s Frobenius norm:
 
@@ -19,29 +19,28 @@ which ``mean_j O_ij^2 = r_i^2 / n``, ``||O||_F = ||r||`` and ``||Ô||_F = ||r / 
 ``||O||_F / (max(||Ô||_F, eps) d_i)``; Dion's op order (a pass per product and norm) gives
 the same values up to float32 rounding.
 
-[Note: batched NorMuon normalization] ``normuon_normalize_batched_`` normalizes k
-matrices of one shape with the ops of ``normuon_normalize_`` on the (k, rows, cols)
-stack, about 12 ops in all in place of 12 per matrix (the step loop's owner normalizes
-a bucket's same-shape blocks so). Each op gives every matrix the bits it gets alone:
-the cast, the squares, divisions, square roots, the broadcast product and the clamp
-are elementwise with one IEEE rounding per element, wherever it sits in a vector loop;
-the running average is ``lerp`` on each moment tensor itself (``_foreach_lerp_``: per
-tensor on the CPU, the per-tensor kernels' place of every element in the vector loop
-kept); what remains are the reductions along the last dim of contiguous tensors (the
-row norms of (k, rows, cols), the norms of the (k, rows) row-norm vectors), which the
-CPU's last-dim kernel reduces one row at a time (measured at 1 and 2 threads: tests/
-test_normuon.py); on another device a kernel may split a row differently for another
-number of rows. A tall Newton-Schulz batch is a transposed view: it is transposed one
-matrix at a time in bfloat16 (torch's fast transpose needs one dtype), then cast, which
-costs about half of a direct cast-and-transpose. So, as for Newton-Schulz ([Note:
-batched Newton-Schulz] in _newton_schulz.py), the bits are checked, not assumed:
-``normuon_batch_exact`` compares the two on a random stack once per (batch, shape,
-dtype, device, beta2, threads), on full-precision values (the squares of bfloat16 values,
-Newton-Schulz's, often sum exactly in float32 whatever the order, and would hide one),
-and refuses blocks with a side below ``BATCH_MIN_DIM`` (a sum of fewer terms may round
-alike in two orders on the probe and not on the data). Off the CPU, as for
+``normuon_normalize_batched_`` normalizes k matrices of one shape with the ops of
+``normuon_normalize_`` on the (k, rows, cols) stack, about 12 ops in all in place of 12
+per matrix (the step loop's owner normalizes a bucket's same-shape blocks so). Each op
+gives every matrix the bits it gets alone: the cast, the squares, divisions, square roots,
+the broadcast product and the clamp are elementwise with one IEEE rounding per element,
+wherever it sits in a vector loop; the running average is ``lerp`` on each moment tensor
+itself (``_foreach_lerp_``: per tensor on the CPU, the per-tensor kernels' place of every
+element in the vector loop kept); what remains are the reductions along the last dim of
+contiguous tensors (the row norms of (k, rows, cols), the norms of the (k, rows) row-norm
+vectors), which the CPU's last-dim kernel reduces one row at a time (measured at 1 and 2
+threads: tests/ test_normuon.py); on another device a kernel may split a row differently
+for another number of rows. A tall Newton-Schulz batch is a transposed view: it is
+transposed one matrix at a time in bfloat16 (torch's fast transpose needs one dtype), then
+cast, which costs about half of a direct cast-and-transpose. So, as for Newton-Schulz (see
+``newtonschulz_batch_exact`` in vefsdp_optim/_math/_newton_schulz.py), the bits are
+checked, not assumed: ``normuon_batch_exact`` compares the two on a random stack once per
+(batch, shape, dtype, device, beta2, threads), on full-precision values (the squares of
+bfloat16 values, Newton-Schulz's, often sum exactly in float32 whatever the order, and
+would hide one), and refuses blocks with a side below ``BATCH_MIN_DIM`` (a sum of fewer
+terms may round alike in two orders on the probe and not on the data). Off the CPU, as for
 Newton-Schulz, the answer comes back without a host sync, the per-matrix path running
-until it does ([Note: batch probes off the CPU] in _batch_probe.py).
+until it does (see vefsdp_optim/_math/_batch_probe.py).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ NORMUON_EPS = 1e-8  # Dion's constant, in the denominator and the norm's clamp
 def normuon_normalize_(
     ortho: Tensor, variance: Tensor, beta2: float, eps: float = NORMUON_EPS, out: Tensor | None = None,
 ) -> Tensor:
-    """NorMuon's normalization of one orthogonalized matrix ([Note: NorMuon normalization]).
+    """NorMuon's normalization of one orthogonalized matrix (see the module docstring).
 
     Args:
         ortho: the (rows, cols) Newton-Schulz result, any float dtype (bfloat16 from Muon's
@@ -128,7 +127,7 @@ def normuon_normalize_batched_(
     out: Tensor | None = None,
 ) -> Tensor:
     """:func:`normuon_normalize_` of each ``ortho[i]`` with ``variances[i]``, in batched
-    ops ([Note: batched NorMuon normalization]): the same bits where
+    ops (see ``normuon_normalize_batched_``): the same bits where
     :func:`normuon_batch_exact` says so.
 
     Args:
@@ -194,9 +193,9 @@ def normuon_batch_exact(batch: int, rows: int, cols: int, dtype: torch.dtype, de
                         beta2: float, threads: int) -> bool:
     """Whether :func:`normuon_normalize_batched_` gives, for ``batch`` matrices of ``rows x
     cols`` normalized in ``dtype`` on ``device`` with ``threads`` intra-op threads, the
-    bits of :func:`normuon_normalize_` on each ([Note: batched NorMuon normalization]):
+    bits of :func:`normuon_normalize_` on each (see ``normuon_normalize_batched_``):
     checked once on a fixed random stack (off the CPU, answered when the queued probe
-    has finished: [Note: batch probes off the CPU]); never below ``BATCH_MIN_DIM``."""
+    has finished: vefsdp_optim/_math/_batch_probe.py); never below ``BATCH_MIN_DIM``."""
     if batch < 2 or min(rows, cols) < BATCH_MIN_DIM:
         return False
     device = torch.device(device)
@@ -247,10 +246,10 @@ def normuon_step_(
     split_sizes: Sequence[int] | None = None,
 ) -> None:
     """One NorMuon step on a whole parameter, in place: :func:`muon_step_` with each
-    block's Newton-Schulz result normalized row by row before the step ([Note: NorMuon
-    normalization]). ``variances[k]``: block k's row second moment (its rows, float32
-    for a float32 or bfloat16 parameter: ``promote_types(param.dtype, float32)``),
-    updated in place; the step's update is in that dtype."""
+    block's Newton-Schulz result normalized row by row before the step (see the
+    module docstring). ``variances[k]``: block k's row second moment (its rows,
+    float32 for a float32 or bfloat16 parameter: ``promote_types(param.dtype,
+    float32)``), updated in place; the step's update is in that dtype."""
     _check_step(param, grad, momentum_buffer)
     blocks = muon_blocks(param.shape, flatten, split_sizes)
     if len(variances) != len(blocks):
@@ -271,7 +270,7 @@ def normuon_orthogonalize_batched(
     ``_math.normuon_normalize_blocks`` of each input with ``variances[i]`` (one per block
     of ``blocks[i]``, updated in place), bit for bit; returns 1-D ``dtype`` tensors. The
     blocks of one shape are normalized in one batch where :func:`normuon_batch_exact`
-    says it gives the per-block bits ([Note: batched NorMuon normalization]), straight
+    says it gives the per-block bits (see ``normuon_normalize_batched_``), straight
     from Newton-Schulz's batch (or its per-block results) into the results (no bfloat16
     copy in between)."""
     results: list[torch.Tensor | None] = [None] * len(updates)

@@ -2,7 +2,7 @@
 projections after an optimizer step, so that each head's largest attention logit stays at
 or below a threshold.
 
-[Note: QK-clip] For an attention module with H query heads in Hkv key groups (Hkv = H
+For an attention module with H query heads in Hkv key groups (Hkv = H
 without GQA) and the largest pre-softmax logit ``S_h`` of each head in this step's
 forward pass, with threshold tau > 0 and balance alpha in [0, 1]:
 
@@ -23,7 +23,7 @@ are its key rows k^C (``head_dim``, gamma ** (1 - alpha)) then its value rows
 unchanged instead of zeroing it. The factors are computed in float32 (or the logits'
 wider dtype), each weight element is multiplied by its row's factor in the wider of the
 two dtypes and rounded once to the weight's dtype, so any piece of a row, scaled alone, gets the bits
-the whole row gets: the sharded form ([Note: QK-clip on shards] in _qk_clip.py) equals
+the whole row gets: the sharded form (see ``QKClip`` in vefsdp_optim/_qk_clip.py) equals
 ``qk_clip_`` on one device.
 """
 
@@ -100,7 +100,7 @@ def check_qk_clip_hparams(threshold: object, alpha: object) -> None:
 
 
 def qk_clip_gamma(max_logits: torch.Tensor, threshold: float, num_kv_heads: int) -> torch.Tensor:
-    """``gamma_g`` of each key group ([Note: QK-clip]): (num_kv_heads,), float32 or the
+    """``gamma_g`` of each key group (see the module docstring): (num_kv_heads,), float32 or the
     logits' wider dtype, computed on the logits' device without a host sync."""
     dtype = torch.promote_types(max_logits.dtype, torch.float32)
     s = max_logits.to(dtype).view(num_kv_heads, -1).amax(dim=1)
@@ -109,7 +109,7 @@ def qk_clip_gamma(max_logits: torch.Tensor, threshold: float, num_kv_heads: int)
 
 
 def qk_clip_row_scales(gamma: torch.Tensor, alpha: float, heads: QKClipHeads) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factor of every query row and every key row ([Note: QK-clip]): ((q_rows,),
+    """The factor of every query row and every key row (see the module docstring): ((q_rows,),
     (k_rows,)), from the groups' ``gamma`` (num_kv_heads,)."""
     group = heads.num_heads // heads.num_kv_heads
     # each group's factor computed once, then repeated for its query heads (a vectorized
@@ -152,7 +152,7 @@ def qk_clip_(
     q: torch.Tensor | None, k: torch.Tensor | None, max_logits: torch.Tensor, threshold: float, alpha: float,
     heads: QKClipHeads, qkv: torch.Tensor | None = None,
 ) -> None:
-    """QK-clip of one attention module on whole weights ([Note: QK-clip]): ``q``
+    """QK-clip of one attention module on whole weights (see the module docstring): ``q``
     (``heads.q_rows`` rows) and ``k`` (``heads.k_rows`` rows), or one fused ``qkv``
     (``heads.qkv_rows`` rows: query, key, value), scaled in place from the per-head
     maximum logits ``max_logits`` (num_heads,). The definition the sharded form equals."""

@@ -91,7 +91,7 @@ class _Experts(nn.Module):
     """Stacked expert weights ``[experts, out, in]``, every expert run on every token and
     weighted by its gate (zero outside the top 2). As DTensors sharded over an ``ep``
     mesh (expert parallel), each rank runs its own experts on every token and the
-    partial sums are added over ``ep`` ([Note: expert parallel toy] in toy/_moe_ep.py)."""
+    partial sums are added over ``ep`` (see vefsdp_optim/toy/_moe_ep.py)."""
 
     def __init__(self, d: int, experts: int, d_ff: int) -> None:
         super().__init__()

@@ -10,7 +10,7 @@ takes the embeddings, the head and the 1-D parameters, and QK-clip rescales the 
 logits pass the threshold after every step. Halfway, the run saves a checkpoint
 (``vefsdp_optim.save``), rebuilds the model as ep 1 x dp W (experts plain, sharded over
 all ranks), loads it and trains on. With ``--check``, rank 0 replays the same full
-gradients (and the same max logits) on one device ([Note: expert parallel toy]).
+gradients (and the same max logits) on one device (see the comment above ``EP_OPTIMIZERS``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from ._tasks import MOE_EXPERTS, get_task
 __all__ = ["EP_OPTIMIZERS", "EPCheckConfig", "EPCheckResult", "shard_moe", "build_moe_optimizer",
            "run_ep_check", "launch_ep_check"]
 
-# [Note: expert parallel toy]
 # Every rank trains on the whole global batch (the toy runs' rule), so an ep rank runs its
 # own experts on all tokens and the partial sums of the ep ranks are all-reduced; the
 # backward of that sum passes the gradient through unchanged (each ep rank's loss is the
@@ -54,7 +53,7 @@ __all__ = ["EP_OPTIMIZERS", "EPCheckConfig", "EPCheckResult", "shard_moe", "buil
 #   is added in another order (per ep rank, then across), and after the move to ep 1 the
 #   loss is the one device's bit for bit.
 # The max logits are reduced with MAX over all ranks before the clip, as a data-parallel
-# run must ([Note: QK-clip on shards] in _qk_clip.py).
+# run must (``QKClip`` in _qk_clip.py).
 
 EP_OPTIMIZERS = ("muon", "normuon")
 EP_LOSS_RTOL = 1e-5  # measured at seed 0, 40 steps, W = 4: 0 (the same bits)
@@ -119,7 +118,7 @@ class EPCheckResult:
     seconds: float = 0.0
 
     def failures(self) -> list[str]:
-        """What the check found wrong ([Note: expert parallel toy]); empty when it passed."""
+        """What the check found wrong (see the comment above ``EP_OPTIMIZERS``); empty when it passed."""
         if not self.config.check:
             return []
         out = []

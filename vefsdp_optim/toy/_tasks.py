@@ -29,7 +29,7 @@ __all__ = [
     "stationary_distribution",
 ]
 
-# [Note: loss floors]
+# The loss floor of each task:
 # gpt: next-token cross-entropy (nats) on sequences of an order-1 Markov chain whose
 #   first token is drawn from the stationary distribution; every target then has the
 #   previous token as context, so no model beats the entropy rate
