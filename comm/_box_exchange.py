@@ -59,7 +59,8 @@ def _gather_views(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | B
     return [t[f:f + math.prod(sz)].view(sz)[sl] for f, sz, sl, _ in d.range_parts(b, x, x + n)]
 
 
-def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> torch.Tensor:
+def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int,
+            b: int) -> torch.Tensor:
     """Of rank ``a``'s local ``t`` under ``s``, what rank ``b`` holds under ``d`` (1-D)."""
     parts = [v.reshape(-1) for v in _gather_views(t, s, d, a, b)]
     if len(parts) == 1:
@@ -67,8 +68,8 @@ def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShar
     return torch.cat(parts) if parts else t[:0]
 
 
-def _scatter_targets(out: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, p: int,
-                     rank: int) -> list[torch.Tensor]:
+def _scatter_targets(out: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
+                     p: int, rank: int) -> list[torch.Tensor]:
     """Where this rank's ``out`` under ``d`` takes what rank ``p`` holds under ``s``: views
     of ``out``, in the piece's order (a piece fills them one after the other)."""
     if isinstance(d, BoxShard):
@@ -86,8 +87,8 @@ def _scatter_targets(out: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShar
     return [out[f:f + math.prod(sz)].view(sz)[sl] for f, sz, sl, _ in s.range_parts(p, y, y + m)]
 
 
-def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
-             p: int, rank: int) -> None:
+def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard,
+             d: RaggedShard | BoxShard, p: int, rank: int) -> None:
     """Write ``piece`` (what rank ``p`` holds under ``s`` and this rank under ``d``) into
     this rank's ``out`` under ``d``."""
     k = 0
@@ -115,10 +116,12 @@ class Views(NamedTuple):
 
     def of(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         starts = [t.storage_offset() for t in buffers]
-        return [buffers[i].as_strided(size, stride, starts[i] + off) for i, size, stride, off in self.views]
+        return [buffers[i].as_strided(size, stride, starts[i] + off)
+                for i, size, stride, off in self.views]
 
 
-def _places(views: list[torch.Tensor], root: torch.Tensor, i: int) -> list[tuple[int, tuple, tuple, int]]:
+def _places(views: list[torch.Tensor], root: torch.Tensor,
+            i: int) -> list[tuple[int, tuple, tuple, int]]:
     """The places of the non-empty ``views`` of the flat meta buffer ``root`` (index ``i``)."""
     out = []
     for v in views:
@@ -126,7 +129,8 @@ def _places(views: list[torch.Tensor], root: torch.Tensor, i: int) -> list[tuple
             continue
         if not (v is root or view_base(v) is root):
             raise AssertionError("a box piece that is not a view of its buffer")
-        out.append((i, tuple(v.shape), tuple(v.stride()), v.storage_offset() - root.storage_offset()))
+        out.append((i, tuple(v.shape), tuple(v.stride()),
+                    v.storage_offset() - root.storage_offset()))
     return out
 
 
@@ -190,8 +194,8 @@ class BoxPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | BoxShard, ...], rank: int,
-             w: int) -> BoxPlan:
+def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | BoxShard, ...],
+             rank: int, w: int) -> BoxPlan:
     """The plan of :func:`launch_boxes` for checked layouts over ``w`` ranks."""
     out: dict[int, list[tuple[int, int]]] = {}  # peer -> (tensor, numel) sent to it
     inc: dict[int, list[tuple[int, int]]] = {}  # peer -> (tensor, numel) received from it
@@ -224,21 +228,25 @@ def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | B
     ins = [torch.empty(s.local_numel(rank), device=meta) for s in src]
     outs = [torch.empty(n, device=meta) for n in out_numels]
     send_from = _merged([v for p, i in sends
-                         for v in _places(_gather_views(ins[i], src[i], dst[i], rank, p), ins[i], i)])
+                         for v in _places(_gather_views(ins[i], src[i], dst[i], rank, p), ins[i],
+                                          i)])
     recv_to = _merged([v for p, i, _ in recvs if p != rank
-                       for v in _places(_scatter_targets(outs[i], src[i], dst[i], p, rank), outs[i], i)])
+                       for v in _places(_scatter_targets(outs[i], src[i], dst[i], p, rank), outs[i],
+                                        i)])
     if (sum(math.prod(sz) for _, sz, _, _ in recv_to) != sum(recv_counts)
             or sum(math.prod(sz) for _, sz, _, _ in send_from) != sum(send_counts)):
         raise AssertionError("the pieces do not fill the send and receive buffers")
-    return BoxPlan(tuple(sends), tuple(recvs), tuple(send_counts), tuple(recv_counts), sum(recv_counts),
-                   out_numels, Views(tuple(send_from)), _packed(send_from), _packed(recv_to), Views(tuple(recv_to)),
-                   tuple(i for p, i, _ in recvs if p == rank))
+    return BoxPlan(tuple(sends), tuple(recvs), tuple(send_counts), tuple(recv_counts),
+                   sum(recv_counts),
+                   out_numels, Views(tuple(send_from)), _packed(send_from), _packed(recv_to),
+                   Views(tuple(recv_to)), tuple(i for p, i, _ in recvs if p == rank))
 
 
 def launch_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
-                 dst: Sequence[RaggedShard | BoxShard], plan: BoxPlan, process_group: dist.ProcessGroup,
-                 rank: int, async_op: bool
-                 ) -> tuple[dist.Work | None, tuple[torch.Tensor, ...], Callable[[], list[torch.Tensor]]]:
+                 dst: Sequence[RaggedShard | BoxShard], plan: BoxPlan,
+                 process_group: dist.ProcessGroup, rank: int, async_op: bool
+                 ) -> tuple[dist.Work | None, tuple[torch.Tensor, ...],
+                            Callable[[], list[torch.Tensor]]]:
     """Launch the exchange of ``plan`` of checked ``locals``: the collective's work (None
     when not ``async_op``), the buffers it uses and the function that unpacks the outputs."""
     ref = locals[0]
@@ -248,15 +256,16 @@ def launch_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShar
     if plan.send_from.views:  # ``Views``
         foreach_copy_(plan.send_to.of([send_buf]), plan.send_from.of(locals))
     recv_buf = ref.new_empty(plan.recv_numel)
-    work = dist.all_to_all_single(recv_buf, send_buf, list(plan.recv_counts), list(plan.send_counts),
-                                  group=process_group, async_op=async_op)
+    work = dist.all_to_all_single(recv_buf, send_buf, list(plan.recv_counts),
+                                  list(plan.send_counts), group=process_group, async_op=async_op)
 
     def finish() -> list[torch.Tensor]:
         out = [ref.new_empty(n) for n in plan.out_numels]
         if plan.recv_to.views:  # ``Views``
             foreach_copy_(plan.recv_to.of(out), plan.recv_from.of([recv_buf]))
         for i in plan.own:
-            _scatter(out[i], _gather(locals[i], src[i], dst[i], rank, rank), src[i], dst[i], rank, rank)
+            _scatter(out[i], _gather(locals[i], src[i], dst[i], rank, rank), src[i], dst[i], rank,
+                     rank)
         return out
 
     return work, (send_buf, recv_buf), finish

@@ -67,7 +67,8 @@ class DistributedBuffer:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a ProcessGroup or None, got {type(process_group).__name__}")
+            raise TypeError("process_group must be a ProcessGroup or None, got "
+                            f"{type(process_group).__name__}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise TypeError(f"rank must be an int or None, got {rank!r}")
         self.plan = plan
@@ -78,8 +79,9 @@ class DistributedBuffer:
             self.world_size = plan.world_size
             if rank is None and plan.world_size != 1:
                 raise ValueError(
-                    f"process_group=None needs a plan for 1 rank, got one for {plan.world_size} ranks; "
-                    "pass the process group, or rank=... for a detached local-only buffer")
+                    "process_group=None needs a plan for 1 rank, got one for "
+                    f"{plan.world_size} ranks; pass the process group, or rank=... for a detached "
+                    "local-only buffer")
             self.rank = 0 if rank is None else rank
             if not 0 <= self.rank < self.world_size:
                 raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
@@ -88,12 +90,14 @@ class DistributedBuffer:
             self.world_size = process_group.size()
             self.rank = process_group.rank()
             if rank is not None and rank != self.rank:
-                raise ValueError(f"rank={rank} but this process is rank {self.rank} of the process group")
+                raise ValueError(f"rank={rank} but this process is rank {self.rank} of the "
+                                 "process group")
             if validate:
                 check_plan_consistent(plan, process_group)
             elif plan.world_size != self.world_size:
                 raise ValueError(
-                    f"plan is for {plan.world_size} ranks but the process group has {self.world_size} ranks")
+                    f"plan is for {plan.world_size} ranks but the process group has "
+                    f"{self.world_size} ranks")
         self._detached = process_group is None and self.world_size != 1
         self._collective = process_group is not None and self.world_size > 1
         m = plan.shard_size
@@ -129,7 +133,8 @@ class DistributedBuffer:
 
     def _name(self, name: str) -> str:
         if name not in self._offsets:
-            raise KeyError(f"no tensor named {name!r} in this buffer's plan; names: {list(self._offsets)}")
+            raise KeyError(f"no tensor named {name!r} in this buffer's plan; names: "
+                           f"{list(self._offsets)}")
         return name
 
     def local_view(self, name: str) -> torch.Tensor:
@@ -156,8 +161,8 @@ class DistributedBuffer:
     def _need_global(self, what: str) -> None:
         if self._detached:
             raise RuntimeError(
-                f"{what}: this buffer is detached (process_group=None, plan for {self.world_size} ranks); "
-                f"it holds rank {self.rank}'s shard only")
+                f"{what}: this buffer is detached (process_group=None, plan for "
+                f"{self.world_size} ranks); it holds rank {self.rank}'s shard only")
 
     def _alloc(self, flat: torch.Tensor, zero: bool) -> bool:
         """Give ``flat`` storage for W * m elements; True if it had none."""
@@ -243,7 +248,8 @@ class DistributedBuffer:
         """View of the global buffer with tensor ``name``'s global shape (same object each call)."""
         self._need_global("full_view")
         if self._full_views is None:
-            raise RuntimeError("full_view needs the global buffer allocated once; call alloc_global() first")
+            raise RuntimeError("full_view needs the global buffer allocated once; call "
+                               "alloc_global() first")
         return self._full_views[self._name(name)]
 
     def grad_full_view(self, name: str) -> torch.Tensor:
@@ -280,10 +286,12 @@ class DistributedBuffer:
         if not self._collective:
             return None
         if not self.grad_global_allocated:
-            raise RuntimeError("reduce_scatter needs grad_global allocated and filled; call alloc_grad_global()")
-        return reduce_scatter_flat(self.local_grad, self._grad_global, self.process_group, op=op, async_op=async_op)
+            raise RuntimeError("reduce_scatter needs grad_global allocated and filled; call "
+                               "alloc_grad_global()")
+        return reduce_scatter_flat(self.local_grad, self._grad_global, self.process_group, op=op,
+                                   async_op=async_op)
 
     def __repr__(self) -> str:
-        return (f"DistributedBuffer(tensors={len(self.plan.specs)}, W={self.world_size}, rank={self.rank}, "
-                f"m={self.plan.shard_size}, dtype={self.dtype}, device={self.device}, "
-                f"global_allocated={self.global_allocated})")
+        return (f"DistributedBuffer(tensors={len(self.plan.specs)}, W={self.world_size}, "
+                f"rank={self.rank}, m={self.plan.shard_size}, dtype={self.dtype}, "
+                f"device={self.device}, global_allocated={self.global_allocated})")

@@ -110,8 +110,8 @@ def _point_to_point(group: dist.ProcessGroup, shard: torch.Tensor) -> bool:
             and (w > 2 or shard.numel() * shard.element_size() >= P2P_MIN_SHARD_BYTES_W2))
 
 
-def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup,
-                tag: int) -> list[dist.Work]:
+def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
+                group: dist.ProcessGroup, tag: int) -> list[dist.Work]:
     ops = []
     for peer in sorted(sends):
         ops.append(dist.P2POp(dist.isend, sends[peer], group=group, tag=tag, group_peer=peer))
@@ -120,14 +120,16 @@ def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], 
 
 
 @torch.compiler.disable
-def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> PointToPointWork:
+def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor,
+                    group: dist.ProcessGroup) -> PointToPointWork:
     w, rank, m = group.size(), dist.get_rank(group), input.numel()
     mine = output[rank * m:(rank + 1) * m]
     if mine.data_ptr() != input.data_ptr():
-        mine.copy_(input)  # all_gather semantics; a view of its own place (the buffers') copies nothing
+        # all_gather semantics; a view of its own place (the buffers') copies nothing
+        mine.copy_(input)
     peers = [p for p in range(w) if p != rank]
-    works = _launch_p2p({p: input for p in peers}, {p: output[p * m:(p + 1) * m] for p in peers}, group,
-                        _TAG_ALL_GATHER)
+    works = _launch_p2p({p: input for p in peers}, {p: output[p * m:(p + 1) * m] for p in peers},
+                        group, _TAG_ALL_GATHER)
     return PointToPointWork(works, None, (output, input))
 
 
@@ -139,7 +141,8 @@ def _reduce_scatter_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.P
     is the same in either order)."""
     rank, m = dist.get_rank(group), output.numel()
     peer = 1 - rank
-    works = _launch_p2p({peer: input[peer * m:(peer + 1) * m]}, {peer: output}, group, _TAG_REDUCE_SCATTER)
+    works = _launch_p2p({peer: input[peer * m:(peer + 1) * m]}, {peer: output}, group,
+                        _TAG_REDUCE_SCATTER)
 
     def epilogue() -> None:
         output.add_(input[rank * m:(rank + 1) * m])
@@ -190,7 +193,8 @@ def _check_sizes(big: torch.Tensor, small: torch.Tensor, world_size: int, what: 
             f"{what}: the flat buffer has {big.numel()} elements, expected W * m = "
             f"{world_size} * {small.numel()} = {world_size * small.numel()}")
     if big.dtype != small.dtype:
-        raise ValueError(f"{what}: dtypes differ ({big.dtype} vs {small.dtype}); one buffer per dtype")
+        raise ValueError(f"{what}: dtypes differ ({big.dtype} vs {small.dtype}); one "
+                         "buffer per dtype")
 
 
 def all_gather_flat(
@@ -244,9 +248,11 @@ def reduce_scatter_flat(
     else:
         if not output.is_floating_point() and not output.is_complex():
             raise NotImplementedError(
-                f"op='avg' is supported for floating and complex dtypes, got {output.dtype}; use op='sum'")
+                f"op='avg' is supported for floating and complex dtypes, got {output.dtype}; "
+                "use op='sum'")
         rop, divide_by = dist.ReduceOp.SUM, w
-    if w == 2 and rop == dist.ReduceOp.SUM and _point_to_point(group, output) and not _overlap(output, input):
+    if (w == 2 and rop == dist.ReduceOp.SUM and _point_to_point(group, output)
+            and not _overlap(output, input)):
         p2p = _reduce_scatter_p2p(output, input, group, divide_by)
         if async_op:
             return FlatWork(p2p, 1, output)
@@ -270,7 +276,8 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
-def same_on_all_ranks(key: str | int, group: dist.ProcessGroup, device: torch.device | None = None) -> bool:
+def same_on_all_ranks(key: str | int, group: dist.ProcessGroup,
+                      device: torch.device | None = None) -> bool:
     """Whether every rank of ``group`` passes the same ``key``, the same answer on every rank.
 
     One ``all_reduce(MAX)`` of two int64 per rank, the
@@ -329,7 +336,8 @@ def first_difference(keys: list[int], flags: list[bool], group: dist.ProcessGrou
     slots[me] = (key != int(first.tolist()[0])) + 2 * bool(not counts and flags[at])
     dist.all_reduce(slots, group=group)
     per_rank = slots.tolist()
-    return -1 if counts else at, [r for r in range(w) if per_rank[r] & 1], [r for r in range(w) if per_rank[r] & 2]
+    return -1 if counts else at, [r for r in range(w)
+                                  if per_rank[r] & 1], [r for r in range(w) if per_rank[r] & 2]
 
 
 def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | None) -> None:
@@ -346,12 +354,14 @@ def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | N
     w = 1 if process_group is None else process_group.size()
     if w == 1:
         if plan.world_size != 1:
-            raise ValueError(f"plan is for {plan.world_size} ranks but the process group has 1 rank")
+            raise ValueError(f"plan is for {plan.world_size} ranks but the process "
+                             "group has 1 rank")
         return
     mine = (plan.fingerprint()[:16], plan.world_size)
     if same_on_all_ranks(f"{mine[0]} {mine[1]}", process_group):
         if plan.world_size != w:
-            raise ValueError(f"plan is for {plan.world_size} ranks but the process group has {w} ranks")
+            raise ValueError(f"plan is for {plan.world_size} ranks but the process group "
+                             f"has {w} ranks")
         return
     gathered: list[tuple[str, int] | None] = [None] * w
     dist.all_gather_object(gathered, mine, group=process_group)
@@ -364,8 +374,8 @@ def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | N
         bad = [r for r, g in enumerate(gathered) if g != ref]
         detail = ", ".join(f"rank {r}: {gathered[r][0]} (W={gathered[r][1]})" for r in bad)
         raise ValueError(
-            f"BufferPlan differs across the {w} ranks of the process_group: ranks {bad} hold a plan other "
-            f"than the one of ranks {[r for r in range(w) if r not in bad]} "
+            f"BufferPlan differs across the {w} ranks of the process_group: ranks {bad} hold "
+            f"a plan other than the one of ranks {[r for r in range(w) if r not in bad]} "
             f"({ref[0]}, W={ref[1]}); {detail}")
     if plan.world_size != w:
         raise ValueError(f"plan is for {plan.world_size} ranks but the process group has {w} ranks")

@@ -30,8 +30,8 @@ class OwnerAssignment(NamedTuple):
 def _held(layout: RaggedShard | BoxShard) -> torch.Tensor:
     """Each rank's elements of ``layout`` (int64, W long), once per layout: parameters of
     one shape share theirs. Called under ``host_scratch`` (by ``assign_owners``)."""
-    return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)], dtype=torch.int64,
-                        device="cpu")
+    return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)],
+                        dtype=torch.int64, device="cpu")
 
 
 def assign_owners(
@@ -58,7 +58,8 @@ def assign_owners(
         raise ValueError("assign_owners needs at least one tensor")
     for i, lay in enumerate(layouts):
         if not isinstance(lay, (RaggedShard, BoxShard)):
-            raise TypeError(f"layouts[{i}] must be a RaggedShard or a BoxShard, got {type(lay).__name__}")
+            raise TypeError(f"layouts[{i}] must be a RaggedShard or a BoxShard, got "
+                            f"{type(lay).__name__}")
     w = layouts[0].world_size
     bad = [i for i, lay in enumerate(layouts) if lay.world_size != w]
     if bad:
@@ -83,7 +84,8 @@ def assign_owners(
         inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
         for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
             low = float(load.min())
-            top = torch.where(load <= low + slack, _held(layouts[i]), -1)  # the candidates' held elements
+            # the candidates' held elements
+            top = torch.where(load <= low + slack, _held(layouts[i]), -1)
             pick = top == top.max()  # the most held among the candidates, then the lowest load
             pick &= load == torch.where(pick, load, inf).min()
             best = int(pick.byte().argmax())  # then the lowest rank: argmax gives the first

@@ -35,7 +35,8 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard
 from ._box_exchange import BoxPlan, box_plan, launch_boxes
 from ._collectives import same_on_all_ranks
 
-__all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
+__all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute",
+           "transfer_sizes"]
 
 
 class _Piece(NamedTuple):
@@ -161,7 +162,8 @@ def _strided(pieces: tuple[tuple[int, int, int], ...], dst: tuple[tuple[int, int
     for (b, lo, hi), (a, c) in zip(pieces, dst, strict=True):
         if out:
             pb, plo, phi, count, stride = out[-1]
-            n, step = phi - plo, lo - plo if count == 1 else stride  # a second piece sets the stride
+            # a second piece sets the stride
+            n, step = phi - plo, lo - plo if count == 1 else stride
             if pb == b and hi - lo == n and dst_out[-1][1] == a and step > n and lo - plo == count * step:
                 out[-1][3:] = [count + 1, step]
                 dst_out[-1] = (dst_out[-1][0], c)
@@ -434,7 +436,9 @@ def check_same_on_all_ranks(obj_fingerprint: str, process_group: dist.ProcessGro
     if not isinstance(obj_fingerprint, str):
         raise TypeError(f"obj_fingerprint must be a str, got {type(obj_fingerprint).__name__}")
     if process_group is None or same_on_all_ranks(obj_fingerprint, process_group):
-        return  # ``same_on_all_ranks`` in comm/_collectives.py; the keys are gathered only to name who differs
+        # ``same_on_all_ranks`` in comm/_collectives.py; the keys are gathered only to name who
+        # differs
+        return
     gathered: list[object] = [None] * process_group.size()
     dist.all_gather_object(gathered, obj_fingerprint, group=process_group)
     if any(g != gathered[0] for g in gathered):

@@ -38,7 +38,8 @@ class TensorSpec:
             raise ValueError(f"TensorSpec name must be a non-empty str, got {self.name!r}")
         shape = check_shape(self.shape)
         if not shape:
-            raise ValueError(f"TensorSpec {self.name!r}: shape () is empty; plan a 0-d tensor as (1,)")
+            raise ValueError(f"TensorSpec {self.name!r}: shape () is empty; plan a 0-d "
+                             "tensor as (1,)")
         if math.prod(shape) == 0:
             raise ValueError(f"TensorSpec {self.name!r}: shape {shape} has no elements")
         _check_positive_int(f"TensorSpec {self.name!r} unit", self.unit)
@@ -104,17 +105,20 @@ class BufferPlan:
         for s in self.specs:
             if s.name == name:
                 return s
-        raise KeyError(f"no tensor named {name!r} in this plan; names: {[s.name for s in self.specs]}")
+        raise KeyError(f"no tensor named {name!r} in this plan; names: "
+                       f"{[s.name for s in self.specs]}")
 
     def layout(self, name: str) -> RaggedShard:
         """The RaggedShard of tensor ``name`` implied by the plan."""
         for s, off in zip(self.specs, self.offset_list, strict=True):
             if s.name == name:
                 return _plan_layout(self.world_size, self.shard_size, off, s.numel)
-        raise KeyError(f"no tensor named {name!r} in this plan; names: {[s.name for s in self.specs]}")
+        raise KeyError(f"no tensor named {name!r} in this plan; names: "
+                       f"{[s.name for s in self.specs]}")
 
     def local_slices(self, rank: int) -> list[tuple[str, int, int, int]]:
-        """Tensors overlapping ``rank``'s shard: ``(name, start_in_tensor, start_in_shard, length)``."""
+        """Tensors overlapping ``rank``'s shard: ``(name, start_in_tensor, start_in_shard,
+        length)``."""
         m = self.shard_size
         lo, hi = rank * m, (rank + 1) * m
         out = []
@@ -127,21 +131,25 @@ class BufferPlan:
     def fingerprint(self) -> str:
         """A stable hash of the plan, equal on every rank iff the plans are equal."""
         text = repr((self.world_size, self.shard_size, self.align, tuple(
-            (s.name, s.shape, s.unit, o) for s, o in zip(self.specs, self.offset_list, strict=True))))
+            (s.name, s.shape, s.unit, o)
+            for s, o in zip(self.specs, self.offset_list, strict=True))))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def validate(self) -> None:
         """Check the plan's invariants; raises AssertionError naming the broken one."""
         w, m = self.world_size, self.shard_size
         if m < 0 or m % self.align:
-            raise AssertionError(f"shard_size {m} is not a non-negative multiple of align {self.align}")
+            raise AssertionError(f"shard_size {m} is not a non-negative multiple of align "
+                                 f"{self.align}")
         if len(self.offset_list) != len(self.specs):
             raise AssertionError(f"{len(self.offset_list)} offsets for {len(self.specs)} tensors")
-        spans = sorted((o, o + s.numel, s) for s, o in zip(self.specs, self.offset_list, strict=True))
+        spans = sorted((o, o + s.numel, s)
+                       for s, o in zip(self.specs, self.offset_list, strict=True))
         prev_end = 0
         for start, end, s in spans:
             if start < prev_end or end > w * m:
-                raise AssertionError(f"tensor {s.name!r} at [{start}, {end}) overlaps or exceeds W*m={w * m}")
+                raise AssertionError(f"tensor {s.name!r} at [{start}, {end}) overlaps or "
+                                     f"exceeds W*m={w * m}")
             prev_end = end
             # Interior boundaries are b, b + m, ...: all legal iff the first is and,
             # when there are two or more, m is a multiple of the unit.
@@ -221,7 +229,8 @@ def _placeable(n: int, u: int, m: int) -> bool:
     return n <= m or m % u == 0 or _round_up(n - m, u) <= m
 
 
-def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: int, cap: int) -> list[int] | None:
+def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: int,
+           cap: int) -> list[int] | None:
     offsets = [0] * len(sizes)
     remaining = list(order)
     placed = [False] * len(sizes)
@@ -269,8 +278,8 @@ def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offse
         remaining.remove(best)
 
 
-def _place_dynamic(sizes: Sequence[int], units: Sequence[int], key: Sequence[tuple[int, ...]], m: int,
-                   cap: int) -> list[int] | None:
+def _place_dynamic(sizes: Sequence[int], units: Sequence[int], key: Sequence[tuple[int, ...]],
+                   m: int, cap: int) -> list[int] | None:
     """Step 4 of :func:`plan_buffer`'s heuristic: least waste next, ties by ``key``."""
     offsets = [0] * len(sizes)
     remaining = list(range(len(sizes)))

@@ -72,8 +72,8 @@ class _Adam8bitBase(BlockOptimizer):
         requested_backend()  # a bad VEFSDP_ADAM8BIT_BACKEND raises here, before any step
         if amsgrad:
             raise NotImplementedError(
-                f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state keeps the two "
-                "Adam moments only; use vefsdp_optim.AdamW(amsgrad=True)")
+                f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state "
+                "keeps the two Adam moments only; use vefsdp_optim.AdamW(amsgrad=True)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         block_size=block_size, min_8bit_size=min_8bit_size, amsgrad=False,
                         maximize=maximize, capturable=capturable)
@@ -102,8 +102,8 @@ class _Adam8bitBase(BlockOptimizer):
         check_adam_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         _check_8bit_args(merged["block_size"], merged["min_8bit_size"])
         if merged.get("amsgrad"):
-            raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported (param group "
-                                      "keys); use vefsdp_optim.AdamW(amsgrad=True)")
+            raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported "
+                                      "(param group keys); use vefsdp_optim.AdamW(amsgrad=True)")
         super().add_param_group(param_group)
 
     def is_quantized(self, shape: torch.Size, group: dict[str, Any]) -> bool:
@@ -149,7 +149,8 @@ class _Adam8bitBase(BlockOptimizer):
             qs = self._quantizers[device] = tuple(q.to(device) for q in self._host_quantizers)
         return qs
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         signed, unsigned = self._code_maps(p.device)
         zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         bs = group["block_size"]
@@ -158,7 +159,8 @@ class _Adam8bitBase(BlockOptimizer):
         if m_absmax.numel() != num_blocks(p.numel(), bs):
             raise AssertionError(f"absmax has {m_absmax.numel()} blocks for {p.numel()} elements")
         return {  # the step on the host as torch.optim keeps it, on the device when capturable
-            "step": (torch.zeros((), dtype=torch.float32, device=p.device) if group.get("capturable")
+            "step": (torch.zeros((), dtype=torch.float32, device=p.device)
+                     if group.get("capturable")
                      else torch.tensor(0.0, dtype=torch.float32)),
             "exp_avg_codes": m_codes,  # uint8 (slice numel,)
             "exp_avg_absmax": m_absmax,  # float32 (ceil(slice numel / block_size),)
@@ -172,7 +174,8 @@ class _Adam8bitBase(BlockOptimizer):
     ) -> None:
         self._update_blocks([(p, g, state, ctx)], group)
 
-    def _update_blocks(self, work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]],
+    def _update_blocks(self,
+                       work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]],
                        group: dict[str, Any]) -> None:
         """``update_block`` on each ``(p, g, state, ctx)`` of ``group`` (one device, as a
         bucket is), all in one ``adam8bit_multi_tensor_step_`` (one kernel call on the
@@ -192,28 +195,32 @@ class _Adam8bitBase(BlockOptimizer):
         device = work[0][0].device
         signed, unsigned = self._code_maps(device)
         beta1, beta2 = group["betas"]
-        if group.get("capturable"):  # [Note: capturable steps]: the coefficients on the device, read
-            # there by the Triton kernel or the eager ops (see ``_adam8bit_step_kernel`` in
-            # vefsdp_optim/_kernels/_quant8_triton.py)
+        # [Note: capturable steps]: the coefficients on the device, read there by the Triton
+        # kernel or the eager ops (see ``_adam8bit_step_kernel`` in _kernels/_quant8_triton.py)
+        if group.get("capturable"):
             adam8bit_capturable_step_(
                 [p for p, _, _, _ in work], [g for _, g, _, _ in work],
-                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                  st["exp_avg_sq_absmax"])
                  for _, _, st, _ in work],
                 steps=step_tensors, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], decoupled=self.decoupled, block_size=bs,
-                signed_code=signed, unsigned_code=unsigned, quantizers=self._table_quantizers(device),
+                signed_code=signed, unsigned_code=unsigned,
+                quantizers=self._table_quantizers(device),
                 maximize=group["maximize"], fused=self.fused)
             return
         adam8bit_multi_tensor_step_(
             [p for p, _, _, _ in work], [g for _, g, _, _ in work],
-            [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+            [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+              st["exp_avg_sq_absmax"])
              for _, _, st, _ in work],
             steps=[int(t.item()) for t in step_tensors], lr=group["lr"], beta1=beta1, beta2=beta2,
             eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
             block_size=bs, signed_code=signed, unsigned_code=unsigned,
             quantizers=self._table_quantizers(device), maximize=group["maximize"], fused=self.fused)
 
-    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem],
+                       inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[ins[0]] for ins in inputs]
         fp32 = []  # small tensors: fused fp32 Adam(W) (one param group and device per bucket)
         work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]] = []
@@ -229,8 +236,8 @@ class _Adam8bitBase(BlockOptimizer):
             self._update_blocks(work, items[0].group)
         if fp32:
             adam_bucket_([self.state[items[i].param] for i in fp32], [inputs[i][0] for i in fp32],
-                         [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled,
-                         maximize=items[0].group["maximize"])
+                         [inputs[i][1] for i in fp32], group=items[0].group,
+                         decoupled=self.decoupled, maximize=items[0].group["maximize"])
         return out
 
 

@@ -93,8 +93,8 @@ class BlockOptimizer(Optimizer):
 
     #: elements per bucket of parameters exchanged together
     bucket_numel: int = 1 << 26
-    #: fewest elements per round of whole tensors sent to owners (see ``make_buckets`` in vefsdp_optim/_step_loop.py);
-    #: 0 keeps them in the buckets above
+    #: fewest elements per round of whole tensors sent to owners (see ``make_buckets`` in
+    #: vefsdp_optim/_step_loop.py); 0 keeps them in the buckets above
     min_round_numel: int = 1 << 20
     #: ``capturable=True`` on a device CUDA graphs cannot capture: our ValueError when the
     #: step is planned; False leaves the error to torch at the first step (AdamW, as
@@ -120,7 +120,8 @@ class BlockOptimizer(Optimizer):
                 except ValueError as e:
                     names = group.get("param_names")
                     who = repr(names[pi]) if names else f"{pi} (shape {tuple(p.shape)})"
-                    raise ValueError(f"{type(self).__name__}: param group {gi} parameter {who}: {e}") from None
+                    raise ValueError(f"{type(self).__name__}: param group {gi} "
+                                     f"parameter {who}: {e}") from None
                 self.requirement(view.shape, group)  # validates the shape too
         #: what the re-plan at construction changed (see ``BlockOptimizer.replan``)
         self.replan_report: ReplanReport = self.replan()
@@ -138,7 +139,8 @@ class BlockOptimizer(Optimizer):
         before the first step.
         """
         wanted = {p: self.requirement(sharded_view(p).shape, group)
-                  for group in self.param_groups for p in group["params"] if flat_store(p) is not None}
+                  for group in self.param_groups for p in group["params"]
+                  if flat_store(p) is not None}
         self._drop_plan()  # [Note: step plan], [Note: consistent steps]
         return apply_requirements(wanted, holder=self) if wanted else ReplanReport()
 
@@ -156,7 +158,8 @@ class BlockOptimizer(Optimizer):
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         raise NotImplementedError(f"{type(self).__name__} must define requirement(shape, group)")
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         return {}
 
     def update_block(
@@ -195,7 +198,8 @@ class BlockOptimizer(Optimizer):
         or on the host."""
         return bool(group.get("capturable", False))
 
-    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None:
+    def checkpoint_spec(self, shape: torch.Size,
+                        group: dict[str, Any]) -> dict[str, str | int] | None:
         """The declaration of a parameter's state: ``{key: kind}`` for every state entry of
         a parameter of global ``shape``, kinds ``REPLICATED`` (the same on every rank:
         step counts), ``ELEMENTWISE`` (one value per element), an int ``k`` (one value
@@ -328,7 +332,8 @@ class BlockOptimizer(Optimizer):
         if p is not item.view.local and p.numel():
             item.view.local.copy_(p)
 
-    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem],
+                       inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The results of a bucket (one param group): by default update_block on each
         parameter's whole blocks; override to fuse across parameters (AdamW) or to move
         other data than (param, grad) (Muon)."""
@@ -343,7 +348,8 @@ class BlockOptimizer(Optimizer):
     # -- the step loop ----------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self,  # type: ignore[override]
+             closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -364,16 +370,18 @@ class BlockOptimizer(Optimizer):
         items = plan.items
         state = self.state
         if not plan.validated:
-            for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
+            # an entry on every rank, even for empty slices (DCP's _init_optim_state)
+            for it in items:
                 state[it.param]
         buckets, moving, routes = plan.buckets, plan.moving, plan.routes
-        # pipeline (see ``make_buckets`` in vefsdp_optim/_step_loop.py): bucket k+1's inputs and bucket k-1's results
-        # are in flight while bucket k computes
+        # pipeline (see ``make_buckets`` in vefsdp_optim/_step_loop.py): bucket k+1's inputs and
+        # bucket k-1's results are in flight while bucket k computes
         pending = self._launch(buckets[0], moving[0], routes[0]) if buckets else None
         returning: tuple[list[StepItem], PendingExchange] | None = None
         for k, bucket in enumerate(buckets):
             current = pending
-            pending = self._launch(buckets[k + 1], moving[k + 1], routes[k + 1]) if k + 1 < len(buckets) else None
+            pending = (self._launch(buckets[k + 1], moving[k + 1], routes[k + 1])
+                       if k + 1 < len(buckets) else None)
             outputs = self.compute_bucket(bucket, current.wait())
             back = exchange(bucket, outputs, forward=False, moving=moving[k], routes=routes[k])
             if returning is not None:
@@ -400,7 +408,8 @@ class BlockOptimizer(Optimizer):
         stores, ``_FlatState`` in vefsdp_optim/_adamw.py) and leave out those it updated."""
         return group["params"]
 
-    def checkpoint_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+    def checkpoint_layout(self, p: Any, view: ShardedView,
+                          group: dict[str, Any]) -> RaggedShard | BoxShard | None:
         """Where ``p``'s state lives (``CheckpointedOptimizer``): :meth:`state_layout`,
         with the spread compute layout where that is the compute layout of a requirement
         with fewer blocks than ranks ([Note: spread compute blocks])."""
@@ -411,7 +420,8 @@ class BlockOptimizer(Optimizer):
 
     def _apply_bucket(self, bucket: list[StepItem], outputs: list[list[torch.Tensor]]) -> None:
         """apply_results over a bucket (one param group); the library's optimizers may
-        batch it across parameters (Muon's foreach ops, ``Muon._gather_bucket`` in vefsdp_optim/_muon.py)."""
+        batch it across parameters (Muon's foreach ops, ``Muon._gather_bucket`` in
+        vefsdp_optim/_muon.py)."""
         if type(self).apply_results is BlockOptimizer.apply_results:  # the default, inlined
             for it, (p,) in zip(bucket, outputs, strict=True):
                 if p is not it.view.local and p.numel():
@@ -426,5 +436,7 @@ class BlockOptimizer(Optimizer):
             return [[it.view.local, it.grad] for it in bucket]
         return [self.gather_inputs(it) for it in bucket]
 
-    def _launch(self, bucket: list[StepItem], moving: list[int], routes: dict[tuple, list]) -> PendingExchange:
-        return exchange(bucket, self._gather_bucket(bucket), forward=True, moving=moving, routes=routes)
+    def _launch(self, bucket: list[StepItem], moving: list[int],
+                routes: dict[tuple, list]) -> PendingExchange:
+        return exchange(bucket, self._gather_bucket(bucket), forward=True, moving=moving,
+                        routes=routes)

@@ -41,14 +41,15 @@ def check_capturable(name: str, group: dict[str, Any], device: torch.device) -> 
     if device.type not in devices:
         raise ValueError(
             f"{name}(capturable=True) needs its parameters on a device whose steps CUDA graphs "
-            f"can capture ({', '.join(devices)}), got a parameter on {device}; use capturable=False "
-            f"on {device.type}")
+            f"can capture ({', '.join(devices)}), got a parameter on {device}; use "
+            f"capturable=False on {device.type}")
     for key, value in group.items():
         if key == "params":
             continue
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor) and t.device != device:
                 raise ValueError(
-                    f"{name}(capturable=True) needs Tensor hyperparameters on the parameters' device "
-                    f"{device}, got {key!r} on {t.device}: a captured step would keep the value it "
-                    f"read when captured; pass {key} as a float or as a tensor on {device}")
+                    f"{name}(capturable=True) needs Tensor hyperparameters on the "
+                    f"parameters' device {device}, got {key!r} on {t.device}: a captured step "
+                    f"would keep the value it read when captured; pass {key} as a float or as a "
+                    f"tensor on {device}")

@@ -28,7 +28,8 @@ __all__ = ["balanced_compute", "snapped_compute", "spread_compute", "spreads"]
 # moments. The cuts may then differ between plans, since a gradient fewer moves the later
 # ones. Every rank derives the same cuts from the same items in the same order. The bits
 # do not change: each block is computed whole, wherever.
-def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, load: list[int]) -> RaggedShard:
+def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
+                     load: list[int]) -> RaggedShard:
     """The snapped compute layout of ``layout`` under ``req``, balanced against ``load``
     (elements computed so far per rank, updated) (see ``balanced_compute``)."""
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
@@ -87,7 +88,8 @@ def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
     # every block's holders (holders_between's bisections, in C over all blocks at once)
     starts = range(0, n, unit)
     first = map(bisect.bisect_right, itertools.repeat(b), starts)
-    last = map(bisect.bisect_left, itertools.repeat(b), itertools.chain(starts[1:], (n,) if n else ()))
+    last = map(bisect.bisect_left, itertools.repeat(b),
+               itertools.chain(starts[1:], (n,) if n else ()))
     owners, prev, get = [], 0, load.__getitem__
     for t, (c0, c1) in enumerate(zip(first, last, strict=True)):
         size = min(unit, n - t * unit)
@@ -106,7 +108,8 @@ def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
     return RaggedShard._trusted(extents), tuple(owners)
 
 
-def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:
+def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement,
+                    shape: torch.Size) -> RaggedShard:
     """The compute layout of a block requirement that ``layout`` cuts: its boundaries
     snapped to legal cuts; for a BoxShard (tensor parallel, [Note: boxes in flat
     order]), equal element counts per rank, snapped."""

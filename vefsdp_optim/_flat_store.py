@@ -19,7 +19,8 @@ import torch
 from vefsdp_optim._torch_compat import FakeTensor, storage_id
 from vefsdp_optim.sharding import Requirement
 
-__all__ = ["FlatStore", "FlatBacked", "ReplanReport", "StoreReplan", "flat_store", "apply_requirements"]
+__all__ = ["FlatStore", "FlatBacked", "ReplanReport", "StoreReplan", "flat_store",
+           "apply_requirements"]
 
 logger = logging.getLogger("vefsdp_optim")
 
@@ -178,7 +179,8 @@ def apply_requirements(requirements: Mapping[torch.Tensor, Requirement], *,
         tuple(n for r in parts for n in r.changed), tuple(k for r in parts for k in r.kept),
         sum(r.padding_before for r in done), sum(r.padding_after for r in done), len(done))
     if parts:
-        logger.info("re-planned %d store(s) for %s: moved %s; kept (padding rule) %s; padding %d -> %d",
+        logger.info("re-planned %d store(s) for %s: moved %s; kept (padding rule) %s; "
+                    "padding %d -> %d",
                     report.groups, type(holder).__name__ if holder is not None else "requirements",
                     list(report.changed), list(report.kept), report.padding_before,
                     report.padding_after)

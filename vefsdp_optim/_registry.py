@@ -42,7 +42,8 @@ def _load_builtin(key: str) -> None:
         importlib.import_module(_BUILTINS[key][0])
 
 
-def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = False) -> Callable[[T], T] | type:
+def register_optimizer(name: str, cls: type | None = None, *,
+                       overwrite: bool = False) -> Callable[[T], T] | type:
     """Register an optimizer class under ``name`` (case-insensitive).
 
     Use as a decorator (``@register_optimizer("tile_sgd")``) or a call
@@ -63,8 +64,9 @@ def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = 
         old = _REGISTRY.get(key)
         if old is not None and old is not c and not overwrite and not _same_definition(old, c):
             raise ValueError(
-                f"optimizer name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
-                f"pass overwrite=True to replace it with {c.__module__}.{c.__qualname__}")
+                f"optimizer name {name!r} is already registered to "
+                f"{old.__module__}.{old.__qualname__}; pass overwrite=True to replace it with "
+                f"{c.__module__}.{c.__qualname__}")
         _REGISTRY[key] = c
         return c
 

@@ -187,8 +187,9 @@ class Shampoo(ReplayCounting, BlockOptimizer):
         keys = [k for k in state if k.startswith(self.extra_state_prefixes)]
         missing = [k for k in keys if k not in saved]
         if missing:
-            raise ValueError(f"Shampoo state of parameter {name!r} (shape {tuple(view.shape)}): the "
-                             f"checkpoint lacks tiles {missing[:8]}{'...' if len(missing) > 8 else ''}")
+            raise ValueError(f"Shampoo state of parameter {name!r} (shape "
+                             f"{tuple(view.shape)}): the checkpoint lacks tiles "
+                             f"{missing[:8]}{'...' if len(missing) > 8 else ''}")
         for k in keys:
             live, v = state[k], saved[k]
             if not isinstance(v, torch.Tensor) or v.shape != live.shape:
@@ -209,7 +210,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
 
     # -- state ------------------------------------------------------------------------
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         if group["capturable"]:  # on the device ([Note: capturable steps])
             step = torch.zeros((), dtype=torch.float32, device=p.device)
             self._host_steps.start(step)
@@ -217,7 +219,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
             step = torch.tensor(0.0, dtype=torch.float32)
         state: dict[str, Any] = {
             "step": step,
-            "span": slice(ctx.start, ctx.start + ctx.length),  # the flat slice this state belongs to
+            # the flat slice this state belongs to
+            "span": slice(ctx.start, ctx.start + ctx.length),
             "exp_avg": torch.zeros_like(p),  # 1-D, ctx.length elems
         }
         if group["grafting"] == "adam":
@@ -230,8 +233,10 @@ class Shampoo(ReplayCounting, BlockOptimizer):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 state[_tile_key("L", band, col)] = torch.zeros(r, r, dtype=dtype, device=p.device)
                 state[_tile_key("R", band, col)] = torch.zeros(c, c, dtype=dtype, device=p.device)
-                state[_tile_key("L_inv_root", band, col)] = torch.eye(r, dtype=dtype, device=p.device)
-                state[_tile_key("R_inv_root", band, col)] = torch.eye(c, dtype=dtype, device=p.device)
+                state[_tile_key("L_inv_root", band,
+                                col)] = torch.eye(r, dtype=dtype, device=p.device)
+                state[_tile_key("R_inv_root", band,
+                                col)] = torch.eye(c, dtype=dtype, device=p.device)
             # diagnostics counted on the device (reading one is a host sync)
             state["root_failures"] = torch.zeros((), dtype=torch.int64, device=p.device)
             state["skipped_tiles"] = torch.zeros((), dtype=torch.int64, device=p.device)
@@ -271,7 +276,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
             tiles = [ShampooTile(rs, cs, state[kl], state[kr], state[kli], state[kri])
                      for _, rs, cs, kl, kr, kli, kri in self._tiles(ctx, group)]
         skipped, failed = shampoo_step_(
-            p, g, m, v, tiles, step=step, lr=group["lr"], betas=group["betas"], epsilon=group["epsilon"],
+            p, g, m, v, tiles, step=step, lr=group["lr"], betas=group["betas"],
+            epsilon=group["epsilon"],
             weight_decay=group["weight_decay"], grafting=group["grafting"],
             grafting_epsilon=group["grafting_epsilon"],
             start_preconditioning_step=group["start_preconditioning_step"],

@@ -133,7 +133,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         self._check_group(defaults)
         # id(param) -> compute layout of its last step, for whole parameters ([Note: SOAP state])
         self._last_compute: dict[int, Any] = {}
-        self._hp_cache: dict[int, tuple[tuple[Any, ...], SoapHparams]] = {}  # id(group) -> (values, hparams)
+        # id(group) -> (values, hparams)
+        self._hp_cache: dict[int, tuple[tuple[Any, ...], SoapHparams]] = {}
         self._host_steps = HostStepCounts()  # capturable states' step counts, on the host
         super().__init__(params, defaults)
 
@@ -153,7 +154,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
     def _check_group(cls, group: dict[str, Any]) -> None:
         cls._hparams(group)  # raises ValueError / TypeError naming the bad value
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and not (lr.numel() == 1 and float(lr) >= 0):  # a host read, once
+        # a host read, once
+        if isinstance(lr, torch.Tensor) and not (lr.numel() == 1 and float(lr) >= 0):
             raise ValueError(f"Invalid learning rate: {lr}")
         _check_bool("capturable", group["capturable"])
         m = group["max_precond_dim"]
@@ -188,11 +190,13 @@ class SOAP(ReplayCounting, BlockOptimizer):
         dims = [geo.work_shape[i] for i in geo.factor_dims]
         # two rotations and the outer products per step; a QR and two products per
         # factor every precondition_frequency steps
-        return n * (1 + 3 * sum(dims)) + sum(4.0 * d**3 for d in dims) / group["precondition_frequency"]
+        return n * (1 + 3 * sum(dims)) + sum(4.0 * d**3
+                                             for d in dims) / group["precondition_frequency"]
 
     # -- checkpoint ([Note: SOAP state]) ---------------------------------------------------
 
-    structural_keys = ("max_precond_dim", "merge_dims", "precondition_1d", "normalize_grads", "data_format")
+    structural_keys = ("max_precond_dim", "merge_dims", "precondition_1d", "normalize_grads",
+                       "data_format")
     plan_keys = ("precondition_frequency",)  # cost() reads it ([Note: step plan])
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
@@ -227,7 +231,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
 
     # -- state and the update ---------------------------------------------------------------
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         dtype = torch.promote_types(p.dtype, torch.float32)
         zeros = dict(dtype=dtype, device=p.device)
         step: int | torch.Tensor
@@ -247,7 +252,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         for i in geo.factor_dims:
             d = geo.work_shape[i]
             state[f"GG.{i}"] = torch.zeros(d, d, **zeros)  # (d, d)
-            state[f"Q.{i}"] = torch.zeros(d, d, **zeros)  # (d, d), eigenvectors as columns from step 1
+            # (d, d), eigenvectors as columns from step 1
+            state[f"Q.{i}"] = torch.zeros(d, d, **zeros)
         return state
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
@@ -258,7 +264,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         checked: set[torch.device] = set()  # capturable: the devices checked this step
         for p in group["params"]:
             g = p.grad
-            if (g is None or type(p) not in _PLAIN or type(g) not in _PLAIN or g.is_sparse or p.is_meta
+            if (g is None or type(p) not in _PLAIN or type(g) not in _PLAIN or g.is_sparse
+                or p.is_meta
                     or p.is_complex() or not (p.is_contiguous() and g.is_contiguous())
                     or g.shape != p.shape):
                 rest.append(p)  # the loop skips it, steps it, or raises its error
@@ -273,7 +280,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
                 if ctx.length == 0:
                     continue
                 state.update(self.init_state(flat, ctx, group))
-            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)  # ``aligned`` in vefsdp_optim/_step_loop.py
+            # ``aligned`` in vefsdp_optim/_step_loop.py
+            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)
             if id(p) not in self._validated:
                 validate_state(self, p, group)
                 self._validated.add(id(p))
@@ -285,11 +293,11 @@ class SOAP(ReplayCounting, BlockOptimizer):
             last = self._last_compute.get(key)
             if last is not None and last != item.compute:
                 raise NotImplementedError(
-                    f"SOAP: a parameter of shape {tuple(item.view.shape)} would be updated on other "
-                    f"ranks than at its last step ({item.compute} instead of {last}), which lack its "
-                    "factors: a parameter of its param group stepped without a gradient and moved the "
-                    "owners ([Note: SOAP state]); give every parameter of a SOAP group a gradient at "
-                    "every step (zeros rather than None)")
+                    f"SOAP: a parameter of shape {tuple(item.view.shape)} would be "
+                    f"updated on other ranks than at its last step ({item.compute} instead of "
+                    f"{last}), which lack its factors: a parameter of its param group stepped "
+                    "without a gradient and moved the owners ([Note: SOAP state]); give every "
+                    "parameter of a SOAP group a gradient at every step (zeros rather than None)")
             self._last_compute[key] = item.compute
         return super().gather_inputs(item)
 
@@ -301,12 +309,13 @@ class SOAP(ReplayCounting, BlockOptimizer):
         m = state["exp_avg"]
         if not (group["normalize_grads"] or geo.has_factors):
             if m.numel() != ctx.length:
-                raise AssertionError(f"SOAP state holds {m.numel()} elements, the step gives {ctx.length}")
+                raise AssertionError(f"SOAP state holds {m.numel()} elements, the step gives "
+                                     f"{ctx.length}")
             geo = None  # elementwise: any slice
         elif ctx.start != 0 or ctx.length != m.numel() or m.shape != geo.work_shape:
-            raise AssertionError(f"SOAP got the slice [{ctx.start}, {ctx.start + ctx.length}) of a parameter "
-                                 f"of shape {tuple(ctx.shape)} that needs the whole tensor, with state "
-                                 f"of shape {tuple(m.shape)}")
+            raise AssertionError(f"SOAP got the slice [{ctx.start}, {ctx.start + ctx.length}) of "
+                                 f"a parameter of shape {tuple(ctx.shape)} that needs the whole "
+                                 f"tensor, with state of shape {tuple(m.shape)}")
         step: int | torch.Tensor
         if group["capturable"]:
             step = state["step"]
@@ -315,8 +324,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         else:
             step = host_step = state["step"] = state["step"] + 1
         if geo is None or not geo.has_factors:
-            soap_step_(p, g, SoapState(m, state["exp_avg_sq"], [], []), step, self._group_hparams(group), geo,
-                       host_step)
+            soap_step_(p, g, SoapState(m, state["exp_avg_sq"], [], []), step,
+                       self._group_hparams(group), geo, host_step)
             return
         dims = range(len(geo.work_shape))
         soap = SoapState(m, state["exp_avg_sq"], [state.get(f"GG.{i}") for i in dims],

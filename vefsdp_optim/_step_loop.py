@@ -24,7 +24,8 @@ from vefsdp_optim.comm._collectives import first_difference
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
-    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "exchange",
+    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent",
+    "exchange",
     "gc_paused", "aligned", "pin_owners",
 ]
 
@@ -106,7 +107,8 @@ def _owner(it: StepItem) -> int | None:
     """The rank that computes ``it`` whole, or None when it is not an owner item."""
     if not it.moves or not it.requirement.needs_whole:
         return None
-    ext = it.compute.extents  # ends nondecreasing: the first rank ending past 0 holds the first element
+    # ends nondecreasing: the first rank ending past 0 holds the first element
+    ext = it.compute.extents
     r = bisect.bisect_right(ext, 0, key=_end)
     return r if r < len(ext) else None
 
@@ -115,7 +117,8 @@ def _end(extent: tuple[int, int]) -> int:
     return extent[0] + extent[1]
 
 
-def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int = 0) -> list[list[StepItem]]:
+def make_buckets(items: list[StepItem], bucket_numel: int,
+                 min_round_numel: int = 0) -> list[list[StepItem]]:
     """Exchange buckets: items of one param group, process group, dtype and device, at
     most ``bucket_numel`` elements each (one oversized item gets a bucket alone); owner
     items in balanced rounds after the rest.
@@ -221,20 +224,22 @@ def check_consistent(entries: list[StepEntry]) -> None:
             continue
         # the first parameter and the ranks that differ, in O(P + W) int64 per rank: a
         # gather of every rank's layouts would be O(P x W) objects of W extents each
-        at, differ, with_grad = first_difference(keys, [e.compute is not None for e in es], process_group,
-                                                 es[0].device)
+        at, differ, with_grad = first_difference(keys, [e.compute is not None for e in es],
+                                                 process_group, es[0].device)
         if at < 0:
-            diff = f"ranks {differ} step another number of parameters in this process group than rank 0"
+            diff = (f"ranks {differ} step another number of parameters in this process "
+                    "group than rank 0")
         else:
             e = es[at]
             without = [r for r in range(process_group.size()) if r not in set(with_grad)]
             what = f"param group {e.position[0]} parameter {e.position[1]} (shape {e.shape})"
-            diff = (f"{what}: a gradient on ranks {with_grad}, none on ranks {without}" if with_grad and without
+            diff = (f"{what}: a gradient on ranks {with_grad}, none on ranks {without}"
+                    if with_grad and without
                     else f"{what}: layouts differ between ranks: ranks {differ} differ from rank 0")
         raise ValueError(
-            f"ranks disagree on what this optimizer step updates, so its exchange would hang: {diff} (the "
-            "first difference). Every rank must step the same parameters: set .grad to None (or zero it) "
-            "on every rank alike")
+            "ranks disagree on what this optimizer step updates, so its exchange would hang: "
+            f"{diff} (the first difference). Every rank must step the same parameters: set .grad "
+            "to None (or zero it) on every rank alike")
 
 
 def _layout_key(layout: RaggedShard | BoxShard) -> tuple[int, int]:
@@ -245,7 +250,8 @@ def _layout_key(layout: RaggedShard | BoxShard) -> tuple[int, int]:
 
 
 def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool,
-             moving: list[int] | None = None, routes: dict[tuple, list] | None = None) -> PendingExchange:
+             moving: list[int] | None = None,
+             routes: dict[tuple, list] | None = None) -> PendingExchange:
     """Send each moving item's ``tensors`` from its storage layout to its compute layout
     (``forward``) or back, in one ``all_to_all`` per dtype; returns at once. ``moving``:
     the indices of the items that move, where the caller knows them; ``routes``: a cache
@@ -275,12 +281,14 @@ def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forwa
         for k, t in enumerate(sends):
             by_dtype.setdefault(t.dtype, []).append(k)
         process_group = bucket[0].view.process_group
-        groups = [(Route([src[k] for k in ks], [dst[k] for k in ks], process_group), ks, [where[k] for k in ks])
+        groups = [(Route([src[k] for k in ks], [dst[k] for k in ks], process_group), ks,
+                   [where[k] for k in ks])
                   for ks in by_dtype.values()]  # one all_to_all per dtype (usually one)
         if routes is not None:
             routes[key] = groups
     for route, ks, where in groups:
-        handle = route.launch(sends if len(ks) == len(sends) else [sends[k] for k in ks], async_op=True)
+        handle = route.launch(sends if len(ks) == len(sends) else [sends[k] for k in ks],
+                              async_op=True)
         pending.handles.append((handle, where))
     return pending
 
@@ -302,14 +310,14 @@ class PendingExchange:
 
 # [Note: owners stay]
 # The rank that computes a whole tensor is its owner. Owners are chosen by balancing the
-# whole tensors that step together (see ``assign_owners`` in comm/_owners.py). So an owner would move
-# when that set changes, as when a parameter of the param group has no gradient or one
-# is added later. State kept by the owner, such as SOAP's factors and eigenbases
-# ([Note: SOAP state]), would then be missing where the tensor is computed. So a
-# parameter keeps the owner of its first step for as long as its storage layout stays
+# whole tensors that step together (see ``assign_owners`` in comm/_owners.py). So an
+# owner would move when that set changes, as when a parameter of the param group has no
+# gradient or one is added later. State kept by the owner, such as SOAP's factors and
+# eigenbases ([Note: SOAP state]), would then be missing where the tensor is computed. So
+# a parameter keeps the owner of its first step for as long as its storage layout stays
 # the same. A re-plan, or a load at another world size, chooses again. Only parameters
-# new to the step are balanced. Every rank pins the same owners, because they follow
-# from the same layouts and costs in the same order.
+# new to the step are balanced. Every rank pins the same owners, because they follow from
+# the same layouts and costs in the same order.
 def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]], float],
                owner_cache: dict[tuple, tuple[int, ...]],
                pinned: dict[int, tuple[RaggedShard | BoxShard, int]]) -> None:

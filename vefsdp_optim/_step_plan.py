@@ -17,7 +17,8 @@ from vefsdp_optim.comm._views import step_grad_view
 from ._fsdp import ShardedParameter, replaced_by_fully_shard
 from ._step_loop import StepEntry, StepItem
 
-__all__ = ["GroupPlan", "StepPlan", "group_values", "identity", "param_key", "same_identity", "view_key"]
+__all__ = ["GroupPlan", "StepPlan", "group_values", "identity", "param_key", "same_identity",
+           "view_key"]
 
 _TENSOR = torch.Tensor
 
@@ -70,7 +71,8 @@ def identity(t: Any) -> tuple | None:
     kind = type(t)
     if kind is ShardedParameter:
         local = t._local
-        return (_SP, local, address(local), local.shape, local.dtype, t._layout, t._process_group, t._rank)
+        return (_SP, local, address(local), local.shape, local.dtype, t._layout, t._process_group,
+                t._rank)
     if kind is DTensor:
         local = dtensor_local(t)
         return (_DT, local, address(local), local.shape, local.dtype, dtensor_spec(t))
@@ -148,8 +150,10 @@ class GroupPlan:
                 ptr, shape = key
                 if p.data_ptr() != ptr or p.shape != shape or not p.is_contiguous():
                     return False
-                if item is not None and type(g) is _TENSOR and g.shape == shape and g.is_contiguous():
-                    item.grad = g if len(shape) == 1 else g.ravel()  # a view: contiguous (sparse is not)
+                if (item is not None and type(g) is _TENSOR and g.shape == shape
+                        and g.is_contiguous()):
+                    # a view: contiguous (sparse is not)
+                    item.grad = g if len(shape) == 1 else g.ravel()
                     continue
             elif (ident := idents[i]) is not None and same_identity(p, ident):
                 if item is not None and g is not None:  # ``identity``

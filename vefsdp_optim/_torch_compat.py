@@ -57,15 +57,19 @@ __all__ = [
     "StridedShard", "dtensor_local", "dtensor_spec", "mesh_flatten", "mesh_concatenate",
     "device_dtype_check_for_fused", "to_scalar",
     "tree_flatten", "tree_map", "tree_unflatten", "FakeTensor",
-    "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
-    "foreach_lerp_", "foreach_add_", "foreach_add", "foreach_neg", "foreach_mul_", "foreach_addcmul_",
+    "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM",
+    "foreach_copy_",
+    "foreach_lerp_", "foreach_add_", "foreach_add", "foreach_neg", "foreach_mul_",
+    "foreach_addcmul_",
     "foreach_maximum_", "foreach_sqrt", "foreach_div_", "foreach_addcdiv_",
-    "storage_id", "storage_use_count", "tensor_version", "view_base", "unsafe_preserve_version_counter",
+    "storage_id", "storage_use_count", "tensor_version", "view_base",
+    "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
     "DataParallelMeshDims",
-    "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened", "fsdp1_flat_param",
+    "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened",
+    "fsdp1_flat_param",
     "host_scratch",
 ]
 
@@ -276,7 +280,8 @@ def global_peak_memory_tracker(fsdp2_root: Any = None, optimizer: Any = None) ->
                     self._peak_mem_snap[dev] = deepcopy(snap)
 
     GlobalPeakTracker._update_peak_stats.__wrapped__ = replaced  # type: ignore[attr-defined]
-    return GlobalPeakTracker(fsdp2_root, optimizer) if fsdp2_root is not None else GlobalPeakTracker()
+    return (GlobalPeakTracker(fsdp2_root, optimizer) if fsdp2_root is not None
+            else GlobalPeakTracker())
 
 
 def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
@@ -355,7 +360,8 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
-def unsafe_set_version_counter(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+def unsafe_set_version_counter(tensors: tuple[torch.Tensor, ...],
+                               versions: tuple[int, ...]) -> None:
     torch._C._autograd._unsafe_set_version_counter(tensors, versions)
 
 
@@ -379,9 +385,11 @@ def module_apply(cls: type, m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return super(cls, m)._apply(*args, **kwargs)
 
 
-# The torch range (module docstring): torch.distributed's flat collectives, the new names where torch has
-# them (the old ones warn there); tests wrap getattr(dist, ALL_GATHER_NAME) to count calls
-ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+# The torch range (module docstring): torch.distributed's flat collectives, the new names
+# where torch has them (the old ones warn there); tests wrap getattr(dist, ALL_GATHER_NAME)
+# to count calls
+ALL_GATHER_NAME = ("all_gather_single" if hasattr(dist, "all_gather_single")
+                   else "all_gather_into_tensor")
 REDUCE_SCATTER_NAME = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
                    else "reduce_scatter_tensor")
 
@@ -414,7 +422,8 @@ def require_data_parallel_mesh_dims(what: str) -> type:
     return DataParallelMeshDims
 
 
-def fsdp1_flat_param(p: torch.Tensor) -> tuple[tuple[torch.Size, ...] | None, tuple[str, ...]] | None:
+def fsdp1_flat_param(p: torch.Tensor) -> tuple[tuple[torch.Size, ...] | None, tuple[str,
+                                                                                    ...]] | None:
     """For FSDP1's FlatParameter: the shapes of the parameters it holds and its whole
     (unsharded, unpadded) flat size, the same on every rank (None while FSDP1 has not
     recorded them), and their names; None for any other tensor."""

@@ -39,7 +39,8 @@ def read_marker(directory: str) -> dict[str, Any] | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or type(data.get("generation")) is not int:
+    if (not isinstance(data, dict) or data.get("format") != FORMAT
+            or type(data.get("generation")) is not int):
         return None
     return data
 
@@ -70,7 +71,8 @@ def describe(directory: str, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def describe_files(directory: str, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+def describe_files(directory: str,
+                   known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Size and checksum of every file DCP wrote into ``directory``: those in ``known``
     (described by the ranks that wrote them) as they are, the rest (the metadata) read
     here."""
@@ -100,7 +102,8 @@ def leftovers(path: str, keep: str) -> list[str]:
     parent, base = os.path.split(path)
     return [os.path.join(parent, n) for n in _listdir(parent or ".")
             if n.startswith((base + ".tmp-", base + ".old-")) and os.path.join(parent, n) != keep
-            and os.path.isdir(os.path.join(parent, n)) and read_marker(os.path.join(parent, n)) is not None]
+            and os.path.isdir(os.path.join(parent, n))
+            and read_marker(os.path.join(parent, n)) is not None]
 
 
 def remove_ours(directory: str) -> None:

@@ -86,8 +86,9 @@ class _Unpickler(pickle.Unpickler):
             return _ALLOWED[(module, name)]
         except KeyError:
             raise MetadataRefused(
-                f"checkpoint {self._where!r} metadata references {module}.{name}, which is not allowed; "
-                "vefsdp_optim.load only reads DCP metadata (see README, Trust)") from None
+                f"checkpoint {self._where!r} metadata references {module}.{name}, which is "
+                "not allowed; vefsdp_optim.load only reads DCP metadata (see "
+                "README, Trust)") from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise MetadataRefused(f"checkpoint {self._where!r} metadata holds a persistent id {pid!r}, "
@@ -120,8 +121,8 @@ def _chunks_inside(entry: _md.TensorStorageMetadata) -> bool:
             return False
         if ndim and set(map(type, itertools.chain.from_iterable(field))) != {int}:
             return False
-    for dim, o, s in zip(entry.size, zip(*map(_OFFSETS, chunks), strict=True), zip(*map(_SIZES, chunks), strict=True),
-                         strict=True):
+    for dim, o, s in zip(entry.size, zip(*map(_OFFSETS, chunks), strict=True),
+                         zip(*map(_SIZES, chunks), strict=True), strict=True):
         if min(o) < 0 or min(s) < 0 or max(map(operator.add, o, s)) > dim:
             return False
     return True
@@ -144,8 +145,10 @@ def _storage_typed(sdata: dict) -> bool:
     for field in (list(map(_OFFSET, infos)), list(map(_LENGTH, infos))):
         if set(map(type, field)) != {int} or min(field) < 0:
             return False
-    for td in {id(t): t for t in (getattr(i, "transform_descriptors", None) for i in infos)}.values():
-        if td is not None and not (isinstance(td, (list, tuple)) and all(isinstance(t, str) for t in td)):
+    for td in {id(t): t
+               for t in (getattr(i, "transform_descriptors", None) for i in infos)}.values():
+        if td is not None and not (isinstance(td, (list, tuple))
+                                   and all(isinstance(t, str) for t in td)):
             return False
     return True
 
@@ -177,7 +180,8 @@ def _check_each_storage_entry(sdata: dict, where: str) -> None:
             raise _bad(where, f"storage entry of {idx.fqn} is {info!r}, expected a relative path, "
                               "offset >= 0 and length >= 0")
         td = getattr(info, "transform_descriptors", None)
-        if td is not None and not (isinstance(td, (list, tuple)) and all(isinstance(t, str) for t in td)):
+        if td is not None and not (isinstance(td, (list, tuple))
+                                   and all(isinstance(t, str) for t in td)):
             raise _bad(where, f"storage entry of {idx.fqn} has transforms {td!r}")
 
 
@@ -194,7 +198,8 @@ def _check_types(md: object, where: str) -> _md.Metadata:
         if isinstance(entry, _md.TensorStorageMetadata):
             _check_size(entry.size, where, f"{fqn}.size")
             props = entry.properties
-            if not isinstance(props, _md.TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            if not isinstance(props, _md.TensorProperties) or not isinstance(props.dtype,
+                                                                             torch.dtype):
                 raise _bad(where, f"{fqn} has no tensor properties with a dtype")
             if not isinstance(entry.chunks, list):
                 raise _bad(where, f"{fqn}.chunks is not a list")
@@ -323,8 +328,8 @@ def _confine_each_entry(md: _md.Metadata, root: str, where: str) -> None:
             bound = largest if idx.offset is None else by_offset.get(tuple(idx.offset), _FRAMING)
             if info.length > bound:
                 raise MetadataRefused(
-                    f"checkpoint {where!r}: the entry of {idx.fqn} claims {info.length} bytes, more than its "
-                    f"chunk needs ({bound} at most)")
+                    f"checkpoint {where!r}: the entry of {idx.fqn} claims {info.length} bytes, "
+                    f"more than its chunk needs ({bound} at most)")
 
 
 def read_dcp_metadata(root: str, filename: str = ".metadata") -> _md.Metadata:
@@ -440,5 +445,5 @@ def load_bytes_safely(value: io.BytesIO, where: str, fqn: str) -> Any:
         raise ValueError(f"checkpoint {where!r} entry {fqn!r} is not plain data, refused by "
                          f"torch.load(weights_only=True): {e}") from None
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"checkpoint {where!r} entry {fqn!r} cannot be read (truncated or corrupt): "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(f"checkpoint {where!r} entry {fqn!r} cannot be read (truncated "
+                         f"or corrupt): {type(e).__name__}: {e}") from None

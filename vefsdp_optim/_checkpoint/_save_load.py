@@ -111,7 +111,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
                   "files": _commit.describe_files(tmp, known=written)})),
         ("move_old", lambda: os.path.isdir(path) and os.rename(path, old)),
         ("move_new", lambda: os.rename(tmp, path)),
-        ("clean", lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
+        ("clean",
+         lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
                             if os.path.isdir(d)]),
     )
     failed = ""
@@ -124,25 +125,28 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
                 failed = f"{phase}: {type(e).__name__}: {e}"
     failed = _broadcast_str(failed, process_group)
     if failed:
-        raise OSError(f"save to {path!r} failed while committing ({failed}); the newest complete copy "
-                      "is still loadable and the next save removes what this one left")
+        raise OSError(f"save to {path!r} failed while committing ({failed}); the newest "
+                      "complete copy is still loadable and the next save removes what "
+                      "this one left")
 
 
 def _begin(path: str, overwrite: bool) -> str:
     """Rank 0: refuse a path that is not ours, create the new copy with its "writing"
     marker; returns "<tag>:<generation>"."""
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"save: {path!r} is an existing file, not a checkpoint directory; vefsdp_optim.save "
-                         "never replaces a file it did not write: remove it or save to another path")
+        raise ValueError(f"save: {path!r} is an existing file, not a checkpoint directory; "
+                         "vefsdp_optim.save never replaces a file it did not write: remove it or "
+                         "save to another path")
     if os.path.isdir(path):
         mine = _commit.read_marker(path)
         if mine is None and os.listdir(path):
-            raise ValueError(f"save: {path!r} is a non-empty directory that is not a vefsdp_optim checkpoint "
-                             f"(no {_commit.MARKER}); save into a new or empty directory (overwrite=True only "
-                             "replaces a vefsdp_optim checkpoint, never other files)")
+            raise ValueError(f"save: {path!r} is a non-empty directory that is not a "
+                             f"vefsdp_optim checkpoint (no {_commit.MARKER}); save into a new or "
+                             "empty directory (overwrite=True only replaces a vefsdp_optim "
+                             "checkpoint, never other files)")
         if mine is not None and not overwrite:
-            raise ValueError(f"save: {path!r} already holds a checkpoint (generation {mine['generation']}); "
-                             "pass overwrite=True to replace it")
+            raise ValueError(f"save: {path!r} already holds a checkpoint (generation "
+                             f"{mine['generation']}); pass overwrite=True to replace it")
     found = _commit.copies(path)
     gen = (found[0][0] if found else 0) + 1
     tag = uuid.uuid4().hex
@@ -211,8 +215,8 @@ def _resolve(path: str) -> tuple[str, str]:
             return path, ""
         here = _commit.read_marker(path) if os.path.isdir(path) else None
         state = "missing" if here is None else f"at generation {here['generation']}"
-        return where, (f"checkpoint {path!r}: loading generation {gen} from {where!r}, left complete by an "
-                       f"interrupted save; {path!r} is {state}")
+        return where, (f"checkpoint {path!r}: loading generation {gen} from {where!r}, left "
+                       f"complete by an interrupted save; {path!r} is {state}")
     if os.path.isdir(path):
         return path, ""  # a DCP checkpoint not written by save(): no marker, no checksums
     raise FileNotFoundError(f"no checkpoint at {path!r}")
@@ -267,7 +271,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     shapes = []
     for k, v in flat.items():
         md = saved.get(k)
-        if isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != v.shape:
+        if (isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata)
+                and md.size != v.shape):
             shapes.append(f"{k}: checkpoint {tuple(md.size)}, here {tuple(v.shape)}")
     if missing or shapes:
         extra = sorted(k for k in saved if k not in flat)
@@ -280,7 +285,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
             lines.append(f"shapes differ: {_few(shapes)}")
         raise ValueError(f"checkpoint {path!r} does not match the state dict; " + "; ".join(lines))
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(path), process_group=process_group)
+        dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(path),
+                 process_group=process_group)
     except dcp.api.CheckpointException as e:  # a BaseException: surface our ValueError
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, ValueError)]
         if refused:
@@ -288,8 +294,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
         raise
 
 
-def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any], mapping: dict[str, Any],
-                             saved: Mapping[str, Any]) -> bool:
+def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any],
+                             mapping: dict[str, Any], saved: Mapping[str, Any]) -> bool:
     """Empty the optimizer state entries of ``state_dict`` that the checkpoint lacks wholly;
     True when any was emptied.
 
@@ -312,7 +318,8 @@ def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any], m
             if part == "state" and i + 1 < len(path) and _is_optim_dict(_get(state_dict, path[:i])):
                 entries.setdefault((tuple(path[:i]), "state", path[i + 1]), []).append(key)
                 break
-            fqn = _flat_fqn(_get(state_dict, path[:i]), part, names) if isinstance(part, str) else None
+            fqn = _flat_fqn(_get(state_dict,
+                                 path[:i]), part, names) if isinstance(part, str) else None
             if fqn is not None:  # flattened form: "state.<fqn>.<state key>"
                 entries.setdefault((tuple(path[:i]), f"state.{fqn}"), []).append(key)
                 break

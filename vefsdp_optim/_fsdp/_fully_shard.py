@@ -138,10 +138,12 @@ def _check_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     """``module`` as a non-empty list of modules not yet fully_shard'd, or raise."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard needs a module or a non-empty list of modules, got an empty list")
+        raise ValueError("fully_shard needs a module or a non-empty list of modules, got "
+                         "an empty list")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+            raise TypeError("fully_shard expects an nn.Module or a list of them, got "
+                            f"{type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
     return modules
@@ -245,12 +247,14 @@ def _by_mesh(params: list[_Collected], fn: Callable[[nn.Parameter], object] | No
 
 
 def _check_offload(policy: object) -> tuple[bool, bool]:
-    """(offload, pin_memory) of an ``offload_policy`` (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py)."""
+    """(offload, pin_memory) of an ``offload_policy`` (see ``DtypeStore`` in
+    vefsdp_optim/_fsdp/_store.py)."""
     if policy is None or type(policy) is OffloadPolicy:
         return False, False
     if isinstance(policy, CPUOffloadPolicy):
         return True, bool(policy.pin_memory)
-    raise TypeError(f"offload_policy must be an OffloadPolicy or a CPUOffloadPolicy, got {type(policy).__name__}")
+    raise TypeError("offload_policy must be an OffloadPolicy or a CPUOffloadPolicy, got "
+                    f"{type(policy).__name__}")
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -282,16 +286,18 @@ def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
         return f"{path}.{a} ({cls.__name__}.{a})" if path else f"{cls.__name__}.{a}"
 
     paths = {id(m): n.rstrip(".") for n, m in reversed(named)}  # the first path of each module
-    others = [(m, a) for m, a in ((ref(), a) for ref, a in _REPLACED_IN.get(id(p), [])) if m is not None]
+    others = [(m, a) for m, a in ((ref(), a) for ref, a in _REPLACED_IN.get(id(p), []))
+              if m is not None]
     there = " and ".join(where(paths.get(id(m), ""), m, a) for m, a in others) or "a parameter"
     known = [paths[id(m)] for m, _ in others if paths.get(id(m))]
-    pair = f"; here fully_shard([m.{known[0]}, m.{mname}]), then fully_shard(m)" if mname and known else ""
+    pair = (f"; here fully_shard([m.{known[0]}, m.{mname}]), then fully_shard(m)" if mname and known
+            else "")
     return ValueError(
         f"fully_shard: parameter {where(mname, sub, attr)} is the same Parameter as {there}, which "
         "another fully_shard call has already sharded: the tied weight (e.g. an embedding and its "
-        "output head) would be untied, each copy trained apart. Shard both modules in one shard group, "
-        f"one call with a list (fully_shard([embed_module, head_module]){pair}), or apply "
-        "fully_shard to their lowest common ancestor only")
+        "output head) would be untied, each copy trained apart. Shard both modules in one "
+        "shard group, one call with a list (fully_shard([embed_module, "
+        f"head_module]){pair}), or apply fully_shard to their lowest common ancestor only")
 
 
 def _collect(modules: list[nn.Module],
@@ -318,9 +324,10 @@ def _collect(modules: list[nn.Module],
                 raise _tie_error(mname, sub, attr, p, named)
             if isinstance(p, ShardedParameter):
                 raise ValueError(
-                    f"parameter {mname + '.' if mname else ''}{attr} is shared with a module already "
-                    "managed by a nested fully_shard; tied parameters must be managed by one shard group: "
-                    "apply fully_shard to their lowest common ancestor only")
+                    f"parameter {mname + '.' if mname else ''}{attr} is shared with a "
+                    "module already managed by a nested fully_shard; tied parameters must be "
+                    "managed by one shard group: apply fully_shard to their lowest common "
+                    "ancestor only")
             fqn = f"{mname}.{attr}" if mname else attr
             mp = managed.get(id(p))
             if mp is None:
@@ -337,6 +344,6 @@ def _collect(modules: list[nn.Module],
             if orig.get(id(c.original)) is c.original:
                 raise ValueError(
                     f"parameter {c.mp.fqn} is shared with a nested fully_shard'd module; tied "
-                    "parameters must be managed by one shard group: apply fully_shard to their lowest "
-                    "common ancestor only")
+                    "parameters must be managed by one shard group: apply fully_shard to "
+                    "their lowest common ancestor only")
     return order

@@ -3,8 +3,9 @@ reduce-scatter and its epilogue, and the debug check that ranks used members ali
 
 :class:`StoreGrads` holds these methods of :class:`DtypeStore` (_store.py), which derives
 from it; they read the store's buffers and settings and know nothing of its shard group
-(see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py). The knobs a user may change between steps arrive with
-every call that reads them, as :class:`GradSettings` (_settings.py).
+(see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py). The knobs a user may change
+between steps arrive with every call that reads them, as :class:`GradSettings`
+(_settings.py).
 """
 
 from __future__ import annotations
@@ -124,16 +125,20 @@ class StoreGrads:
         (``DistributedBuffer`` in comm/_buffer.py), so every cached view stays valid."""
         t = self.master.local_grad
         if (self._lazy and t.untyped_storage().nbytes() and self._kept is None
-                and all(p.sharded.grad is None for p in self.params) and _uses(t) == self._grad_uses):
+                and all(p.sharded.grad is None for p in self.params)
+                and _uses(t) == self._grad_uses):
             _release_storage(t)
 
     def direct(self, grad_settings: GradSettings) -> bool:
         """W == 1 without mixed precision nor a division: autograd accumulates into
         master.local_grad."""
         settings = self.settings
-        return (settings.world_size == 1 and self.compute is self.master and self.reduce is self.master
-                and settings.replicate_process_group is None and grad_settings.all_reduce_hook is None
-                and (grad_settings.native_average or (grad_settings.gradient_divide_factor or 1.0) == 1.0))
+        return (settings.world_size == 1 and self.compute is self.master
+                and self.reduce is self.master
+                and settings.replicate_process_group is None
+                and grad_settings.all_reduce_hook is None
+                and (grad_settings.native_average
+                     or (grad_settings.gradient_divide_factor or 1.0) == 1.0))
 
     def attach_grads(self, fresh: bool, grad_settings: GradSettings) -> None:
         """Point each unsharded param's .grad at the compute gradient buffer.
@@ -292,8 +297,8 @@ class StoreGrads:
         post_event = self._reduce_epilogue(prev, grad_settings, streams, hook_stream)
         return PendingReduce(None, prev, rs_event, post_event)
 
-    def _reduce_epilogue(self, prev: torch.Tensor | None, grad_settings: GradSettings, streams: Streams,
-                         hook_stream: Any) -> Any:
+    def _reduce_epilogue(self, prev: torch.Tensor | None, grad_settings: GradSettings,
+                         streams: Streams, hook_stream: Any) -> Any:
         """What follows the reduce-scatter, in order (see ``StoreGrads.launch_reduce`` and
         ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py): the division, the kept partial sum, HSDP's
         all-reduce (its own stream), the hook (the all-reduce stream under HSDP, else
@@ -311,7 +316,8 @@ class StoreGrads:
                     if factor != 1.0:
                         reduce.local_grad.div_(factor)
                 if prev is not None and self._partial:  # the kept grads were never all-reduced
-                    reduce.local_grad.add_(prev.to(device=reduce.local_grad.device, dtype=reduce.local_grad.dtype))
+                    reduce.local_grad.add_(prev.to(device=reduce.local_grad.device,
+                                                   dtype=reduce.local_grad.dtype))
                     prev = None
             if replicate is not None and grad_settings.requires_all_reduce:
                 streams.wait_stream(streams.all_reduce, last)
@@ -323,16 +329,19 @@ class StoreGrads:
                         dist.all_reduce(reduce.local_grad, op=dist.ReduceOp.SUM, group=replicate)
             self._partial = replicate is not None and not grad_settings.requires_all_reduce
             if grad_settings.all_reduce_hook is not None:
-                stream = streams.all_reduce if replicate is not None or hook_stream is None else hook_stream
+                stream = (streams.all_reduce if replicate is not None or hook_stream is None
+                          else hook_stream)
                 streams.wait_stream(stream, last)
                 last = stream
                 with streams.use(last):
                     grad_settings.all_reduce_hook(reduce.local_grad)
             with streams.use(last):
                 if reduce is not master:  # under offload: device to host, asynchronous unless
-                    # the host adds to the result next (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py)
+                    # the host adds to the result next (see ``DtypeStore`` in
+                    # vefsdp_optim/_fsdp/_store.py)
                     self.grad_shard().copy_(reduce.local_grad,
-                                            non_blocking=streams.active and settings.pinned and prev is None)
+                                            non_blocking=streams.active and settings.pinned
+                                            and prev is None)
                 if prev is not None:
                     master.local_grad.add_(prev)
                 return streams.record(last) if streams.active else None
@@ -340,10 +349,10 @@ class StoreGrads:
     def finish_reduce(self, pending: PendingReduce, grad_settings: GradSettings,
                       comm: CommContext | None = None) -> None:
         """Wait for ``launch_reduce``'s collective, then the in-order epilogue (see its Note
-        and ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py). On an accelerator the epilogue was issued
-        at launch: the current stream waits on the collective, which frees its input; the
-        staging buffers it read are released once the current stream has waited on the
-        epilogue's event, in the root's final callback ([Note: fully_shard streams])."""
+        and ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py). On an accelerator the epilogue
+        was issued at launch: the current stream waits on the collective, which frees its
+        input; the staging buffers it read are released once the current stream has waited on
+        the epilogue's event, in the root's final callback ([Note: fully_shard streams])."""
         compute, reduce, master = self.compute, self.reduce, self.master
         settings = self.settings
         streams = comm.streams if comm is not None else NO_STREAMS
@@ -366,13 +375,15 @@ class StoreGrads:
 
             comm.add_post_reduce(pending.post_event, release, host=settings.offload)
         used, self._used = self._used, set()
-        if settings.world_size * settings.replicate_world_size > 1 and not grad_settings.reduce_scatter_unused_params:
+        if (settings.world_size * settings.replicate_world_size > 1
+                and not grad_settings.reduce_scatter_unused_params):
             if check_every_step():
                 self._check_used_alike(used)
         for p in self.params:
             if p.requires_grad:
                 # ``StoreGrads``; a fresh alias: the use count sees who holds it
-                if p.sharded.grad is None and (p.fqn in used or grad_settings.reduce_scatter_unused_params):
+                if p.sharded.grad is None and (p.fqn in used
+                                               or grad_settings.reduce_scatter_unused_params):
                     p.sharded.grad = p.sharded.with_local(master.local_grad_view(p.fqn).view(-1))
                 if p.unsharded is not None:
                     p.unsharded.grad = None
@@ -382,7 +393,8 @@ class StoreGrads:
         HSDP's replicate group) used each member since the last reduction, or none did."""
         settings = self.settings
         members = [p.fqn for p in self.params if p.requires_grad]
-        counts = torch.tensor([int(fqn in used) for fqn in members], dtype=torch.int32, device=settings.device)
+        counts = torch.tensor([int(fqn in used) for fqn in members], dtype=torch.int32,
+                              device=settings.device)
         dist.all_reduce(counts, group=settings.process_group)
         if settings.replicate_process_group is not None:
             dist.all_reduce(counts, group=settings.replicate_process_group)
@@ -391,11 +403,11 @@ class StoreGrads:
                    for fqn, c in zip(members, counts.tolist(), strict=True) if 0 < c < ranks]
         if partial:
             raise ValueError(
-                f"fully_shard: parameters got a gradient on some ranks of their shard group only since the "
-                f"last reduction: {', '.join(partial)}. As under FSDP2, every rank must use a parameter in a "
-                "backward or none must; for conditional use (mixture of experts, skipped branches) call "
-                "set_reduce_scatter_unused_params(True) on the module, which gives every rank the reduced "
-                "gradient, zero where no rank used it")
+                "fully_shard: parameters got a gradient on some ranks of their shard group "
+                f"only since the last reduction: {', '.join(partial)}. As under FSDP2, every rank "
+                "must use a parameter in a backward or none must; for conditional use (mixture of "
+                "experts, skipped branches) call set_reduce_scatter_unused_params(True) on the "
+                "module, which gives every rank the reduced gradient, zero where no rank used it")
 
 
 class PendingReduce(NamedTuple):

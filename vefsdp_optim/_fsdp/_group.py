@@ -57,9 +57,10 @@ def check_shard_group_consistent(signature: list, shard_process_group: dist.Proc
         bad = [r for r, sig in enumerate(gathered) if sig != gathered[0]]
         if bad:
             raise ValueError(
-                f"fully_shard: ranks {bad} of a process group of {process_group.size()} hold parameters "
-                f"different from rank 0's (dtype, plan fingerprint, requires_grad per store): "
-                f"{gathered[bad[0]]} vs {gathered[0]}; every rank must shard the same module structure")
+                f"fully_shard: ranks {bad} of a process group of {process_group.size()} "
+                "hold parameters different from rank 0's (dtype, plan fingerprint, requires_grad "
+                f"per store): {gathered[bad[0]]} vs {gathered[0]}; every rank must shard the same "
+                "module structure")
 
 
 class StoreBinding:
@@ -101,14 +102,16 @@ class ShardGroup:
 
     def __init__(self, params: list[ManagedParam], *, shard_process_group: dist.ProcessGroup,
                  replicate_process_group: dist.ProcessGroup | None, device: torch.device,
-                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor], offload: bool = False,
-                 pin_memory: bool = False) -> None:
+                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor],
+                 offload: bool = False, pin_memory: bool = False) -> None:
         replicate = (replicate_process_group if replicate_process_group is not None
                      and replicate_process_group.size() > 1 else None)
-        #: fixed at construction, and given to every store (see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py)
+        #: fixed at construction, and given to every store (see ``StoreSettings`` in
+        #: vefsdp_optim/_fsdp/_settings.py)
         self.settings = StoreSettings(
             shard_process_group, shard_process_group.size(), shard_process_group.rank(), replicate,
-            replicate.size() if replicate is not None else 1, device, mp_policy, offload, offload and pin_memory)
+            replicate.size() if replicate is not None else 1, device, mp_policy, offload,
+            offload and pin_memory)
         self.params = params
         by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
         for p in params:
@@ -138,7 +141,8 @@ class ShardGroup:
         #: [Note: lazy gradient buffer]: True (default) copies autograd's gradients into the
         #: buffer at the end of backward (FSDP2's memory); False adds into it in place
         self.grad_copy_in = True
-        #: ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py: FSDPModule.set_reduce_scatter_unused_params
+        #: ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py:
+        #: FSDPModule.set_reduce_scatter_unused_params
         self.reduce_scatter_unused_params = False
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
@@ -146,7 +150,8 @@ class ShardGroup:
         # [Note: fully_shard streams]: the root's, given at its lazy init (before it: none)
         self.comm = CommContext(NO_STREAMS)
         self._side_alloc = False  # the gathered buffers were allocated on the copy-in stream
-        self._gather_event: Any = None  # the last all-gather on the side streams (it read compute.local)
+        # the last all-gather on the side streams (it read compute.local)
+        self._gather_event: Any = None
         self._reductions: list[tuple[DtypeStore, PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
         # called before a store allocates its gradient buffer: finishes completed reductions
@@ -156,13 +161,16 @@ class ShardGroup:
     def grad_settings(self) -> GradSettings:
         """The gradient knobs as they are now, for the stores (see ``StoreSettings`` in
         vefsdp_optim/_fsdp/_settings.py)."""
-        return GradSettings(self.grad_copy_in, self.gradient_divide_factor, self.force_sum_reduction,
+        return GradSettings(self.grad_copy_in, self.gradient_divide_factor,
+                            self.force_sum_reduction,
                             self.requires_all_reduce, self.all_reduce_hook, self.before_grad_alloc,
                             self.reduce_scatter_unused_params)
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
-        """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
-        return [(str(store.dtype), store.plan.fingerprint()[:16], tuple(p.requires_grad for p in store.params))
+        """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every
+        rank."""
+        return [(str(store.dtype), store.plan.fingerprint()[:16],
+                 tuple(p.requires_grad for p in store.params))
                 for store in self.stores]
 
     def _versions(self) -> tuple[int, ...]:
@@ -287,7 +295,8 @@ class ShardGroup:
 
     def release_grads(self) -> None:
         """Give back the shard gradients' bytes where no ``.grad`` refers to them any more
-        (see ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py); the root calls it before each forward."""
+        (see ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py); the root calls
+        it before each forward."""
         if self.grad_state is GradState.IDLE:
             for store in self.stores:
                 store.release_grads()
@@ -309,11 +318,13 @@ class ShardGroup:
         raise AssertionError(f"{p.fqn} is not a parameter of this shard group")
 
     def reduce_grads(self) -> None:
-        """End of this shard group's backward: launch the reduction unless accumulating without sync.
+        """End of this shard group's backward: launch the reduction unless accumulating without
+        sync.
 
-        The reduce-scatters run asynchronously (see ``StoreGrads.launch_reduce`` in vefsdp_optim/_fsdp/_grads.py);
-        ``wait_reduce`` completes them (the next shard group's post-backward, the root's
-        final callback, or anything here that touches the gradients, whichever comes first).
+        The reduce-scatters run asynchronously (see ``StoreGrads.launch_reduce`` in
+        vefsdp_optim/_fsdp/_grads.py); ``wait_reduce`` completes them (the next shard group's
+        post-backward, the root's final callback, or anything here that touches the
+        gradients, whichever comes first).
         """
         if not self.requires_gradient_sync:
             grad_settings = self.grad_settings()
@@ -324,7 +335,9 @@ class ShardGroup:
         if self.grad_state is GradState.IDLE:
             return  # nothing accumulated since the last reduction
         grad_settings = self.grad_settings()
-        pending = [(store, store.launch_reduce(grad_settings, self.comm.streams, self.all_reduce_hook_stream))
+        pending = [(store,
+                    store.launch_reduce(grad_settings, self.comm.streams,
+                                        self.all_reduce_hook_stream))
                    for store in self.stores]
         self._reductions = [(store, pr) for store, pr in pending if pr is not None]
         self._set_grad(GradState.REDUCING if self._reductions else GradState.IDLE)
@@ -381,12 +394,13 @@ class ShardGroup:
         decision = plan_replan(store, units, store.state_holders())
         if decision.plan is None:
             return decision.report
-        if self.settings.offload and self.settings.device.type != "cpu" and self.settings.world_size > 1:
+        if (self.settings.offload and self.settings.device.type != "cpu"
+                and self.settings.world_size > 1):
             raise NotImplementedError(
-                f"fully_shard: CPUOffloadPolicy on a {self.settings.device.type} mesh with an optimizer that "
-                "re-plans the shards (whole blocks or matrices on one rank: 8-bit Adam, Shampoo, SOAP, Muon, "
-                "NorMuon) is not supported (the move would send host shards through the mesh's backend); "
-                "use AdamW, or no offload")
+                f"fully_shard: CPUOffloadPolicy on a {self.settings.device.type} mesh with an "
+                "optimizer that re-plans the shards (whole blocks or matrices on one rank: 8-bit "
+                "Adam, Shampoo, SOAP, Muon, NorMuon) is not supported (the move would send host "
+                "shards through the mesh's backend); use AdamW, or no offload")
         if self.grad_state is GradState.ACCUMULATING:
             raise RuntimeError(
                 "re-plan during a gradient accumulation without sync (unreduced gradients in the "

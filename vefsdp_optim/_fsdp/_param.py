@@ -53,7 +53,8 @@ class TensorParallel:
     shape: torch.Size  # global shape
     stride: tuple[int, ...]  # global (contiguous) stride
     boxes: BoxShard | None  # the TP boxes over the tp ranks; None: replicated over tp
-    flat_process_group: ProcessGroup | None  # dp-shard x tp, flattened (rank = dp_rank * tp + tp_rank)
+    # dp-shard x tp, flattened (rank = dp_rank * tp + tp_rank)
+    flat_process_group: ProcessGroup | None
     tp_rank: int
 
     def dtensor(self, local: torch.Tensor) -> torch.Tensor:
@@ -144,10 +145,13 @@ class ManagedParam:
         if tp is None or tp.boxes is None:
             return layout, process_group, rank, (tp.shape if tp is not None else self.shape)
         if runs is None:
-            raise AssertionError(f"{self.fqn}: a tensor-parallel parameter needs every tp coordinate's layout")
-        return (tp.sharded_layout(runs), tp.flat_process_group, rank * tp.boxes.world_size + tp.tp_rank, tp.shape)
+            raise AssertionError(f"{self.fqn}: a tensor-parallel parameter needs every tp "
+                                 "coordinate's layout")
+        return (tp.sharded_layout(runs), tp.flat_process_group,
+                rank * tp.boxes.world_size + tp.tp_rank, tp.shape)
 
-    def make_sharded(self, local: torch.Tensor, layout: RaggedShard, process_group: ProcessGroup | None,
+    def make_sharded(self, local: torch.Tensor, layout: RaggedShard,
+                     process_group: ProcessGroup | None,
                      rank: int, runs: list[RaggedShard] | None = None) -> None:
         """Create the sharded Parameter over ``local``; its shard group binds it to its
         store's ``FlatStore`` (``StoreBinding``)."""

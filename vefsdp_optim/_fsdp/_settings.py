@@ -38,9 +38,9 @@ class StoreSettings:
     replicate_world_size: int  # 1 without a replicate process group
     device: torch.device
     mp_policy: MixedPrecisionPolicy
-    # CPUOffloadPolicy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py): the master buffer (the sharded parameters,
-    # their gradients, the optimizer's data) on the CPU, pinned when ``device`` is an
-    # accelerator and the policy asks for it
+    # CPUOffloadPolicy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py): the
+    # master buffer (the sharded parameters, their gradients, the optimizer's data) on
+    # the CPU, pinned when ``device`` is an accelerator and the policy asks for it
     offload: bool = False
     pin_memory: bool = False
 
@@ -48,8 +48,9 @@ class StoreSettings:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"StoreSettings: rank {self.rank} of world size {self.world_size}")
         if (self.replicate_process_group is None) != (self.replicate_world_size == 1):
-            raise ValueError(f"StoreSettings: replicate world size {self.replicate_world_size} with "
-                             f"replicate process group {self.replicate_process_group}")
+            raise ValueError("StoreSettings: replicate world size "
+                             f"{self.replicate_world_size} with replicate process group "
+                             f"{self.replicate_process_group}")
         if self.pin_memory and not self.offload:
             raise ValueError("StoreSettings: pin_memory=True needs offload=True")
 
@@ -66,8 +67,9 @@ class StoreSettings:
 
 @dataclass(frozen=True, slots=True)
 class GradSettings:
-    """A shard group's gradient knobs at one call (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py,
-    [Note: lazy gradient buffer]); the FSDPModule ``set_*`` methods change them."""
+    """A shard group's gradient knobs at one call (see ``ShardGroup`` in
+    vefsdp_optim/_fsdp/_group.py, [Note: lazy gradient buffer]); the FSDPModule
+    ``set_*`` methods change them."""
 
     copy_in: bool  # copy autograd's gradients into the buffer at the end of backward
     gradient_divide_factor: float | None
@@ -77,8 +79,9 @@ class GradSettings:
     # called before a store allocates its gradient buffer: finishes completed reductions
     # of earlier shard groups
     before_grad_alloc: Callable[[], None]
-    # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py: True gives a parameter unused since the last reduction
-    # its reduced (zero where no rank used it) gradient, as FSDP2's option of that name
+    # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py: True gives a parameter unused
+    # since the last reduction its reduced (zero where no rank used it) gradient, as
+    # FSDP2's option of that name
     reduce_scatter_unused_params: bool = False
 
     @property

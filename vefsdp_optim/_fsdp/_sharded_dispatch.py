@@ -144,7 +144,8 @@ def _ref(cls: type, func: Any, flat: list) -> Any:
         if isinstance(a, cls):
             if ref is None:
                 ref = a
-            elif a._layout != ref._layout or a._process_group is not ref._process_group or a.shape != ref.shape:
+            elif (a._layout != ref._layout or a._process_group is not ref._process_group
+                      or a.shape != ref.shape):
                 raise ValueError(
                     f"{func}: sharded operands differ in shape or layout: {tuple(ref.shape)} "
                     f"{ref._layout} vs {tuple(a.shape)} {a._layout}")
@@ -163,12 +164,14 @@ def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         return NotImplemented  # a reduction to a Python value (aten.equal): on the full tensors
     flat, spec = tree_flatten((args, kwargs))
     ref = _ref(cls, func, flat)
-    names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = {a.name for a in op_schema(func).arguments
+             if a.alias_info is not None and a.alias_info.is_write}
     mutable = bool(names)
     if names - {"self"} and names != {"out"}:
         return NotImplemented  # several outputs written: rule 5 maps them back
     written = kwargs.get("out") if names == {"out"} else args[0] if mutable else None
-    plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() > 0]
+    plain = [a for a in flat
+             if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() > 0]
     if plain:
         try:
             shape = torch.broadcast_shapes(*(a.shape for a in flat if isinstance(a, torch.Tensor)))
@@ -217,9 +220,10 @@ def _fused(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
                 new_args[i][k] = t._local
             elif isinstance(t, torch.Tensor) and t.numel() > 1:
                 raise NotImplementedError(
-                    f"{func}: a plain tensor of shape {tuple(t.shape)} with a ShardedParameter's params, "
-                    "grads or states; supported: all of one parameter's tensors sharded with one layout "
-                    "(steps and scalars as 0-d / 1-element tensors), or all plain")
+                    f"{func}: a plain tensor of shape {tuple(t.shape)} with a "
+                    "ShardedParameter's params, grads or states; supported: all of one parameter's "
+                    "tensors sharded with one layout (steps and scalars as 0-d / 1-element "
+                    "tensors), or all plain")
     func(*new_args, **kwargs)
     return None
 
@@ -264,7 +268,8 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _flat_view(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     t = args[0]
-    if not isinstance(t, cls) or any(isinstance(a, cls) for a in tree_flatten((args[1:], kwargs))[0]):
+    if not isinstance(t, cls) or any(isinstance(a, cls)
+                                     for a in tree_flatten((args[1:], kwargs))[0]):
         return NotImplemented
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
     try:
@@ -328,7 +333,8 @@ def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         process_group = t0._process_group if isinstance(t0, cls) else None
         parts = torch.stack([outs[i][1] for i in idx])
         if process_group is not None:
-            op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord_, dist.ReduceOp.SUM)
+            op = {math.inf: dist.ReduceOp.MAX,
+                  -math.inf: dist.ReduceOp.MIN}.get(ord_, dist.ReduceOp.SUM)
             dist.all_reduce(parts, op=op, group=process_group)
         for j, i in enumerate(idx):
             v = parts[j]
@@ -357,7 +363,8 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
             continue
         src = full[id(dst)]
         if src.shape != dst.shape:
-            raise NotImplementedError(f"ShardedParameter does not support {func} changing its shape")
+            raise NotImplementedError(f"ShardedParameter does not support {func} "
+                                      "changing its shape")
         dst._local.copy_(src.reshape(-1)[dst._layout.local_index(dst._rank, src.device)])
         back[id(src)] = dst
     return tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
@@ -365,12 +372,14 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _written_positions(func: Any, args: tuple, kwargs: dict, spec: Any) -> list[int]:
     """Flat positions (in tree_flatten((args, kwargs)) order) of the tensors func writes."""
-    names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = {a.name for a in op_schema(func).arguments
+             if a.alias_info is not None and a.alias_info.is_write}
     if not names:
         return []
     marks = []
     for j, a in enumerate(op_schema(func).arguments):
-        value = kwargs[a.name] if a.name in kwargs else args[j] if j < len(args) and not a.kwarg_only else None
+        value = (kwargs[a.name] if a.name in kwargs else args[j]
+                 if j < len(args) and not a.kwarg_only else None)
         marks.append((a.name, value))
     written = {id(t) for n, v in marks if n in names for t in tree_flatten(v)[0]}  # lists too
     flat, _ = tree_flatten((args, kwargs))

@@ -42,7 +42,7 @@ class _RootContext:
 
     def __init__(self, states: list[FSDPState], comm: CommContext) -> None:
         self.states = states
-        self.comm = comm  # streams, buffers awaiting their free, events ([Note: fully_shard streams])
+        self.comm = comm  # streams, buffers to free, events ([Note: fully_shard streams])
         self.callback_queued = False
         # shard groups in the order their forward ran with grad enabled (with repeats); the
         # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
@@ -67,11 +67,11 @@ class FSDPState:
                  mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules  # one, or FSDP2's list of modules sharing its shard groups
         self.module = modules[0]
-        self.module_class = type(self.module).__name__  # the user's class: fully_shard then swaps it
+        self.module_class = type(self.module).__name__  # the user's class: fully_shard swaps it
         # one per mesh of this call's parameters, in the order of their first parameter
         # (see ``_by_mesh`` in vefsdp_optim/_fsdp/_fully_shard.py); none without parameters
         self.shard_groups = shard_groups
-        self._not_run: set[int] = set()  # ids of the modules of this forward (a list of modules) yet to finish
+        self._not_run: set[int] = set()  # ids of this forward's modules (a list) yet to finish
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.ctx: _RootContext | None = None
@@ -250,7 +250,7 @@ class FSDPState:
         return grad
 
     def _implicit_bwd_prefetch(self) -> list[FSDPState]:
-        """The shard group whose forward ran just before this one's last forward: next in backward."""
+        """The shard group whose forward ran just before this one's last: next in backward."""
         order = self.ctx.fwd_order if self.ctx is not None else []
         for i in range(len(order) - 1, 0, -1):
             if order[i] is self:
@@ -321,7 +321,7 @@ class FSDPState:
         if ctx is not None:
             wait_reductions(ctx)
         for g in self.shard_groups:  # this module's groups reduce together
-            g.reduce_grads()  # async (see ``StoreGrads.launch_reduce`` in vefsdp_optim/_fsdp/_grads.py)
+            g.reduce_grads()  # async (``StoreGrads.launch_reduce`` in _grads.py)
             if g.reducing:
                 if ctx is not None:
                     ctx.reducing.append(g)

@@ -5,7 +5,8 @@ parameters' storage; the ``FlatStore`` of [Note: flat store contract]), plus, un
 mixed precision, a compute buffer in ``param_dtype`` (same plan; one cast of the local
 shard per all-gather) and a reduce buffer in ``reduce_dtype``. Its shard group
 (_group.py) drives it: all-gather, gradient attachment, reduce-scatter, re-plan. The
-store holds no reference to its shard group (see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py).
+store holds no reference to its shard group (see ``StoreSettings`` in
+vefsdp_optim/_fsdp/_settings.py).
 """
 
 from __future__ import annotations
@@ -101,14 +102,17 @@ class DtypeStore(StoreGrads):
         self.plan = plan if plan is not None else plan_buffer(self.specs(units), w, align=ALIGN)
         process_group = settings.process_group if w > 1 else None
         rank = settings.rank if process_group is not None else 0
-        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype, device=settings.host,
+        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype,
+                                        device=settings.host,
                                         rank=settings.rank if process_group is None else None,
                                         validate=validate, pin_memory=settings.pinned)
         param_dtype = settings.mp_policy.param_dtype or self.dtype
         reduce_dtype = settings.mp_policy.reduce_dtype or param_dtype
-        # ``DtypeStore``: the compute and reduce buffers live on the device, apart
-        self.compute = self.master if param_dtype == self.dtype and not settings.offload else DistributedBuffer(
-            self.plan, process_group, dtype=param_dtype, device=settings.device, validate=False)
+        # under CPU offload (the comment above ``DtypeStore``): the compute and reduce buffers
+        # live on the device, apart
+        self.compute = (self.master if param_dtype == self.dtype and not settings.offload
+                        else DistributedBuffer(self.plan, process_group, dtype=param_dtype,
+                                               device=settings.device, validate=False))
         if reduce_dtype == self.dtype and not settings.offload:
             self.reduce = self.master
         elif reduce_dtype == param_dtype:
@@ -132,7 +136,8 @@ class DtypeStore(StoreGrads):
                 p.make_sharded(local, layout, process_group, rank, runs=runs)
             p.unsharded = None
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
-        self._lazy = w > 1  # ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]
+        # ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]
+        self._lazy = w > 1
         self._gbuf: torch.Tensor | None = None  # compute's W*m gradient buffer, once allocated
         self._awaiting = False  # a lazy buffer whose backward's first gradient has not arrived yet
         if self._lazy:
@@ -142,7 +147,8 @@ class DtypeStore(StoreGrads):
 
     @property
     def tensor_parallel(self) -> bool:
-        """Some member is sharded by tensor parallelism (see ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py)."""
+        """Some member is sharded by tensor parallelism (see ``TensorParallel`` in
+        vefsdp_optim/_fsdp/_param.py)."""
         return any(p.tp is not None and p.tp.boxes is not None for p in self.params)
 
     def _tp_runs(self, units: dict[str, int]) -> dict[str, list[RaggedShard]]:
@@ -155,12 +161,14 @@ class DtypeStore(StoreGrads):
         tp_world = tps[0].tp.boxes.world_size
         if len(meshes) > 1 or any(p.tp.boxes.world_size != tp_world for p in tps):
             raise NotImplementedError(
-                "fully_shard: the tensor-parallel parameters of one shard group must share one tp mesh "
-                f"(equal device type, ranks and dim names), got {len(meshes)}: "
+                "fully_shard: the tensor-parallel parameters of one shard group must share "
+                f"one tp mesh (equal device type, ranks and dim names), got {len(meshes)}: "
                 + "; ".join(f"{p.fqn} on {p.tp.mesh}" for p in tps))
         runs: dict[str, list[RaggedShard]] = {p.fqn: [] for p in tps}
         for j in range(tp_world):
-            specs = [TensorSpec(p.fqn, (p.tp.boxes.boxes[j].sizes if p.tp is not None and p.tp.boxes is not None
+            specs = [TensorSpec(p.fqn,
+                                (p.tp.boxes.boxes[j].sizes
+                                 if p.tp is not None and p.tp.boxes is not None
                                         else tuple(p.shape)) or (1,), units.get(p.fqn, 1))
                      for p in self.params]
             plan = plan_buffer(specs, self.settings.world_size, align=ALIGN)
@@ -241,9 +249,9 @@ class DtypeStore(StoreGrads):
             version = tensor_version(out)
             with streams.use(copy_in):
                 if compute is not self.master:
-                    # the one cast (under offload: and host-to-device copy) per all-gather; non-blocking
-                    # from pageable memory too, as FSDP2 (the driver stages it before returning), so
-                    # the host never waits on the copy-in stream here
+                    # the one cast (under offload: and host-to-device copy) per all-gather;
+                    # non-blocking from pageable memory too, as FSDP2 (the driver stages it before
+                    # returning), so the host never waits on the copy-in stream here
                     with torch.no_grad():
                         compute.local.copy_(self.master.local, non_blocking=streams.active)
             streams.wait_stream(gather, copy_in)
@@ -253,7 +261,8 @@ class DtypeStore(StoreGrads):
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(compute.full_view(p.fqn))
-                if p.requires_grad:  # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]
+                # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]
+                if p.requires_grad:
                     p.unsharded.register_hook(functools.partial(self._on_grad, p.fqn))
         return None if work is None and event is None else PendingGather(work, event, out, version)
 

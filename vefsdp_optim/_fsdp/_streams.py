@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Streams", "DeviceStreams", "NO_STREAMS", "CommContext", "streams_for", "set_streams_factory",
+__all__ = ["Streams", "DeviceStreams", "NO_STREAMS", "CommContext", "streams_for",
+           "set_streams_factory",
            "check_event", "check_stream", "streams_factory"]
 
 
@@ -81,7 +82,8 @@ class Streams:
         """Work issued on ``stream`` from now on runs after ``event``."""
 
     def wait_stream(self, consumer: Any, producer: Any) -> None:
-        """Work issued on ``consumer`` from now on runs after the work issued so far on ``producer``."""
+        """Work issued on ``consumer`` from now on runs after the work issued so far on
+        ``producer``."""
 
     def query(self, event: Any) -> bool:
         """Whether ``event`` has completed, asked without waiting (no event: True)."""
@@ -159,7 +161,8 @@ def streams_for(device: torch.device) -> Streams:
     return _factory(device)
 
 
-def set_streams_factory(factory: Callable[[torch.device], Streams] | None) -> Callable[[torch.device], Streams]:
+def set_streams_factory(
+        factory: Callable[[torch.device], Streams] | None) -> Callable[[torch.device], Streams]:
     """Replace how roots get their streams (None: the default); returns the previous
     factory. For tests, which inject a recording implementation on the CPU."""
     global _factory
@@ -169,13 +172,14 @@ def set_streams_factory(factory: Callable[[torch.device], Streams] | None) -> Ca
 
 def check_event(event: object) -> None:
     if not all(hasattr(event, a) for a in ("query", "synchronize", "record")):
-        raise TypeError(f"event must be a torch.Event (e.g. torch.cuda.Event, recorded after the optimizer "
-                        f"step), got {event!r}")
+        raise TypeError("event must be a torch.Event (e.g. torch.cuda.Event, recorded after "
+                        f"the optimizer step), got {event!r}")
 
 
 def check_stream(stream: object) -> None:
     if not all(hasattr(stream, a) for a in ("wait_event", "wait_stream", "record_event")):
-        raise TypeError(f"stream must be a torch.Stream (e.g. torch.cuda.Stream) or None, got {stream!r}")
+        raise TypeError("stream must be a torch.Stream (e.g. torch.cuda.Stream) or None, "
+                        f"got {stream!r}")
 
 
 class CommContext:

@@ -9,7 +9,8 @@ choice of which one runs. Each kernel gives the bits of the eager torch ops it r
                        vefsdp_optim/_kernels/_native.py), and the CPU 8-bit step's entry
     _quant8_triton.py  the 8-bit step as a Triton kernel (CUDA, or Triton's interpreter)
     _backend.py        which 8-bit step runs: ``VEFSDP_ADAM8BIT_BACKEND`` (``triton``,
-                       ``c``, ``eager``) or the best available (see vefsdp_optim/_kernels/_backend.py)
+                       ``c``, ``eager``) or the best available (see
+                       vefsdp_optim/_kernels/_backend.py)
     _bf16_matmul.py    ``addmm`` / ``mm_nt`` with torch's bits, on the C++ products where
                        they equal torch's here ([Note: fast bfloat16 addmm])
 

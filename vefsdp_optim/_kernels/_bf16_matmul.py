@@ -45,7 +45,8 @@ ENV_VAR = "VEFSDP_BF16_MATMUL"
 MIN_WORK = 1 << 15
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # kernel name -> its operator or None; "why:" + name -> why it is off
+# kernel name -> its operator or None; "why:" + name -> why it is off
+_state: dict[str, object] = {}
 
 
 def _differs(op_name: str, got: Tensor, want: Tensor, shape: str, how: str) -> str | None:
@@ -126,7 +127,8 @@ def _op(name: str):
                     try:
                         with torch.no_grad():
                             why = _PROBES[name](candidate)
-                    except RuntimeError as e:  # e.g. a build without AVX2 refuses the dot-product order
+                    # e.g. a build without AVX2 refuses the dot-product order
+                    except RuntimeError as e:
                         why = f"{name} cannot run here: {e}"
                     if why is None:
                         op = candidate
@@ -179,9 +181,11 @@ def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 
     bit for bit; the kernel of [Note: fast bfloat16 addmm] where it applies."""
     batched = a.dim() == 3
     if (_state.get("bf16_addmm_out_", _UNDECIDED) is not None  # off: decided once, checked first
-            and a.dim() in (2, 3) and b.dim() == a.dim() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
+            and a.dim() in (2, 3) and b.dim() == a.dim()
+            and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
             and a.shape[-2] * a.shape[-1] * b.shape[-1] >= MIN_WORK
-            and c.shape == (*a.shape[:-1], b.shape[-1]) and (not batched or a.shape[0] == b.shape[0])
+            and c.shape == (*a.shape[:-1], b.shape[-1])
+            and (not batched or a.shape[0] == b.shape[0])
             and _plain(a, b, c)):
         op = _op("bf16_addmm_out_")
         if op is not None:

@@ -145,12 +145,13 @@ def _block(block_size: int) -> int:
 # ``tl.max_contiguous`` on the addresses), and the loads and stores of whole rows
 # vectorize (tests/test_adam8bit_triton.py reads the PTX). The arithmetic, so the bits,
 # are the same either way.
-def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, hp_ptr, T, nb,
-                          bs, c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, FLT_MAX,
+def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, hp_ptr, T,
+                          nb, bs, c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, FLT_MAX,
                           MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr, ROWS: tl.constexpr,
                           BLOCK: tl.constexpr, OFF64: tl.constexpr, LOG_T: tl.constexpr,
                           ALIGNED: tl.constexpr, HP_ON_DEVICE: tl.constexpr):
-    # one launch for many tensors (module docstring): ``rows`` are block numbers over all the tensors
+    # one launch for many tensors (module docstring): ``rows`` are block numbers over all the
+    # tensors
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) joint block numbers
     row_ok = rows < nb
     t = rows * 0  # each row's tensor (not tl.zeros_like: a jit function, see below)
@@ -166,7 +167,8 @@ def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, 
         w1 = tl.load(hrow + 2)[:, None]
         beta2 = tl.load(hrow + 3)[:, None]
         w2 = tl.load(hrow + 4)[:, None]
-        bc2 = tl.broadcast_to(tl.load(hrow + 5)[:, None], (ROWS, BLOCK))  # div_rn does not broadcast
+        # div_rn does not broadcast
+        bc2 = tl.broadcast_to(tl.load(hrow + 5)[:, None], (ROWS, BLOCK))
         eps = tl.load(hrow + 6)[:, None]
         neg_step = tl.load(hrow + 7)[:, None]
     rows = rows - tl.load(starts + t)  # block index within its tensor
@@ -280,8 +282,8 @@ def run_triton_steps_(
         if p[i].numel():
             runs.setdefault((tuple(h), f), []).append(i)
     for (h, f), idx in runs.items():
-        _launch([(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx], h, tables[0], f, block_size,
-                tables, on_device=False)
+        _launch([(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx], h, tables[0], f,
+                block_size, tables, on_device=False)
 
 
 def run_triton_capturable_steps_(
@@ -301,14 +303,14 @@ def run_triton_capturable_steps_(
     if not p:
         return
     if any(t.numel() == 0 for t in p):
-        raise ValueError("run_triton_capturable_steps_ takes non-empty tensors (their rows of hp), got numels "
-                         f"{[t.numel() for t in p]}")
+        raise ValueError("run_triton_capturable_steps_ takes non-empty tensors (their rows of "
+                         f"hp), got numels {[t.numel() for t in p]}")
     _launch(list(zip(p, g, mc, ma, vc, va, strict=True)), (0.0,) * 8, hp, flags, block_size, tables,
             on_device=True)
 
 
-def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor, flags: int, block_size: int,
-            tables: tuple[Tensor, ...], *, on_device: bool) -> None:
+def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor, flags: int,
+            block_size: int, tables: tuple[Tensor, ...], *, on_device: bool) -> None:
     """One launch of the kernel over ``tensors`` (each ``(p, g, mc, ma, vc, va)``, non-empty)
     with the coefficients ``h`` (host floats) or, ``on_device``, the rows of ``hp``."""
     cfg = launch_config(block_size)
@@ -324,14 +326,15 @@ def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor,
                     HP_ON_DEVICE=on_device, num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
-def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool, bool]:
-    """The device tables of one launch (see ``run_triton_steps_``): the
-    addresses (6 * T int64: every p, then every g, mc, ma, vc, va), the first joint block
-    of each tensor (T + 1 int64, the total last), the numels (T int64); the total block
-    count, whether some tensor needs int64 offsets, and whether the launch is
-    aligned (the comment above ``_adam8bit_step_kernel``). Cached by the addresses and numels, so a steady-state step
-    copies nothing to the device; a table a CUDA graph capture reads is kept for good
-    (the graph replays its address), and one missing at a capture is a RuntimeError."""
+def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool,
+                                                              bool]:
+    """The device tables of one launch (see ``run_triton_steps_``): the addresses (6 * T
+    int64: every p, then every g, mc, ma, vc, va), the first joint block of each tensor (T
+    + 1 int64, the total last), the numels (T int64); the total block count, whether some
+    tensor needs int64 offsets, and whether the launch is aligned (the comment above
+    ``_adam8bit_step_kernel``). Cached by the addresses and numels, so a steady-state step
+    copies nothing to the device; a table a CUDA graph capture reads is kept for good (the
+    graph replays its address), and one missing at a capture is a RuntimeError."""
     numel = [ts[0].numel() for ts in tensors]
     addresses = [t.data_ptr() for col in zip(*tensors, strict=True) for t in col]
     key = (tensors[0][0].device, *addresses, *numel, *(ts[3].numel() for ts in tensors))
@@ -348,8 +351,9 @@ def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Te
     if capturing:
         raise RuntimeError(
             "the 8-bit Adam step's table of tensor addresses was not built before this CUDA graph "
-            "capture: capture the step after eager warm-up steps on the same parameters, states and "
-            ".grad tensors (a graph replays fixed addresses; the table is built on the host)")
+            "capture: capture the step after eager warm-up steps on the same "
+            "parameters, states and .grad tensors (a graph replays fixed addresses; the table is "
+            "built on the host)")
     starts = [0]
     for ts in tensors:
         starts.append(starts[-1] + ts[3].numel())

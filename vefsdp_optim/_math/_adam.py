@@ -83,8 +83,9 @@ class LocalSlice:
         first = self.numel - self.numel % FUSED_BLOCK
         if len(self.last) > self.length or any(not first <= i < self.numel for i in self.last) \
                 or any(b <= a for a, b in zip(self.last, self.last[1:], strict=False)):
-            raise ValueError(f"LocalSlice.last must be increasing indices in [{first}, {self.numel}) "
-                             f"and at most length={self.length} of them, got {self.last}")
+            raise ValueError(f"LocalSlice.last must be increasing indices in [{first}, "
+                             f"{self.numel}) and at most length={self.length} of them, "
+                             f"got {self.last}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,11 +257,13 @@ def adam_foreach_(
         foreach = (len({p.device for p in params}) == 1 and not differentiable
                    and not (tensor_hp and not capturable))
     if (foreach and not fused and not capturable and not differentiable
-            and _host_steps_apply(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
-                                  beta2, amsgrad, uniform)):
+            and _host_steps_apply(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
+                                  beta1, beta2, amsgrad, uniform)):
         _multi_tensor_adam_host_steps_(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+            beta2=beta2,
+            eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            decoupled=decoupled)
         return
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -273,8 +276,8 @@ def adam_foreach_(
 
 def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                       exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
-                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor, amsgrad: bool,
-                      uniform: bool) -> bool:
+                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor,
+                      amsgrad: bool, uniform: bool) -> bool:
     """Whether ``_multi_tensor_adam_host_steps_``'s path takes this call (a device read
     costs ~0.1 us a tensor: ``uniform`` skips those the caller vouches for)."""
     if isinstance(lr, Tensor) or isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
@@ -294,13 +297,14 @@ def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
         for t in ts:
             if t.device != device or t.dtype != dtype:
                 return False
-    return len(steps) == len(params) and all(type(s) is Tensor and s.is_cpu and not s.dim() for s in steps)
+    return len(steps) == len(params) and all(type(s) is Tensor and s.is_cpu and not s.dim()
+                                             for s in steps)
 
 
 def _multi_tensor_adam_host_steps_(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
+    eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
 ) -> None:
     """torch.optim.adam._multi_tensor_adam's non-capturable path, op for op, with the step
     counts read in one stack.
@@ -366,10 +370,12 @@ def adam_fused_pieces_(
     if pieces.rows:
         src = torch.tensor(pieces.src, dtype=torch.int64, device=param.device)
         dst = torch.tensor(pieces.dst, dtype=torch.int64, device=param.device)
-        rows = [t.new_zeros(sum(pieces.rows)).index_copy_(0, dst, t.index_select(0, src)) for t in tensors]
+        rows = [t.new_zeros(sum(pieces.rows)).index_copy_(0, dst, t.index_select(0, src))
+                for t in tensors]
         for lst, r in zip(lists, rows, strict=True):
             lst.extend(r.split(pieces.rows))
-    steps = list(torch.full((len(lists[0]),), step, dtype=torch.float32, device=param.device).unbind())
+    steps = list(torch.full((len(lists[0]),), step, dtype=torch.float32,
+                            device=param.device).unbind())
     adam_foreach_(lists[0], lists[1], lists[2], lists[3], lists[4] if amsgrad else [], steps,
                   lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                   amsgrad=amsgrad, maximize=maximize, decoupled=decoupled, fused=True)
@@ -385,7 +391,8 @@ def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: floa
     """torch.optim.Adam's argument checks, with the same messages."""
     if isinstance(lr, Tensor):
         if foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
@@ -405,6 +412,7 @@ def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: floa
     for i, b in enumerate(betas):
         if isinstance(b, Tensor):
             if foreach and not capturable:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 "and foreach=True")
             if b.numel() != 1:
                 raise ValueError(f"Tensor betas[{i}] must be 1-element")

@@ -1,11 +1,11 @@
 """One Muon (and NorMuon) step on a whole tensor, and the phases the step loop runs apart.
 
-``muon_step_`` is the whole algorithm of :class:`vefsdp_optim.Muon` on one parameter,
-the way ``torch.optim._muon._single_tensor_muon`` writes it, plus the library's block
-structure ([Note: Muon blocks] in _muon_blocks.py: ``flatten``, ``split_sizes``,
-per-head blocks), its 8-bit momentum (see vefsdp_optim/_math/_muon_int8.py) and Polar Express's
-coefficients (see vefsdp_optim/_math/_polar_express.py). ``normuon_step_`` (:class:`vefsdp_optim.NorMuon`'s)
-is in _normuon.py.
+``muon_step_`` is the whole algorithm of :class:`vefsdp_optim.Muon` on one parameter, the way
+``torch.optim._muon._single_tensor_muon`` writes it, plus the library's block structure ([Note:
+Muon blocks] in _muon_blocks.py: ``flatten``, ``split_sizes``, per-head blocks), its 8-bit
+momentum (see vefsdp_optim/_math/_muon_int8.py) and Polar Express's coefficients (see
+vefsdp_optim/_math/_polar_express.py). ``normuon_step_`` (:class:`vefsdp_optim.NorMuon`'s) is in
+_normuon.py.
 
 A step is three phases, and ``muon_step_`` is literally their composition:
 
@@ -97,8 +97,8 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
     if isinstance(momentum_buffer, Int8Momentum):
         codes, absmax, code, step, offset = momentum_buffer
         if not (isinstance(step, Tensor) and step.dtype == torch.int64 and step.dim() == 0):
-            raise TypeError("Int8Momentum.step must be a 0-dim int64 tensor (the momentum steps taken), "
-                            f"got {step!r}")
+            raise TypeError("Int8Momentum.step must be a 0-dim int64 tensor (the momentum "
+                            f"steps taken), got {step!r}")
         out = muon_momentum_int8_(grad, codes, absmax, momentum=momentum, nesterov=nesterov,
                                   code=code, step=step, offset=offset).to(torch.bfloat16)
         step.add_(1)
@@ -122,7 +122,8 @@ def muon_momentum_foreach_(grads: list[Tensor], momentum_buffers: list[Tensor], 
     vefsdp_optim/_muon.py): the buffers' ``lerp_`` in one foreach op, then each Newton-Schulz input;
     the bits of :func:`muon_momentum_` on each pair."""
     foreach_lerp_(momentum_buffers, grads, 1 - momentum)
-    return [_ns_input(g, b, momentum, nesterov) for g, b in zip(grads, momentum_buffers, strict=True)]
+    return [_ns_input(g, b, momentum, nesterov)
+            for g, b in zip(grads, momentum_buffers, strict=True)]
 
 
 def muon_orthogonalize(
@@ -136,7 +137,8 @@ def muon_orthogonalize(
     out = None
     for a, rows, cols in blocks:
         n = rows * cols
-        ortho = zeropower_via_newtonschulz(update[a:a + n].view(rows, cols), ns_coefficients, ns_steps, eps)
+        ortho = zeropower_via_newtonschulz(update[a:a + n].view(rows, cols), ns_coefficients,
+                                           ns_steps, eps)
         if a == 0 and n == update.numel():  # one block: a view when wide
             return ortho.reshape(-1)
         if out is None:
@@ -183,12 +185,13 @@ def muon_apply_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float
 
 
 def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
-                        adjusted_lrs: Sequence[float | Sequence[tuple[int, int, float]]], *, lr: float,
-                        weight_decay: float) -> None:
-    """:func:`muon_apply_` over lists (see ``Muon._gather_bucket`` in vefsdp_optim/_muon.py), ``adjusted_lrs[i]``
-    each parameter's ``adjusted_lr`` (one learning rate, or its runs ``(lo, hi, lr)``):
-    the decay of every parameter in one foreach op, then the steps, one foreach op per
-    adjusted learning rate; the bits of :func:`muon_apply_` on each."""
+                        adjusted_lrs: Sequence[float | Sequence[tuple[int, int, float]]], *,
+                        lr: float, weight_decay: float) -> None:
+    """:func:`muon_apply_` over lists (see ``Muon._gather_bucket`` in
+    vefsdp_optim/_muon.py), ``adjusted_lrs[i]`` each parameter's ``adjusted_lr`` (one
+    learning rate, or its runs ``(lo, hi, lr)``): the decay of every parameter in one
+    foreach op, then the steps, one foreach op per adjusted learning rate; the bits of
+    :func:`muon_apply_` on each."""
     foreach_mul_(params, 1 - lr * weight_decay)
     by_lr: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
 
@@ -210,7 +213,8 @@ def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
         foreach_add_(ps, us, alpha=-a_lr)
 
 
-def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float, adjust_lr_fn: str | None) -> list[tuple[int, int, float]]:
+def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float,
+                 adjust_lr_fn: str | None) -> list[tuple[int, int, float]]:
     """The runs ``(lo, hi, adjusted lr)`` of :func:`muon_apply_` for a whole tensor of
     ``blocks``: consecutive blocks with one adjusted learning rate share a run."""
     runs: list[tuple[int, int, float]] = []
@@ -225,8 +229,10 @@ def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float, adjust_lr_fn: str | Non
 
 def _check_step(param: Tensor, grad: Tensor, momentum_buffer: Tensor | Int8Momentum) -> None:
     if grad.shape != param.shape:
-        raise ValueError(f"grad must have the parameter's shape {tuple(param.shape)}, got {tuple(grad.shape)}")
-    n = (momentum_buffer.codes if isinstance(momentum_buffer, Int8Momentum) else momentum_buffer).numel()
+        raise ValueError(f"grad must have the parameter's shape {tuple(param.shape)}, got "
+                         f"{tuple(grad.shape)}")
+    n = (momentum_buffer.codes if isinstance(momentum_buffer, Int8Momentum)
+         else momentum_buffer).numel()
     if n != param.numel():
         raise ValueError(f"the momentum holds {n} elements for a parameter of {param.numel()}")
     if not (param.is_contiguous() and grad.is_contiguous()):
@@ -274,13 +280,15 @@ def muon_step_(
     """
     _check_step(param, grad, momentum_buffer)
     blocks = muon_blocks(param.shape, flatten, split_sizes)
-    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
+    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum,
+                            nesterov=nesterov)
     ortho = muon_orthogonalize(update, blocks, ns_coefficients, ns_steps, eps)
     _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
 
 
 def _flat(momentum_buffer: Tensor | Int8Momentum) -> Tensor | Int8Momentum:
-    return momentum_buffer if isinstance(momentum_buffer, Int8Momentum) else momentum_buffer.view(-1)
+    return (momentum_buffer if isinstance(momentum_buffer, Int8Momentum)
+            else momentum_buffer.view(-1))
 
 
 def _apply_whole_(param: Tensor, ortho: Tensor, blocks: Sequence[MuonBlock], *, lr: float,
@@ -313,7 +321,8 @@ def _consecutive(ts: list[torch.Tensor]) -> bool:
     if base is None or (start * first.element_size()) % 64:
         return False
     # metadata only (views of one base, their offsets): a fake tensor has no addresses
-    return all(view_base(t) is base and t.dim() == 1 and t.stride(0) == 1 and t.storage_offset() == start + j * n
+    return all(view_base(t) is base and t.dim() == 1 and t.stride(0) == 1
+               and t.storage_offset() == start + j * n
                for j, t in enumerate(ts))
 
 
@@ -340,9 +349,10 @@ def _newton_schulz_by_shape(
             covers = "each"
         else:
             covers = ""
-        if k == 1 or not newtonschulz_batch_exact(k, rows, cols, first.device, ns_coefficients, ns_steps, eps,
-                                                  torch.get_num_threads()):
-            orthos = [zeropower_via_newtonschulz(updates[i][a:a + n].view(rows, cols), ns_coefficients,
+        if k == 1 or not newtonschulz_batch_exact(k, rows, cols, first.device, ns_coefficients,
+                                                  ns_steps, eps, torch.get_num_threads()):
+            orthos = [zeropower_via_newtonschulz(updates[i][a:a + n].view(rows, cols),
+                                                 ns_coefficients,
                                                  ns_steps, eps) for i, _, a in members]
             out.append(_ShapeBatch(rows, cols, members, orthos, covers))
             continue
@@ -353,13 +363,15 @@ def _newton_schulz_by_shape(
         else:
             batch = torch.stack([updates[i][a:a + n].view(rows, cols) for i, _, a in members])
         out.append(_ShapeBatch(rows, cols, members,
-                               zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps, eps), covers))
+                               zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps,
+                                                                  eps), covers))
     return out
 
 
 def muon_orthogonalize_batched(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
-    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
 ) -> list[torch.Tensor]:
     """The batched form of ``_math.muon_orthogonalize`` (see the module docstring):
     ``[muon_orthogonalize(x, b, ...) for x, b in zip(updates, blocks)]``, bit for bit, with

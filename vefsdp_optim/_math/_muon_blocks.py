@@ -94,16 +94,19 @@ def _adjust_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
 # of the flat parameter.
 
 
-def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int,
+                       shape: tuple[int, ...]) -> tuple[int, ...]:
     if split_sizes is None:
         return (rows,)
     sizes = tuple(split_sizes)
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"split_sizes must be a non-empty sequence of positive ints, got {split_sizes!r}")
+        raise ValueError("split_sizes must be a non-empty sequence of positive ints, got "
+                         f"{split_sizes!r}")
     if sum(sizes) != rows:
         raise ValueError(
-            f"split_sizes {list(sizes)} sum to {sum(sizes)}, but the matrix of a parameter of shape "
-            f"{shape} has {rows} rows; split_sizes must sum to the rows of each matrix")
+            f"split_sizes {list(sizes)} sum to {sum(sizes)}, but the matrix of a "
+            f"parameter of shape {shape} has {rows} rows; split_sizes must sum to the rows "
+            "of each matrix")
     return sizes
 
 

@@ -85,12 +85,14 @@ def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tens
     new_codes, new_absmax = quantize_blockwise(m, code, MOMENTUM_BLOCK)
     stuck = new_codes == codes  # (n,) bool
     scale = torch.where(new_absmax > 0, new_absmax, torch.ones_like(new_absmax))
-    x = (m.view(-1, MOMENTUM_BLOCK) / scale[:, None]).view(-1) if m.numel() % MOMENTUM_BLOCK == 0 \
-        else m / scale.repeat_interleave(MOMENTUM_BLOCK)[:m.numel()]  # quantize_blockwise's normalized values
+    # quantize_blockwise's normalized values
+    x = ((m.view(-1, MOMENTUM_BLOCK) / scale[:, None]).view(-1) if m.numel() % MOMENTUM_BLOCK == 0
+         else m / scale.repeat_interleave(MOMENTUM_BLOCK)[:m.numel()])
     # code[lo] <= x < code[lo + 1], lo in [0, 254]: the nearest code or the one below it
     # (searchsorted(code, x, right=True) - 1, clamped, without a second search)
     nearest = new_codes.to(torch.int32)
-    lo = nearest.sub_((x < code.index_select(0, nearest)).to(torch.int32)).clamp_(0, code.numel() - 2)
+    lo = nearest.sub_((x < code.index_select(0,
+                                             nearest)).to(torch.int32)).clamp_(0, code.numel() - 2)
     c_lo, c_hi = code.index_select(0, lo), code.index_select(0, lo + 1)
     index = torch.arange(offset, offset + m.numel(), dtype=torch.int64, device=m.device)
     up = _dither(index, step) < (x - c_lo) / (c_hi - c_lo)
@@ -98,7 +100,8 @@ def requantize_momentum_(m: Tensor, codes: Tensor, absmax: Tensor, *, code: Tens
     absmax.copy_(new_absmax)
 
 
-def muon_momentum_int8_(grad: Tensor, codes: Tensor, absmax: Tensor, *, momentum: float, nesterov: bool,
+def muon_momentum_int8_(grad: Tensor, codes: Tensor, absmax: Tensor, *, momentum: float,
+                        nesterov: bool,
                         code: Tensor, step: int | Tensor, offset: int = 0) -> Tensor:
     """One momentum step on a run of whole blocks (1-D ``grad``), in place on ``codes``
     (uint8, one per element) and ``absmax`` (float32, one per block); returns the float32
@@ -107,14 +110,18 @@ def muon_momentum_int8_(grad: Tensor, codes: Tensor, absmax: Tensor, *, momentum
     ``offset``: the flat index of ``grad[0]`` in the whole parameter (a multiple of
     MOMENTUM_BLOCK)."""
     if codes.numel() != grad.numel():
-        raise ValueError(f"8-bit momentum holds {codes.numel()} codes for a gradient of {grad.numel()} elements")
+        raise ValueError(f"8-bit momentum holds {codes.numel()} codes for a gradient of "
+                         f"{grad.numel()} elements")
     if isinstance(step, Tensor):
         if step.dtype != torch.int64 or step.dim() != 0:
-            raise TypeError(f"8-bit momentum step must be an int or a 0-d int64 tensor, got {step!r}")
+            raise TypeError("8-bit momentum step must be an int or a 0-d int64 tensor, "
+                            f"got {step!r}")
     elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"8-bit momentum step must be an int >= 0 (the steps taken before), got {step!r}")
+        raise ValueError("8-bit momentum step must be an int >= 0 (the steps taken before), "
+                         f"got {step!r}")
     if offset % MOMENTUM_BLOCK:
-        raise ValueError(f"8-bit momentum offset must be a multiple of {MOMENTUM_BLOCK}, got {offset}")
+        raise ValueError(f"8-bit momentum offset must be a multiple of {MOMENTUM_BLOCK}, "
+                         f"got {offset}")
     g = grad.float()
     m = dequantize_blockwise(codes, absmax, code, MOMENTUM_BLOCK)
     m.lerp_(g, 1 - momentum)

@@ -57,7 +57,8 @@ def check_ns_coefficients(ns_coefficients: object) -> NsCoefficients:
         f"{POLAR_EXPRESS!r} (Polar Express's per-iteration coefficients), got {ns_coefficients!r}")
 
 
-def _schedule(ns_coefficients: NsCoefficients, ns_steps: int) -> tuple[bool, Sequence[tuple[float, float, float]]]:
+def _schedule(ns_coefficients: NsCoefficients,
+              ns_steps: int) -> tuple[bool, Sequence[tuple[float, float, float]]]:
     """(whether it is Polar Express, the (a, b, c) of each iteration)."""
     if isinstance(ns_coefficients, str):
         check_ns_coefficients(ns_coefficients)
@@ -137,7 +138,8 @@ def zeropower_via_newtonschulz_batched(
     Whether the bits equal the per-matrix function's depends on the kernels of the
     device and shape: use it only where :func:`newtonschulz_batch_exact` says so."""
     if not isinstance(grads, Tensor) or grads.ndim != 3:
-        raise ValueError(f"grads must be a 3-D batch of matrices, got {getattr(grads, 'shape', grads)!r}")
+        raise ValueError("grads must be a 3-D batch of matrices, got "
+                         f"{getattr(grads, 'shape', grads)!r}")
     polar, schedule = _schedule(ns_coefficients, ns_steps)
     tall = grads.size(1) > grads.size(2)
     x = grads.bfloat16()  # (batch, rows, cols), bf16
@@ -158,7 +160,8 @@ def zeropower_via_newtonschulz_batched(
     return x
 
 
-#: the shortest side of a matrix that batched Newton-Schulz may take (see ``newtonschulz_batch_exact``)
+#: the shortest side of a matrix that batched Newton-Schulz may take (see
+#: ``newtonschulz_batch_exact``)
 BATCH_MIN_DIM = 32
 
 
@@ -193,7 +196,8 @@ def newtonschulz_batch_exact(
     def run() -> Tensor:
         g = torch.Generator(device=device).manual_seed(rows * 1_000_003 + cols)
         probe = torch.randn(batch, rows, cols, generator=g, device=device)
-        want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps) for m in probe])
+        want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps)
+                            for m in probe])
         got = zeropower_via_newtonschulz_batched(probe, ns_coefficients, ns_steps, eps)
         return torch.eq(got, want).all()
 

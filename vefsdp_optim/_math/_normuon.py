@@ -80,7 +80,8 @@ NORMUON_EPS = 1e-8  # Dion's constant, in the denominator and the norm's clamp
 
 
 def normuon_normalize_(
-    ortho: Tensor, variance: Tensor, beta2: float, eps: float = NORMUON_EPS, out: Tensor | None = None,
+    ortho: Tensor, variance: Tensor, beta2: float, eps: float = NORMUON_EPS,
+    out: Tensor | None = None,
 ) -> Tensor:
     """NorMuon's normalization of one orthogonalized matrix (see the module docstring).
 
@@ -101,18 +102,20 @@ def normuon_normalize_(
         raise ValueError(f"ortho must be a 2-D matrix, got shape {tuple(ortho.shape)}")
     rows = ortho.shape[0]
     if variance.shape != (rows,):
-        raise ValueError(f"variance must have shape ({rows},) for a matrix of shape {tuple(ortho.shape)}, "
-                         f"got {tuple(variance.shape)}")
+        raise ValueError(f"variance must have shape ({rows},) for a matrix of shape "
+                         f"{tuple(ortho.shape)}, got {tuple(variance.shape)}")
     if not variance.is_floating_point() or variance.dtype.itemsize < 4:
         raise ValueError(f"variance must be float32 or wider, got {variance.dtype}")
     if not 0.0 <= beta2 <= 1.0:
         raise ValueError(f"beta2 must be in [0, 1], got {beta2}")
     if out is None:
-        u = ortho.to(variance.dtype, memory_format=torch.contiguous_format, copy=True)  # (rows, cols)
+        # (rows, cols)
+        u = ortho.to(variance.dtype, memory_format=torch.contiguous_format, copy=True)
     else:
         if out.shape != ortho.shape or out.dtype != variance.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {variance.dtype} tensor of shape {tuple(ortho.shape)}, "
-                             f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
+            raise ValueError(f"out must be a contiguous {variance.dtype} tensor of shape "
+                             f"{tuple(ortho.shape)}, got {out.dtype} {tuple(out.shape)} "
+                             f"(contiguous: {out.is_contiguous()})")
         u = out.copy_(ortho)
     row = torch.linalg.vector_norm(u, dim=-1)  # (rows,): ||O_i.||
     variance.lerp_(row.square() / u.shape[-1], 1 - beta2)  # mean_j O_ij^2
@@ -123,8 +126,8 @@ def normuon_normalize_(
 
 
 def normuon_normalize_batched_(
-    ortho: Tensor | Sequence[Tensor], variances: Sequence[Tensor], beta2: float, eps: float = NORMUON_EPS,
-    out: Tensor | None = None,
+    ortho: Tensor | Sequence[Tensor], variances: Sequence[Tensor], beta2: float,
+    eps: float = NORMUON_EPS, out: Tensor | None = None,
 ) -> Tensor:
     """:func:`normuon_normalize_` of each ``ortho[i]`` with ``variances[i]``, in batched
     ops (see ``normuon_normalize_batched_``): the same bits where
@@ -143,9 +146,10 @@ def normuon_normalize_batched_(
     """
     mats = None if isinstance(ortho, Tensor) else list(ortho)
     if mats is not None:
-        if not mats or any(m.ndim != 2 or m.shape != mats[0].shape or m.dtype != mats[0].dtype for m in mats):
-            raise ValueError("ortho must be a (k, rows, cols) batch or k > 0 matrices of one shape and dtype, got "
-                             f"{[(tuple(m.shape), m.dtype) for m in mats][:4]}")
+        if not mats or any(m.ndim != 2 or m.shape != mats[0].shape or m.dtype != mats[0].dtype
+                           for m in mats):
+            raise ValueError("ortho must be a (k, rows, cols) batch or k > 0 matrices of one shape "
+                             f"and dtype, got {[(tuple(m.shape), m.dtype) for m in mats][:4]}")
         k, (rows, cols), device = len(mats), mats[0].shape, mats[0].device
     elif ortho.ndim != 3:
         raise ValueError(f"ortho must be a (k, rows, cols) batch, got shape {tuple(ortho.shape)}")
@@ -156,8 +160,8 @@ def normuon_normalize_batched_(
     dtype = variances[0].dtype if variances else torch.float32
     bad = [tuple(v.shape) for v in variances if v.shape != (rows,) or v.dtype != dtype]
     if bad or not dtype.is_floating_point or dtype.itemsize < 4:
-        raise ValueError(f"variances must be ({rows},) tensors of one float dtype, float32 or wider, got "
-                         f"{dtype} and shapes {bad[:4]}")
+        raise ValueError(f"variances must be ({rows},) tensors of one float dtype, float32 "
+                         f"or wider, got {dtype} and shapes {bad[:4]}")
     if not 0.0 <= beta2 <= 1.0:
         raise ValueError(f"beta2 must be in [0, 1], got {beta2}")
     if out is None:
@@ -173,7 +177,8 @@ def normuon_normalize_batched_(
     elif ortho.device.type == "cpu" and not ortho.is_contiguous():
         # a tall batch (transposed): torch's CPU copy transposes fast only one matrix at a
         # time and within one dtype, so transpose each in its dtype first, then cast all
-        src = ortho if ortho.dtype == dtype else torch.empty(ortho.shape, dtype=ortho.dtype, device=ortho.device)
+        src = ortho if ortho.dtype == dtype else torch.empty(ortho.shape, dtype=ortho.dtype,
+                                                             device=ortho.device)
         dst = out if ortho.dtype == dtype else src
         for i in range(k):
             dst[i].copy_(ortho[i])
@@ -204,18 +209,22 @@ def normuon_batch_exact(batch: int, rows: int, cols: int, dtype: torch.dtype, de
         g = torch.Generator(device=device).manual_seed(rows * 1_000_003 + cols * 7 + batch)
         # full-precision values: the squares of bfloat16 ones sum exactly in float32 in any
         # order (short mantissas), so a bfloat16 probe would not show a summation order
-        probe = torch.randn(batch, rows, cols, generator=g, dtype=torch.float64, device=device).to(dtype)
+        probe = torch.randn(batch, rows, cols, generator=g, dtype=torch.float64,
+                            device=device).to(dtype)
         start = torch.rand(batch, rows, generator=g, device=device).to(dtype)
         want_v = [v.clone() for v in start]
-        want = torch.stack([normuon_normalize_(m, v, beta2) for m, v in zip(probe, want_v, strict=True)])
+        want = torch.stack([normuon_normalize_(m, v, beta2)
+                            for m, v in zip(probe, want_v, strict=True)])
         got_v = [v.clone() for v in start]
         got = normuon_normalize_batched_(probe, got_v, beta2)
-        return torch.stack([torch.eq(got, want).all(), torch.eq(torch.stack(got_v), torch.stack(want_v)).all()]).all()
+        return torch.stack([torch.eq(got, want).all(),
+                            torch.eq(torch.stack(got_v), torch.stack(want_v)).all()]).all()
 
     return batch_probe(("normuon", batch, rows, cols, dtype, device, beta2, threads), device, run)
 
 
-def normuon_normalize_blocks(ortho: Tensor, blocks: Sequence[MuonBlock], variances: Sequence[Tensor],
+def normuon_normalize_blocks(ortho: Tensor, blocks: Sequence[MuonBlock],
+                             variances: Sequence[Tensor],
                              beta2: float, dtype: torch.dtype) -> Tensor:
     """NorMuon's normalization (:func:`normuon_normalize_`) of each block of the 1-D
     Newton-Schulz result ``ortho``, with ``variances[k]`` (rows of block k, updated in
@@ -223,7 +232,8 @@ def normuon_normalize_blocks(ortho: Tensor, blocks: Sequence[MuonBlock], varianc
     out = torch.empty(ortho.numel(), dtype=dtype, device=ortho.device)
     for (a, rows, cols), v in zip(blocks, variances, strict=True):
         n = rows * cols
-        normuon_normalize_(ortho[a:a + n].view(rows, cols), v, beta2, out=out[a:a + n].view(rows, cols))
+        normuon_normalize_(ortho[a:a + n].view(rows, cols), v, beta2,
+                           out=out[a:a + n].view(rows, cols))
     return out
 
 
@@ -253,8 +263,10 @@ def normuon_step_(
     _check_step(param, grad, momentum_buffer)
     blocks = muon_blocks(param.shape, flatten, split_sizes)
     if len(variances) != len(blocks):
-        raise ValueError(f"{len(variances)} row second moments for a parameter of {len(blocks)} blocks")
-    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
+        raise ValueError(f"{len(variances)} row second moments for a parameter of "
+                         f"{len(blocks)} blocks")
+    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum,
+                            nesterov=nesterov)
     ortho = muon_orthogonalize(update, blocks, ns_coefficients, ns_steps, eps)
     ortho = normuon_normalize_blocks(ortho, blocks, variances, muon_beta2,
                                      torch.promote_types(param.dtype, torch.float32))
@@ -264,7 +276,8 @@ def normuon_step_(
 def normuon_orthogonalize_batched(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
     variances: Sequence[Sequence[torch.Tensor]], beta2: float, dtype: torch.dtype,
-    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
 ) -> list[torch.Tensor]:
     """NorMuon's orthogonalization of a bucket: :func:`muon_orthogonalize_batched`, then
     ``_math.normuon_normalize_blocks`` of each input with ``variances[i]`` (one per block

@@ -298,7 +298,8 @@ def host_table_quantizers() -> tuple[TableQuantizer, TableQuantizer]:
         return TableQuantizer(dynamic_code_map(True)), TableQuantizer(dynamic_code_map(False))
 
 
-def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
+def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                     bs: int) -> torch.Tensor:
     """``dequantize_blockwise`` (same products, same bits) with an int32 index_select,
     several times faster on the CPU than advanced indexing with int64 indices."""
     n = codes.numel()

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ._matrix_root import all_finite, matrix_inverse_root
 
-__all__ = ["SHAMPOO_ROOT", "ShampooTile", "shampoo_step_", "shampoo_tiles", "shampoo_update_statistics_"]
+__all__ = ["SHAMPOO_ROOT", "ShampooTile", "shampoo_step_", "shampoo_tiles",
+           "shampoo_update_statistics_"]
 
 #: P = L^(-1/4) M R^(-1/4): the exponent of 2-D Shampoo
 SHAMPOO_ROOT = 4
@@ -75,7 +76,8 @@ def shampoo_update_statistics_(
     Returns ``(skipped tiles, failed roots)``: 0-dim int64 tensors on ``grad``'s device.
     """
     n = _host_count(step, host_step)
-    recompute = n >= start_preconditioning_step and (n - start_preconditioning_step) % precondition_frequency == 0
+    recompute = (n >= start_preconditioning_step
+                 and (n - start_preconditioning_step) % precondition_frequency == 0)
     tiles_ok, roots_ok = [], []  # 0-dim bools, counted once at the end
     for tile in tiles:
         stat_l, stat_r = tile.L, tile.R
@@ -198,8 +200,8 @@ def shampoo_step_(
     return report
 
 
-def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int | Tensor,
-                       beta1: float, beta2: float, grafting: str,
+def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *,
+                       step: int | Tensor, beta1: float, beta2: float, grafting: str,
                        grafting_epsilon: float) -> Tensor | None:
     """The momentum and, for grafting "adam", the second moment, in place; returns Adam's
     denominator ``sqrt(v / (1 - beta2^t)) + grafting_epsilon`` (None for other grafting)."""
@@ -227,8 +229,8 @@ def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr
 
 
 def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None,
-                            tiles: Sequence[ShampooTile], *, lr: float | Tensor, bc1: float | Tensor,
-                            grafting: str) -> None:
+                            tiles: Sequence[ShampooTile], *, lr: float | Tensor,
+                            bc1: float | Tensor, grafting: str) -> None:
     """``p <- p - lr P`` per tile, ``P`` the preconditioned momentum at the grafted norm."""
     m_hat = exp_avg / bc1  # (rows, cols)
     graft = m_hat if denom is None else m_hat / denom  # (rows, cols)

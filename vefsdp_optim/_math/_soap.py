@@ -112,7 +112,8 @@ def _merged(shape: Sequence[int], max_precond_dim: int) -> tuple[int, ...]:
 
 
 def soap_geometry(shape: Sequence[int], max_precond_dim: int, merge_dims: bool = False,
-                  precondition_1d: bool = False, data_format: str = "channels_first") -> SoapGeometry:
+                  precondition_1d: bool = False,
+                  data_format: str = "channels_first") -> SoapGeometry:
     """The work shape and factor dims of a tensor of ``shape`` (see ``SoapGeometry``)."""
     shape = tuple(int(d) for d in shape)
     if data_format not in SOAP_DATA_FORMATS:
@@ -149,7 +150,8 @@ class SoapHparams:
             raise ValueError(f"betas must be a pair of floats in [0, 1), got {self.betas!r}")
         sb = self.shampoo_beta
         if isinstance(sb, bool) or not isinstance(sb, (int, float)) or math.isnan(sb) or sb >= 1.0:
-            raise ValueError(f"shampoo_beta must be a float in [0, 1), or negative for betas[1], got {sb!r}")
+            raise ValueError("shampoo_beta must be a float in [0, 1), or negative for "
+                             f"betas[1], got {sb!r}")
         if not self.eps >= 0:
             raise ValueError(f"Invalid epsilon value: {self.eps}")
         if not self.weight_decay >= 0:
@@ -244,7 +246,8 @@ def soap_eigenbasis(factor: Tensor) -> Tensor:
     return torch.where(finite, torch.flip(q, [1]), eye).to(factor.dtype)
 
 
-def soap_power_iteration(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+def soap_power_iteration(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor,
+                         dim: int) -> tuple[Tensor, Tensor]:
     """One power iteration with QR: the new basis of ``factor`` from ``basis``.
 
     The columns of ``basis`` are sorted by their Rayleigh quotients ``diag(Q^T F Q)``,
@@ -336,10 +339,12 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor
     lr = _device_lr(hp.lr, param) if on_device else hp.lr
     step_size = lr
     if hp.correct_bias:
-        t_now = step.double() - 1 if on_device else t  # ``shampoo_step_`` in vefsdp_optim/_math/_shampoo.py
+        # ``shampoo_step_`` in vefsdp_optim/_math/_shampoo.py
+        t_now = step.double() - 1 if on_device else t
         step_size = step_size * ((1.0 - beta2**t_now) ** 0.5) / (1.0 - beta1**t_now)
     denom = v.sqrt().add_(hp.eps)
-    u = torch.div(m, denom, out=denom) if denom.shape == m.shape and denom.stride() == m.stride() else m / denom
+    u = (torch.div(m, denom, out=denom) if denom.shape == m.shape and denom.stride() == m.stride()
+         else m / denom)
     if rotated:
         u = soap_project_back(u, bases)
     if hp.normalize_grads:

@@ -175,7 +175,8 @@ class TinyMoEGPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos_embed = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.layers = nn.ModuleList([_MoEBlock(d, heads, kv_heads, experts, d_ff) for _ in range(n_layers)])
+        self.layers = nn.ModuleList([_MoEBlock(d, heads, kv_heads, experts, d_ff)
+                                     for _ in range(n_layers)])
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 

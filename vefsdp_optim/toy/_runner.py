@@ -200,7 +200,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float | None) -> torch.opti
         by_keys: dict[str, dict[str, Any]] = {}
         for n, p in mats:
             keys = {"flatten": True, **(keys_of(n) if keys_of is not None else {})}
-            by_keys.setdefault(repr(sorted(keys.items())), {"params": [], **keys})["params"].append(p)
+            by_keys.setdefault(repr(sorted(keys.items())), {"params": [],
+                                                            **keys})["params"].append(p)
         groups = list(by_keys.values())
         if rest:
             groups.append({"params": rest, "use_muon": False, "lr": _DEFAULT_LR["adamw"]})
