@@ -18,17 +18,15 @@ from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, redu
 __all__ = ["DistributedBuffer"]
 
 # The local shard (`local`, m elements) and the global buffer (`global_buffer`, W * m)
-# are separate storages, and the all-gather is out of place:
-# all_gather_single(global_buffer, local); gradients likewise reduce_scatter_single(
-# local_grad, grad_global). A local shard that viewed the global buffer would be freed with
-# it, so it would cost a copy-out before every free and a copy-in after every alloc, the
-# copies FSDP2 pays: it copies each parameter into a flat all-gather input, then splits
-# the output into per-parameter tensors. Out of place, the collective itself moves this
-# rank's m elements to their slot (NCCL inside the same kernel), and nothing is copied or
-# allocated per tensor. Per-tensor views (local_view, full_view, ...) are made
-# once and cached; global views survive free/alloc, which resize the one global storage
-# to 0 bytes and back (FSDP2's free_storage / alloc_storage). With W == 1, or no process
-# group, the global buffers *are* the local ones and no collective runs.
+# are separate storages, and the collectives are out of place:
+# all_gather_single(global_buffer, local), reduce_scatter_single(local_grad, grad_global).
+# The collective itself moves this rank's m elements to their slot, so nothing is copied
+# or allocated per tensor (the in-place form, and FSDP2's copies: docs/decisions.md).
+# Per-tensor views (local_view, full_view, ...) are made once and cached; global views are
+# made on the first alloc and survive free/alloc, which resize the one global storage to 0
+# bytes and back (FSDP2's free_storage / alloc_storage), so the view objects see the new
+# storage. With W == 1, or no process group, the global buffers *are* the local ones and
+# no collective runs.
 
 
 class DistributedBuffer:

@@ -13,11 +13,9 @@ every i: if two boundary lists differ at position k, say b_src[k] < b_dst[k], th
 element b_src[k] is held by a src rank >= k and by a dst rank < k. So equal layouts are
 the only case without a collective.
 
-Every rank must pass the same layouts, in the same order. The collective does not detect
-a mismatch: it would exchange wrong sizes or hang. So callers run
-:func:`check_same_on_all_ranks` on a fingerprint of their layouts once, before the first
-exchange.
-"""
+Every rank must pass the same layouts, in the same order: the collective does not detect
+a mismatch (it would exchange wrong sizes or hang), so callers run
+:func:`check_same_on_all_ranks` on a fingerprint of their layouts before the first exchange."""
 
 from __future__ import annotations
 
@@ -223,14 +221,16 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
 
 
 # An output of one piece is a view of it, of the receive buffer or of the local input
-# that stays. Outputs of several pieces are assembled in ONE buffer by one foreach copy,
-# one launch on CUDA, in output order. Each starts at a multiple of _JOIN_ALIGN elements:
-# 64-byte aligned like a fresh tensor, since CPU kernels round by the address of their
-# operands (see ``aligned`` in vefsdp_optim/_step_loop.py). They are consecutive where an
-# output's length is a multiple of it, so a batch of equal outputs is a view of the
-# buffer (muon_orthogonalize_batched's). Pieces that lie one after another in their
-# buffer are one copy. Equal pieces that step evenly through their buffer are one strided
-# view, as an owner's pieces of one tensor from W peers that each sent it two tensors.
+# that stays. Outputs of several pieces are assembled in ONE buffer by one foreach copy
+# (one launch on CUDA, where a cat per output took one each), in output order. Each starts
+# at a multiple of _JOIN_ALIGN elements: 64-byte aligned like a fresh tensor, since CPU
+# kernels round by the address of their operands (``aligned`` in _step_loop.py). They are
+# consecutive where an output's length is a multiple of it, so a batch of equal outputs is
+# a view of the buffer (muon_orthogonalize_batched's). Pieces that lie one after another in
+# their buffer are one copy: an owner's W row pieces of a matrix, received in rank order,
+# are one range of the receive buffer. Equal pieces that step evenly through their buffer
+# are one strided view: an owner's pieces of one tensor from W peers that each sent it two
+# tensors, every other piece of the receive buffer.
 _JOIN_ALIGN = 64  # elements: 64 bytes or more for every dtype
 
 

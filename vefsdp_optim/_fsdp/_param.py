@@ -97,9 +97,7 @@ def mesh_key(mesh: Any) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[st
     ranks in the same arrangement and the same dim names: torchtitan and users distribute
     each expert weight with its own ``mesh["ep"]`` slice, a new object every time, and
     those must be one tp mesh to a shard group. So the library compares meshes by this
-    key, never by ``id``. ``DeviceMesh.__eq__`` (torch 2.11-2.15) is not used: it also
-    compares the root mesh's rank map, the creating thread and (2.15) the rank-order flag,
-    so the ``ep`` slices of two equal root meshes built apart would differ. What the
+    key, never by ``id`` nor by ``DeviceMesh.__eq__`` (why not: docs/decisions.md). What the
     library derives from a mesh depends only on the key: each rank's coordinate (hence its
     DTensor box) and, through the names, the dp x tp process group, which torch caches per
     flattened name on the root mesh (equal slices of one root share it)."""
