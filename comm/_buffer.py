@@ -108,7 +108,7 @@ class DistributedBuffer:
         self._local_views = self._make_local_views(self.local)
         self._local_grad_views = self._make_local_views(self.local_grad)
         if self._collective:
-            # allocated on the first alloc_*; views are made then (see ``DistributedBuffer``)
+            # allocated on the first alloc_*; views are made then (see the comment above the class)
             self._global = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, W*m once alloc'd
             self._grad_global = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, W*m
             self._full_views: dict[str, torch.Tensor] | None = None

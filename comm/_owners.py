@@ -78,7 +78,7 @@ def assign_owners(
     owners = [0] * len(layouts)
     # the per-rank scans run as tensor ops over W float64 loads on the host (real tensors
     # under FakeTensorMode too, seen by no dispatch mode): the same IEEE sums and
-    # comparisons as Python floats, so the same owners (see ``assign_owners``)
+    # comparisons as Python floats, so the same owners (see the docstring)
     with host_scratch():
         load = torch.zeros(w, dtype=torch.float64, device="cpu")
         inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")

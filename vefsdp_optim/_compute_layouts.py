@@ -31,7 +31,7 @@ __all__ = ["balanced_compute", "snapped_compute", "spread_compute", "spreads"]
 def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
                      load: list[int]) -> RaggedShard:
     """The snapped compute layout of ``layout`` under ``req``, balanced against ``load``
-    (elements computed so far per rank, updated) (see ``balanced_compute``)."""
+    (elements computed so far per rank, updated); see the comment above."""
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
     target = (sum(load) + n) / w
     out, prev = [0], 0

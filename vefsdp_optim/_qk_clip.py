@@ -56,10 +56,8 @@ class _Attention:
 # element by its row's factor in the factor's dtype, rounded once: the product one device
 # computes for that element (vefsdp_optim/_math/_qk_clip.py), so the bits are the same at
 # every world size and placement. The factors are device-side selects on the logits (no
-# host sync) and a step's collectives stay the step loop's alone; under
-# VEFSDP_OPTIM_DEBUG=1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL) a MAX all-reduce checks that
-# the ranks of each shard process group were given the same logits, since different
-# logits would scale the pieces of one row differently and nothing else would notice.
+# host sync) and a step's collectives stay the step loop's alone (the debug check:
+# ``_check_replicated``).
 class QKClip:
     """QK-clip for an optimizer whose param groups carry ``qk_clip_threshold`` and
     ``qk_clip_alpha`` (mixed into :class:`~vefsdp_optim.Muon`, hence NorMuon)."""
@@ -152,8 +150,8 @@ class QKClip:
         the same on every rank (reduce it with MAX over the data-parallel ranks, and gather
         the heads of tensor-parallel ranks). Heads above their group's ``qk_clip_threshold``
         get their query and key rows scaled (see vefsdp_optim/_math/_qk_clip.py); each rank
-        scales the rows it holds, without a host sync or a collective (see ``QKClip``).
-        Attentions left out are not touched."""
+        scales the rows it holds, without a host sync or a collective (see the comment above
+        this class). Attentions left out are not touched."""
         if not isinstance(max_logits, Mapping):
             raise TypeError("qk_clip_ takes a mapping from registered attention names to "
                             f"per-head max logits, got {type(max_logits).__name__}")
@@ -237,8 +235,10 @@ def _check_logits(name: str, logits: object, heads: QKClipHeads,
 
 def _check_replicated(name: str, logits: torch.Tensor,
                       views: list[tuple[str, ShardedView]]) -> None:
-    """Debug check (see ``QKClip``): every rank of each shard process group
-    holds the same logits (NaN included)."""
+    """Debug check, under VEFSDP_OPTIM_DEBUG=1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL): a MAX
+    all-reduce checks that every rank of each shard process group holds the same logits
+    (NaN included), since different logits would scale the pieces of one row differently
+    and nothing else would notice (see ``QKClip``)."""
     seen: set[int] = set()
     for _, view in views:
         pg = view.process_group

@@ -119,7 +119,7 @@ def load_state(opt: CheckpointedOptimizer, state_dict: dict[str, Any]) -> None:
     for ((p, group), sid), ok in zip(pairs, checked, strict=True):
         if ok:  # (every rank holds every entry in a full import: the owner takes it)
             _import_param_state(opt, p, group, saved_state.get(sid) or {}, sid)
-        elif opt.state.get(p):  # ``load_state``
+        elif opt.state.get(p):  # no state saved, none loaded (the docstring)
             opt.forget_state(p)
     for g, sg in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in sg.items():
@@ -162,7 +162,7 @@ def _to_create(opt: CheckpointedOptimizer,
                wanted: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]) -> set[int]:
     """ids of the parameters whose state the load must create: saved here without live
     state on some rank of their shard process group. The owner of a whole tensor's saved
-    state computes it from now on (see ``_to_create``)."""
+    state computes it from now on (see the comment above)."""
     import torch.distributed as dist
 
     out: set[int] = set()

@@ -238,7 +238,7 @@ def _install(m: nn.Module, state: FSDPState) -> None:
 def _by_mesh(params: list[_Collected], fn: Callable[[nn.Parameter], object] | None,
              mesh: DeviceMesh) -> list[tuple[DeviceMesh, list[_Collected]]]:
     """The parameters grouped by the mesh ``fn`` gives each (this call's mesh by default),
-    in order of first parameter (see ``_by_mesh``)."""
+    in order of first parameter (see the comment above)."""
     groups: dict[tuple, tuple[DeviceMesh, list[_Collected]]] = {}
     for c in params:
         own = mesh if fn is None else _check_placement(fn(c.original), c.mp, mesh)
@@ -278,7 +278,7 @@ def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
                named: list[tuple[str, nn.Module]]) -> ValueError:
     """The error for ``sub.attr`` (at ``mname`` in this call), a Parameter an earlier call
     replaced: both modules by their paths in this call's module ``m`` where it holds both
-    (the root call), else by class (see ``_tie_error``)."""
+    (the root call), else by class (see the comment above)."""
     def where(path: str, m: nn.Module, a: str) -> str:
         cls = type(m)
         if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:  # the user's class

@@ -186,7 +186,7 @@ class StoreGrads:
 
     def _on_grad(self, fqn: str, grad: torch.Tensor) -> None:
         """Hook on an unsharded parameter's gradient, before AccumulateGrad: marks ``fqn``
-        used (see ``StoreGrads``); the store's first gradient allocates the buffer
+        used (see the class docstring); the store's first gradient allocates the buffer
         ([Note: lazy gradient buffer]), under the settings of the backward that
         ``attach_grads`` began."""
         self._used.add(fqn)
@@ -381,7 +381,8 @@ class StoreGrads:
                 self._check_used_alike(used)
         for p in self.params:
             if p.requires_grad:
-                # ``StoreGrads``; a fresh alias: the use count sees who holds it
+                # unused parameters (the class docstring); a fresh alias: the use count sees who
+                # holds it
                 if p.sharded.grad is None and (p.fqn in used
                                                or grad_settings.reduce_scatter_unused_params):
                     p.sharded.grad = p.sharded.with_local(master.local_grad_view(p.fqn).view(-1))
@@ -389,7 +390,7 @@ class StoreGrads:
                     p.unsharded.grad = None
 
     def _check_used_alike(self, used: set[str]) -> None:
-        """Debug check (see ``StoreGrads``): every rank of the shard group (and of
+        """Debug check (see the class docstring): every rank of the shard group (and of
         HSDP's replicate group) used each member since the last reduction, or none did."""
         settings = self.settings
         members = [p.fqn for p in self.params if p.requires_grad]

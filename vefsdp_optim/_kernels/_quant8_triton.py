@@ -274,7 +274,7 @@ def run_triton_steps_(
 ) -> None:
     """The Triton kernel in place, with ``run_fused_steps_``'s arguments (lists of
     contiguous tensors on one device; ``tables`` on that device too): one launch for all
-    the tensors of one ``(hp, flags)`` (see ``run_triton_steps_``), so one a
+    the tensors of one ``(hp, flags)`` (see the module docstring), so one a
     bucket where its tensors share their step. The caller checks that
     ``triton_unavailable_reason`` is None."""
     runs: dict[tuple[tuple[float, ...], int], list[int]] = {}
@@ -328,7 +328,7 @@ def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor,
 
 def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool,
                                                               bool]:
-    """The device tables of one launch (see ``run_triton_steps_``): the addresses (6 * T
+    """The device tables of one launch (see the module docstring): the addresses (6 * T
     int64: every p, then every g, mc, ma, vc, va), the first joint block of each tensor (T
     + 1 int64, the total last), the numels (T int64); the total block count, whether some
     tensor needs int64 offsets, and whether the launch is aligned (the comment above

@@ -44,22 +44,10 @@ __all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fu
 # numel % V elements (not on its address: loads are unaligned; not on the thread count:
 # threads split at whole cache lines). One device steps each parameter as one tensor;
 # a slice of it in a flat buffer (or alone) sits elsewhere relative to a tensor's end.
-# With B = FUSED_BLOCK = 64, a multiple of every V (a power of two, at most 64 bytes),
-# element i of a parameter of N elements is in the tail iff i >= N - N % V, hence:
-#   - i < N - N % B: in the body for every V. Stepped in any tensor of a multiple of B
-#     elements it gets the bits one device gives it: runs of such elements are stepped
-#     as views of whole multiples of B, the rest of a run (< B) copied into a zero row
-#     of B elements;
-#   - i >= N - N % B (the parameter's last partial block, N % B elements): at index
-#     i - (N - N % B) of a tensor of N % B elements it is in the tail for exactly the V
-#     for which it is on one device. The block is stepped as a view when the slice holds
-#     all of it, else its local elements are copied into a zero row of N % B elements.
-#     A whole block may end a view of body elements whose length is a multiple of B (a
-#     parameter held whole is then one view, as on one device).
-# Neither needs V. Zero rows stay zero where no element is copied in (zero param, grad
-# and moments), and nothing outside the slices (padding) is stepped.
+# So each element is stepped where its position relative to a tensor's end is the one it
+# has on one device: ``fused_pieces`` builds such pieces of FUSED_BLOCK elements.
 
-#: elements per block of ``FUSED_BLOCK``; a multiple of every vector length
+#: elements per block of the pieces above; a multiple of every vector length
 FUSED_BLOCK = 64
 
 
@@ -103,7 +91,23 @@ class FusedPieces:
 
 def fused_pieces(slices: Sequence[LocalSlice]) -> FusedPieces:
     """The pieces of ``FUSED_BLOCK`` for local slices of one flat buffer
-    (disjoint, any order): consecutive body elements share views and rows."""
+    (disjoint, any order): consecutive body elements share views and rows.
+
+    With B = FUSED_BLOCK = 64, a multiple of every V (a power of two, at most 64 bytes),
+    element i of a parameter of N elements is in the tail iff i >= N - N % V, hence:
+      - i < N - N % B: in the body for every V. Stepped in any tensor of a multiple of B
+        elements it gets the bits one device gives it: runs of such elements are stepped
+        as views of whole multiples of B, the rest of a run (< B) copied into a zero row
+        of B elements;
+      - i >= N - N % B (the parameter's last partial block, N % B elements): at index
+        i - (N - N % B) of a tensor of N % B elements it is in the tail for exactly the V
+        for which it is on one device. The block is stepped as a view when the slice holds
+        all of it, else its local elements are copied into a zero row of N % B elements.
+        A whole block may end a view of body elements whose length is a multiple of B (a
+        parameter held whole is then one view, as on one device).
+    Neither needs V. Zero rows stay zero where no element is copied in (zero param, grad
+    and moments), and nothing outside the slices (padding) is stepped.
+    """
     views: list[tuple[int, int]] = []
     rows: list[int] = []
     src: list[int] = []

@@ -34,7 +34,7 @@ def matrix_inverse_root(
         or the decomposition raised; ``root_matrix`` is then the identity and the caller
         should keep its previous root (``torch.where(ok, root_matrix, previous)``). No
         exception is raised for those, and nothing is read back to the host
-        (see ``matrix_inverse_root``).
+        (see the comment in the body).
     """
     if not isinstance(a, Tensor):
         raise TypeError(f"a must be a torch.Tensor, got {type(a).__name__}")

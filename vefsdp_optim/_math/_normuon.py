@@ -130,7 +130,7 @@ def normuon_normalize_batched_(
     eps: float = NORMUON_EPS, out: Tensor | None = None,
 ) -> Tensor:
     """:func:`normuon_normalize_` of each ``ortho[i]`` with ``variances[i]``, in batched
-    ops (see ``normuon_normalize_batched_``): the same bits where
+    ops (see the module docstring): the same bits where
     :func:`normuon_batch_exact` says so.
 
     Args:

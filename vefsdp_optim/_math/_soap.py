@@ -52,7 +52,7 @@ SOAP_DATA_FORMATS = ("channels_first", "channels_last")
 
 @dataclass(frozen=True, slots=True)
 class SoapGeometry:
-    """How SOAP views one tensor (see ``SoapGeometry``)."""
+    """How SOAP views one tensor (see the comment above)."""
 
     shape: tuple[int, ...]  # the parameter's shape
     work_shape: tuple[int, ...]  # the shape the factors act on
@@ -302,7 +302,7 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor
       without ``correct_bias``), then ``p <- p - lr wd p``; then the factors take ``G``,
       when ``t`` is a multiple of ``precondition_frequency`` the bases are renewed by
       :func:`soap_power_iteration` (``v`` permuted with them), and ``m`` is rotated back
-      and into the bases (see ``soap_step_``).
+      and into the bases (see the comment in the body).
 
     Capturable ([Note: capturable steps] in _capturable.py): ``step`` a 0-d float32
     tensor on ``param``'s device, from which the bias corrections are computed there,
