@@ -43,7 +43,8 @@ def gc_paused() -> Iterator[None]:
     and 1,000 parameters. torch's foreach step frees its temporaries as it goes and does
     not pay this. So the step runs with the collector off, as
     torch.distributed.checkpoint's state-dict functions do. The objects it frees by
-    reference counting never reach a collection. Measured in docs/performance.md.
+    reference counting never reach a collection. BlockOptimizer.step runs inside this
+    context. Measured in docs/performance.md.
     """
     if not gc.isenabled():
         yield
@@ -317,7 +318,8 @@ class PendingExchange:
 # a parameter keeps the owner of its first step for as long as its storage layout stays
 # the same. A re-plan, or a load at another world size, chooses again. Only parameters
 # new to the step are balanced. Every rank pins the same owners, because they follow from
-# the same layouts and costs in the same order.
+# the same layouts and costs in the same order. ``pin_owners`` keeps them in ``pinned``,
+# by parameter, with the storage layout they were chosen for.
 def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]], float],
                owner_cache: dict[tuple, tuple[int, ...]],
                pinned: dict[int, tuple[RaggedShard | BoxShard, int]]) -> None:

@@ -8,7 +8,8 @@ destroy_process_group() cannot join them while FSDP2's DeviceMesh or DTensor's c
 still hold the group. So a rank that is done waits for every collective, destroys its
 process group and leaves without interpreter finalization. The investigation, with the
 backtrace, thread counts and a pure-torch reproduction, is tools/STRESS.md.
-tests/test_gloo_teardown.py checks the trigger.
+tests/test_gloo_teardown.py checks the trigger. ``exit_rank`` below does this: a barrier,
+``destroy_process_group()``, a flush of stdout and stderr, then ``os._exit``.
 """
 
 from __future__ import annotations
