@@ -1,6 +1,5 @@
 # One command sets up a fresh machine and runs the tests: `make test`.
-# It tests both ends of the declared torch range (pyproject.toml; [Note: torch range] in
-# vefsdp_optim/_torch_compat.py), each in its own venv, with exact pins (an unpinned
+# It tests both ends of the declared torch range (pyproject.toml; vefsdp_optim/_torch_compat.py), each in its own venv, with exact pins (an unpinned
 # `torch` resolves to a newer release with several GB of CUDA packages on these machines):
 #   test-lo: .venv-torch-lo, torch 2.11.0 (a CUDA build, run on the CPU, with the triton
 #            it pins, 3.6), the suite without the slow cases

@@ -182,7 +182,7 @@ def _time_steps(runs: dict[str, tuple[list[nn.Parameter], torch.optim.Optimizer]
 
 def bench_threads(steps: int, warmup: int, threads: int = 2) -> list[dict]:
     """AdamW8bit and torch.optim.AdamW (foreach) at ``threads`` intra-op threads (our
-    kernel takes runs of blocks on each, [Note: threads over blocks])."""
+    kernel takes runs of blocks on each, ``adam8bit_steps_cpu`` in vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -9,7 +9,7 @@ gradients fed to all, alternating order, medians; one intra-op thread):
 
 - vefsdp_optim.AdamW against torch.optim.AdamW (foreach): the same arithmetic (ours
   runs torch's multi-tensor ops per bucket, op for op, with the step counts read in one
-  stack: [Note: host step counts read once]), so the ratio is our step loop's cost per
+  stack: ``_multi_tensor_adam_host_steps_`` in vefsdp_optim/_math/_adam.py), so the ratio is our step loop's cost per
   parameter, less the per-tensor reads of torch's;
 - vefsdp_optim.AdamW8bit against torch.optim.AdamW (foreach), at 4096 elements and
   more (the 8-bit threshold);

@@ -237,24 +237,23 @@ def _labeler(system: str, model: nn.Module, opt: torch.optim.Optimizer, saved: l
 
 # -- ranks ------------------------------------------------------------------------------------
 
-# [Note: RSS and the allocator]
-# With glibc's defaults the RSS high-water mark is 2.5-8x the live peak for both systems:
-# freeing a block above the mmap threshold raises the threshold (up to 32 MiB), so later
-# blocks of a few MiB come from the heap and stay resident after they are freed. Which
-# freed blocks stay depends on the order of allocations, so the RSS ratio moves by up
-# to 0.1 between runs of the same code. Run with MALLOC_MMAP_THRESHOLD_=65536
-# MALLOC_TRIM_THRESHOLD_=0 (the ranks inherit the environment; the notes list it) and
-# every freed block of 64 KiB or more goes back to the system: the RSS then follows the
-# bytes in use, the live peak plus what the live bytes do not see. One of those is
-# gloo's own reduce-scatter, which runs as an all-reduce of a clone of its W*m input, the
-# clone held by the Work until it is dropped: FSDP2 waits for its reduce-scatter at
-# once on the CPU, fully_shard overlaps it with the next group's backward ([Note: async
-# reduce-scatter] in vefsdp_optim/_fsdp/_grads.py), so one block's clone more is
-# resident during that backward. At W = 2 fully_shard's reduce-scatter is point to
-# point and clones nothing ([Note: gloo flat collectives] in comm/_collectives.py).
-# Under those settings (one quick run): RSS 0.98-1.00x FSDP2's on gpt and on gpt768 at
-# W=2, 1.05x on gpt768 at W=4 (1.06x and 1.11x before, with gloo's collectives), live bytes
-# 1.00x throughout.
+# [Note: RSS and the allocator] With glibc's defaults the RSS high-water mark is 2.5-8x the
+# live peak for both systems: freeing a block above the mmap threshold raises the threshold
+# (up to 32 MiB), so later blocks of a few MiB come from the heap and stay resident after
+# they are freed. Which freed blocks stay depends on the order of allocations, so the RSS
+# ratio moves by up to 0.1 between runs of the same code. Run with
+# MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 (the ranks inherit the environment;
+# the notes list it) and every freed block of 64 KiB or more goes back to the system: the
+# RSS then follows the bytes in use, the live peak plus what the live bytes do not see. One
+# of those is gloo's own reduce-scatter, which runs as an all-reduce of a clone of its W*m
+# input, the clone held by the Work until it is dropped: FSDP2 waits for its reduce-scatter
+# at once on the CPU, fully_shard overlaps it with the next group's backward (see
+# ``StoreGrads.launch_reduce`` in vefsdp_optim/_fsdp/_grads.py), so one block's clone more
+# is resident during that backward. At W = 2 fully_shard's reduce-scatter is point to point
+# and clones nothing ([Note: gloo flat collectives] in comm/_collectives.py). Under those
+# settings (one quick run): RSS 0.98-1.00x FSDP2's on gpt and on gpt768 at W=2, 1.05x on
+# gpt768 at W=4 (1.06x and 1.11x before, with gloo's collectives), live bytes 1.00x
+# throughout.
 
 def _rss_now() -> int:
     """This process's resident set size in bytes (Linux), else its high-water mark."""

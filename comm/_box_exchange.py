@@ -1,5 +1,5 @@
 """The exchange between BoxShard and RaggedShard layouts (tensor parallel), planned
-once per (src, dst, rank) ([Note: box exchange]); :mod:`._redistribute` runs it."""
+once per (src, dst, rank), as the comment below says; :mod:`._redistribute` runs it."""
 
 from __future__ import annotations
 
@@ -16,18 +16,17 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["box_plan", "launch_boxes"]
 
-# [Note: box exchange]
-# Between a BoxShard and a RaggedShard ([Note: boxes in flat order]), the piece of
-# tensor i that rank r sends to rank q is r's part of it under src that q holds under
-# dst, in increasing flat order. Where src is the BoxShard, that piece is one run of
-# r's local data; where dst is, r gathers it from its contiguous slice. A box meets a
-# flat range in at most 2 * ndim - 1 strided blocks (``BoxShard.range_parts``), so both
-# the gather and the scatter on the ragged side are a few strided copies, no index
-# tensors (a whole box into or out of a whole tensor: one). A run of a box (fully_shard
-# over a tensor-parallel box) is itself at most 2 * ndim - 1 boxes (``sub_boxes``).
-# Pieces are packed peer-major, as in [Note: one exchange per bucket]. Which peers a
-# tensor meets is found from flat spans (``flat_span``: a ragged slice, a box's run), by
-# bisection on the ragged boundaries or on the box layout's sweep index (``holders``), so
+# Between a BoxShard and a RaggedShard ([Note: boxes in flat order] in sharding/_box.py),
+# the piece of tensor i that rank r sends to rank q is r's part of it under src that q
+# holds under dst, in increasing flat order. Where src is the BoxShard, that piece is one
+# run of r's local data. Where dst is, r gathers it from its contiguous slice. A box
+# meets a flat range in at most 2 * ndim - 1 strided blocks (``BoxShard.range_parts``),
+# and a run of a box (fully_shard over a tensor-parallel box) is itself at most
+# 2 * ndim - 1 boxes (``sub_boxes``). So the gather and the scatter on the ragged side are
+# a few strided copies, with no index tensors; a whole box into or out of a whole tensor
+# is one. Pieces are packed peer-major, as in comm/_redistribute.py. The peers a tensor
+# meets are found from flat spans (``flat_span``: a ragged slice, a box's run), by
+# bisection on the ragged boundaries or on the box layout's sweep index (``holders``). So
 # a plan costs O(P log W + pieces), and it is built once per (src, dst, rank).
 
 
@@ -51,7 +50,7 @@ def _gather_views(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | B
     if isinstance(d, RaggedShard):
         y, m = d.local(b)
         return [t[s.count_below(a, y):s.count_below(a, y + m)]]
-    if isinstance(s, BoxShard):  # equal boxes ([Note: box exchange])
+    if isinstance(s, BoxShard):  # equal boxes (see the comment at the top of this file)
         return [t if a == b else t[:0]]
     x, n = s.local(a)
     if x == 0 and n == d.numel:
@@ -60,7 +59,8 @@ def _gather_views(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | B
     return [t[f:f + math.prod(sz)].view(sz)[sl] for f, sz, sl, _ in d.range_parts(b, x, x + n)]
 
 
-def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int, b: int) -> torch.Tensor:
+def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, a: int,
+            b: int) -> torch.Tensor:
     """Of rank ``a``'s local ``t`` under ``s``, what rank ``b`` holds under ``d`` (1-D)."""
     parts = [v.reshape(-1) for v in _gather_views(t, s, d, a, b)]
     if len(parts) == 1:
@@ -68,8 +68,8 @@ def _gather(t: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShar
     return torch.cat(parts) if parts else t[:0]
 
 
-def _scatter_targets(out: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard, p: int,
-                     rank: int) -> list[torch.Tensor]:
+def _scatter_targets(out: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
+                     p: int, rank: int) -> list[torch.Tensor]:
     """Where this rank's ``out`` under ``d`` takes what rank ``p`` holds under ``s``: views
     of ``out``, in the piece's order (a piece fills them one after the other)."""
     if isinstance(d, BoxShard):
@@ -87,8 +87,8 @@ def _scatter_targets(out: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShar
     return [out[f:f + math.prod(sz)].view(sz)[sl] for f, sz, sl, _ in s.range_parts(p, y, y + m)]
 
 
-def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, d: RaggedShard | BoxShard,
-             p: int, rank: int) -> None:
+def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard,
+             d: RaggedShard | BoxShard, p: int, rank: int) -> None:
     """Write ``piece`` (what rank ``p`` holds under ``s`` and this rank under ``d``) into
     this rank's ``out`` under ``d``."""
     k = 0
@@ -98,17 +98,14 @@ def _scatter(out: torch.Tensor, piece: torch.Tensor, s: RaggedShard | BoxShard, 
         k += c
 
 
-# [Note: batched box pieces]
 # An owner of a whole matrix meets every rank that holds a part of it: W pieces per
-# exchange, each found by walking the layouts and copied on its own (~17 us of Python a
-# piece: 0.14 s per step at W = 8,192 for one owned matrix, and on a GPU one copy kernel
-# each). The plan records every piece's place instead, once, on meta tensors: a strided
-# view (size, stride, offset) of a local buffer, of the send or receive buffer, or of an
-# output. A step makes the views with ``as_strided`` and moves them all with one
-# ``torch._foreach_copy_`` per side: the same copies of the same elements, so the same
-# bits, and on a GPU a few multi-tensor kernels instead of W copies. Consecutive places
-# that step evenly through one buffer are merged into one view of one more dimension
-# (``_merged``): an owner's pieces of an evenly cut dp x tp grid are then one view.
+# exchange. Copying each piece on its own costs Python time per piece and, on a GPU, one
+# copy kernel each (figures in docs/decisions.md). So the plan records every piece's place
+# once, on meta tensors, as a strided view (size, stride, offset) of a local buffer, of the
+# send or receive buffer, or of an output. A step makes the views with ``as_strided`` and
+# moves them all with one ``torch._foreach_copy_`` per side: the same copies, so the same
+# bits. ``_merged`` joins consecutive places that step evenly through one buffer into one
+# view of one more dimension, so an owner's pieces of an evenly cut dp x tp grid are one.
 
 
 class Views(NamedTuple):
@@ -119,10 +116,12 @@ class Views(NamedTuple):
 
     def of(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         starts = [t.storage_offset() for t in buffers]
-        return [buffers[i].as_strided(size, stride, starts[i] + off) for i, size, stride, off in self.views]
+        return [buffers[i].as_strided(size, stride, starts[i] + off)
+                for i, size, stride, off in self.views]
 
 
-def _places(views: list[torch.Tensor], root: torch.Tensor, i: int) -> list[tuple[int, tuple, tuple, int]]:
+def _places(views: list[torch.Tensor], root: torch.Tensor,
+            i: int) -> list[tuple[int, tuple, tuple, int]]:
     """The places of the non-empty ``views`` of the flat meta buffer ``root`` (index ``i``)."""
     out = []
     for v in views:
@@ -130,12 +129,13 @@ def _places(views: list[torch.Tensor], root: torch.Tensor, i: int) -> list[tuple
             continue
         if not (v is root or view_base(v) is root):
             raise AssertionError("a box piece that is not a view of its buffer")
-        out.append((i, tuple(v.shape), tuple(v.stride()), v.storage_offset() - root.storage_offset()))
+        out.append((i, tuple(v.shape), tuple(v.stride()),
+                    v.storage_offset() - root.storage_offset()))
     return out
 
 
 def _merged(places: list[tuple[int, tuple, tuple, int]]) -> list[tuple[int, tuple, tuple, int]]:
-    """The same elements in the same order as fewer views ([Note: batched box pieces]): a
+    """The same elements in the same order as fewer views (see ``Views``): a
     run of consecutive views of one buffer with one size and stride whose offsets step
     by a constant is one view with a leading dimension of the run's length; repeated, so
     an owner's W pieces of an evenly cut dp x tp grid become one [dp, tp, rows, cols] view."""
@@ -183,7 +183,7 @@ class BoxPlan(NamedTuple):
     recv_counts: tuple[int, ...]  # W: elements from each peer
     recv_numel: int
     out_numels: tuple[int, ...]  # per tensor: this rank's elements under dst
-    # [Note: batched box pieces]: where the sent pieces are in the src locals and in the
+    # ``Views``: where the sent pieces are in the src locals and in the
     # send buffer; where the received ones (not this rank's own) are in the receive buffer
     # and in the outputs
     send_from: Views = Views(())
@@ -194,8 +194,8 @@ class BoxPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | BoxShard, ...], rank: int,
-             w: int) -> BoxPlan:
+def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | BoxShard, ...],
+             rank: int, w: int) -> BoxPlan:
     """The plan of :func:`launch_boxes` for checked layouts over ``w`` ranks."""
     out: dict[int, list[tuple[int, int]]] = {}  # peer -> (tensor, numel) sent to it
     inc: dict[int, list[tuple[int, int]]] = {}  # peer -> (tensor, numel) received from it
@@ -228,39 +228,44 @@ def box_plan(src: tuple[RaggedShard | BoxShard, ...], dst: tuple[RaggedShard | B
     ins = [torch.empty(s.local_numel(rank), device=meta) for s in src]
     outs = [torch.empty(n, device=meta) for n in out_numels]
     send_from = _merged([v for p, i in sends
-                         for v in _places(_gather_views(ins[i], src[i], dst[i], rank, p), ins[i], i)])
+                         for v in _places(_gather_views(ins[i], src[i], dst[i], rank, p), ins[i],
+                                          i)])
     recv_to = _merged([v for p, i, _ in recvs if p != rank
-                       for v in _places(_scatter_targets(outs[i], src[i], dst[i], p, rank), outs[i], i)])
+                       for v in _places(_scatter_targets(outs[i], src[i], dst[i], p, rank), outs[i],
+                                        i)])
     if (sum(math.prod(sz) for _, sz, _, _ in recv_to) != sum(recv_counts)
             or sum(math.prod(sz) for _, sz, _, _ in send_from) != sum(send_counts)):
         raise AssertionError("the pieces do not fill the send and receive buffers")
-    return BoxPlan(tuple(sends), tuple(recvs), tuple(send_counts), tuple(recv_counts), sum(recv_counts),
-                   out_numels, Views(tuple(send_from)), _packed(send_from), _packed(recv_to), Views(tuple(recv_to)),
-                   tuple(i for p, i, _ in recvs if p == rank))
+    return BoxPlan(tuple(sends), tuple(recvs), tuple(send_counts), tuple(recv_counts),
+                   sum(recv_counts),
+                   out_numels, Views(tuple(send_from)), _packed(send_from), _packed(recv_to),
+                   Views(tuple(recv_to)), tuple(i for p, i, _ in recvs if p == rank))
 
 
 def launch_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
-                 dst: Sequence[RaggedShard | BoxShard], plan: BoxPlan, process_group: dist.ProcessGroup,
-                 rank: int, async_op: bool
-                 ) -> tuple[dist.Work | None, tuple[torch.Tensor, ...], Callable[[], list[torch.Tensor]]]:
+                 dst: Sequence[RaggedShard | BoxShard], plan: BoxPlan,
+                 process_group: dist.ProcessGroup, rank: int, async_op: bool
+                 ) -> tuple[dist.Work | None, tuple[torch.Tensor, ...],
+                            Callable[[], list[torch.Tensor]]]:
     """Launch the exchange of ``plan`` of checked ``locals``: the collective's work (None
     when not ``async_op``), the buffers it uses and the function that unpacks the outputs."""
     ref = locals[0]
-    # the plan's places are in 1-D contiguous buffers ([Note: batched box pieces])
+    # the plan's places are in 1-D contiguous buffers (see ``Views``)
     locals = [t if t.is_contiguous() else t.contiguous() for t in locals]
     send_buf = ref.new_empty(sum(plan.send_counts))
-    if plan.send_from.views:  # [Note: batched box pieces]
+    if plan.send_from.views:  # ``Views``
         foreach_copy_(plan.send_to.of([send_buf]), plan.send_from.of(locals))
     recv_buf = ref.new_empty(plan.recv_numel)
-    work = dist.all_to_all_single(recv_buf, send_buf, list(plan.recv_counts), list(plan.send_counts),
-                                  group=process_group, async_op=async_op)
+    work = dist.all_to_all_single(recv_buf, send_buf, list(plan.recv_counts),
+                                  list(plan.send_counts), group=process_group, async_op=async_op)
 
     def finish() -> list[torch.Tensor]:
         out = [ref.new_empty(n) for n in plan.out_numels]
-        if plan.recv_to.views:  # [Note: batched box pieces]
+        if plan.recv_to.views:  # ``Views``
             foreach_copy_(plan.recv_to.of(out), plan.recv_from.of([recv_buf]))
         for i in plan.own:
-            _scatter(out[i], _gather(locals[i], src[i], dst[i], rank, rank), src[i], dst[i], rank, rank)
+            _scatter(out[i], _gather(locals[i], src[i], dst[i], rank, rank), src[i], dst[i], rank,
+                     rank)
         return out
 
     return work, (send_buf, recv_buf), finish

@@ -3,7 +3,7 @@
 The layout comes from a ``BufferPlan``: rank r holds elements ``[r*m, (r+1)*m)`` of a
 W * m buffer. Parameters are all-gathered and gradients reduce-scattered with one
 collective each, straight between the flat buffers; every per-tensor tensor handed out
-is a view ([Note: zero-copy views]).
+is a view (see the comment above ``DistributedBuffer``).
 """
 
 from __future__ import annotations
@@ -17,22 +17,16 @@ from ._collectives import FlatWork, all_gather_flat, check_plan_consistent, redu
 
 __all__ = ["DistributedBuffer"]
 
-# [Note: zero-copy views]
 # The local shard (`local`, m elements) and the global buffer (`global_buffer`, W * m)
-# are separate storages, and the all-gather is out of place:
-# all_gather_single(global_buffer, local). The in-place form (local as a view of
-# global_buffer[rank*m:(rank+1)*m]) cannot outlive free_global: freeing the global
-# storage would free the shard too, so it would cost a copy-out before every free and a
-# copy-in after every alloc, the very copies FSDP2 pays (it copies each parameter into
-# a flat all-gather input, then splits the output into per-parameter tensors). Out of
-# place, the collective itself moves this rank's m elements to their slot (NCCL inside
-# the same kernel), nothing is copied around it, and nothing is allocated per tensor.
-# Gradients are the same: reduce_scatter_single(local_grad, grad_global).
-# Per-tensor views (local_view, full_view, ...) are made once and cached. Global views
-# are made on the first alloc and survive free/alloc: freeing resizes the one global
-# tensor's storage to 0 bytes and allocating resizes it back (FSDP2's free_storage /
-# alloc_storage), so the view objects see the new storage. With W == 1 (or no process group)
-# the global buffers *are* the local ones and no collective runs.
+# are separate storages, and the collectives are out of place:
+# all_gather_single(global_buffer, local), reduce_scatter_single(local_grad, grad_global).
+# The collective itself moves this rank's m elements to their slot, so nothing is copied
+# or allocated per tensor (the in-place form, and FSDP2's copies: docs/decisions.md).
+# Per-tensor views (local_view, full_view, ...) are made once and cached; global views are
+# made on the first alloc and survive free/alloc, which resize the one global storage to 0
+# bytes and back (FSDP2's free_storage / alloc_storage), so the view objects see the new
+# storage. With W == 1, or no process group, the global buffers *are* the local ones and
+# no collective runs.
 
 
 class DistributedBuffer:
@@ -71,7 +65,8 @@ class DistributedBuffer:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a ProcessGroup or None, got {type(process_group).__name__}")
+            raise TypeError("process_group must be a ProcessGroup or None, got "
+                            f"{type(process_group).__name__}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
             raise TypeError(f"rank must be an int or None, got {rank!r}")
         self.plan = plan
@@ -82,8 +77,9 @@ class DistributedBuffer:
             self.world_size = plan.world_size
             if rank is None and plan.world_size != 1:
                 raise ValueError(
-                    f"process_group=None needs a plan for 1 rank, got one for {plan.world_size} ranks; "
-                    "pass the process group, or rank=... for a detached local-only buffer")
+                    "process_group=None needs a plan for 1 rank, got one for "
+                    f"{plan.world_size} ranks; pass the process group, or rank=... for a detached "
+                    "local-only buffer")
             self.rank = 0 if rank is None else rank
             if not 0 <= self.rank < self.world_size:
                 raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
@@ -92,12 +88,14 @@ class DistributedBuffer:
             self.world_size = process_group.size()
             self.rank = process_group.rank()
             if rank is not None and rank != self.rank:
-                raise ValueError(f"rank={rank} but this process is rank {self.rank} of the process group")
+                raise ValueError(f"rank={rank} but this process is rank {self.rank} of the "
+                                 "process group")
             if validate:
                 check_plan_consistent(plan, process_group)
             elif plan.world_size != self.world_size:
                 raise ValueError(
-                    f"plan is for {plan.world_size} ranks but the process group has {self.world_size} ranks")
+                    f"plan is for {plan.world_size} ranks but the process group has "
+                    f"{self.world_size} ranks")
         self._detached = process_group is None and self.world_size != 1
         self._collective = process_group is not None and self.world_size > 1
         m = plan.shard_size
@@ -110,7 +108,7 @@ class DistributedBuffer:
         self._local_views = self._make_local_views(self.local)
         self._local_grad_views = self._make_local_views(self.local_grad)
         if self._collective:
-            # allocated on the first alloc_*; views are made then ([Note: zero-copy views])
+            # allocated on the first alloc_*; views are made then (see the comment above the class)
             self._global = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, W*m once alloc'd
             self._grad_global = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, W*m
             self._full_views: dict[str, torch.Tensor] | None = None
@@ -133,7 +131,8 @@ class DistributedBuffer:
 
     def _name(self, name: str) -> str:
         if name not in self._offsets:
-            raise KeyError(f"no tensor named {name!r} in this buffer's plan; names: {list(self._offsets)}")
+            raise KeyError(f"no tensor named {name!r} in this buffer's plan; names: "
+                           f"{list(self._offsets)}")
         return name
 
     def local_view(self, name: str) -> torch.Tensor:
@@ -160,8 +159,8 @@ class DistributedBuffer:
     def _need_global(self, what: str) -> None:
         if self._detached:
             raise RuntimeError(
-                f"{what}: this buffer is detached (process_group=None, plan for {self.world_size} ranks); "
-                f"it holds rank {self.rank}'s shard only")
+                f"{what}: this buffer is detached (process_group=None, plan for "
+                f"{self.world_size} ranks); it holds rank {self.rank}'s shard only")
 
     def _alloc(self, flat: torch.Tensor, zero: bool) -> bool:
         """Give ``flat`` storage for W * m elements; True if it had none."""
@@ -247,7 +246,8 @@ class DistributedBuffer:
         """View of the global buffer with tensor ``name``'s global shape (same object each call)."""
         self._need_global("full_view")
         if self._full_views is None:
-            raise RuntimeError("full_view needs the global buffer allocated once; call alloc_global() first")
+            raise RuntimeError("full_view needs the global buffer allocated once; call "
+                               "alloc_global() first")
         return self._full_views[self._name(name)]
 
     def grad_full_view(self, name: str) -> torch.Tensor:
@@ -284,10 +284,12 @@ class DistributedBuffer:
         if not self._collective:
             return None
         if not self.grad_global_allocated:
-            raise RuntimeError("reduce_scatter needs grad_global allocated and filled; call alloc_grad_global()")
-        return reduce_scatter_flat(self.local_grad, self._grad_global, self.process_group, op=op, async_op=async_op)
+            raise RuntimeError("reduce_scatter needs grad_global allocated and filled; call "
+                               "alloc_grad_global()")
+        return reduce_scatter_flat(self.local_grad, self._grad_global, self.process_group, op=op,
+                                   async_op=async_op)
 
     def __repr__(self) -> str:
-        return (f"DistributedBuffer(tensors={len(self.plan.specs)}, W={self.world_size}, rank={self.rank}, "
-                f"m={self.plan.shard_size}, dtype={self.dtype}, device={self.device}, "
-                f"global_allocated={self.global_allocated})")
+        return (f"DistributedBuffer(tensors={len(self.plan.specs)}, W={self.world_size}, "
+                f"rank={self.rank}, m={self.plan.shard_size}, dtype={self.dtype}, "
+                f"device={self.device}, global_allocated={self.global_allocated})")

@@ -31,7 +31,7 @@ __all__ = [
 
 _REDUCE_OPS = ("sum", "avg")
 # Backends whose reduce-scatter takes ReduceOp.AVG (NCCL >= 2.10). Elsewhere (gloo):
-# SUM, then one in-place division of the m-element result; see [Note: avg fallback].
+# SUM, then one in-place division of the m-element result; see ``supports_native_avg``.
 _NATIVE_AVG_BACKENDS = frozenset({"nccl"})
 
 
@@ -53,20 +53,24 @@ class FlatWork(NamedTuple):
 # [Note: gloo flat collectives]
 # gloo's own reduce-scatter and all-gather are several times slower than sending the
 # same bytes point to point, and its reduce-scatter first copies its whole input. So on
-# gloo the flat collectives are point-to-point sends between every pair of ranks,
-# launched together (``batch_isend_irecv``), straight from and into the caller's
-# buffers: an all-gather sends this rank's shard to every peer and receives each peer's
-# shard into its place in the output (no copy); at W = 2 a reduce-scatter sends the
-# peer's chunk of its input to the peer, receives its own chunk from the peer into the
-# output, and adds its own chunk on ``wait()`` (no buffer; two terms sum alike in either
-# order, so the bits are those of ``c_0 + c_1``). At W >= 3 the reduce-scatter stays on
-# gloo's collective: received chunks would need (W - 2) m elements of buffers of our
-# own, and fully_shard's peak live bytes are held at FSDP2's. Tags keep them apart from
-# other traffic; every rank launches the same flat collectives in the same order (the
-# plans are checked equal first), so sends and receives pair up. A point-to-point
-# message pays a rendezvous that a collective between two ranks does not, so at W = 2
-# shards under P2P_MIN_SHARD_BYTES_W2 keep gloo's own collective. NCCL keeps its native
-# collectives. The measurements behind each choice: docs/decisions.md.
+# gloo the flat collectives are point-to-point sends between every pair of ranks. They
+# are launched together with ``batch_isend_irecv``, straight from and into the caller's
+# buffers.
+#   - An all-gather sends this rank's shard to every peer. It receives each peer's shard
+#     into its place in the output, with no copy.
+#   - At W = 2 a reduce-scatter sends the peer's chunk of its input to the peer. It
+#     receives its own chunk from the peer into the output and adds its own chunk on
+#     ``wait()``, with no buffer. Two terms sum alike in either order, so the bits are
+#     those of ``c_0 + c_1``.
+#   - At W >= 3 the reduce-scatter stays on gloo's collective. Received chunks would
+#     need (W - 2) m elements of buffers of our own, and fully_shard's peak live bytes
+#     are held at FSDP2's.
+# Tags keep these sends apart from other traffic. Every rank launches the same flat
+# collectives in the same order, because the plans are checked equal first, so sends and
+# receives pair up. A point-to-point message pays a rendezvous that a collective between
+# two ranks does not. So at W = 2 shards under P2P_MIN_SHARD_BYTES_W2 keep gloo's own
+# collective. NCCL keeps its native collectives. The measurements are in
+# docs/decisions.md.
 _P2P_BACKENDS = frozenset({"gloo"})
 _TAG_ALL_GATHER, _TAG_REDUCE_SCATTER = 0x7A6, 0x7A7
 #: at W = 2, shards below this many bytes keep gloo's own collective (measured crossover)
@@ -106,8 +110,8 @@ def _point_to_point(group: dist.ProcessGroup, shard: torch.Tensor) -> bool:
             and (w > 2 or shard.numel() * shard.element_size() >= P2P_MIN_SHARD_BYTES_W2))
 
 
-def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup,
-                tag: int) -> list[dist.Work]:
+def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
+                group: dist.ProcessGroup, tag: int) -> list[dist.Work]:
     ops = []
     for peer in sorted(sends):
         ops.append(dist.P2POp(dist.isend, sends[peer], group=group, tag=tag, group_peer=peer))
@@ -116,14 +120,16 @@ def _launch_p2p(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], 
 
 
 @torch.compiler.disable
-def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> PointToPointWork:
+def _all_gather_p2p(output: torch.Tensor, input: torch.Tensor,
+                    group: dist.ProcessGroup) -> PointToPointWork:
     w, rank, m = group.size(), dist.get_rank(group), input.numel()
     mine = output[rank * m:(rank + 1) * m]
     if mine.data_ptr() != input.data_ptr():
-        mine.copy_(input)  # all_gather semantics; a view of its own place (the buffers') copies nothing
+        # all_gather semantics; a view of its own place (the buffers') copies nothing
+        mine.copy_(input)
     peers = [p for p in range(w) if p != rank]
-    works = _launch_p2p({p: input for p in peers}, {p: output[p * m:(p + 1) * m] for p in peers}, group,
-                        _TAG_ALL_GATHER)
+    works = _launch_p2p({p: input for p in peers}, {p: output[p * m:(p + 1) * m] for p in peers},
+                        group, _TAG_ALL_GATHER)
     return PointToPointWork(works, None, (output, input))
 
 
@@ -135,7 +141,8 @@ def _reduce_scatter_p2p(output: torch.Tensor, input: torch.Tensor, group: dist.P
     is the same in either order)."""
     rank, m = dist.get_rank(group), output.numel()
     peer = 1 - rank
-    works = _launch_p2p({peer: input[peer * m:(peer + 1) * m]}, {peer: output}, group, _TAG_REDUCE_SCATTER)
+    works = _launch_p2p({peer: input[peer * m:(peer + 1) * m]}, {peer: output}, group,
+                        _TAG_REDUCE_SCATTER)
 
     def epilogue() -> None:
         output.add_(input[rank * m:(rank + 1) * m])
@@ -153,13 +160,18 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def supports_native_avg(group: dist.ProcessGroup) -> bool:
-    """Whether reduce-scatter on ``group`` takes ``ReduceOp.AVG`` directly."""
+    """Whether reduce-scatter on ``group`` takes ``ReduceOp.AVG`` directly.
+
+    gloo in torch 2.13 accepts ReduceOp.AVG for reduce_scatter_single, but its rounding is
+    the backend's business. Elsewhere than NCCL an average is therefore SUM, then one
+    in-place division: exactly the reference's sum / W, one pass over m elements and no
+    allocation."""
     return dist.get_backend(group) in _NATIVE_AVG_BACKENDS
 
 
 def all_reduce_avg(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     """In-place average of ``t`` over ``group`` (AVG where the backend has it, else SUM
-    and one division, as [Note: avg fallback])."""
+    and one division, as ``supports_native_avg``)."""
     if supports_native_avg(group):
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
     else:
@@ -181,7 +193,8 @@ def _check_sizes(big: torch.Tensor, small: torch.Tensor, world_size: int, what: 
             f"{what}: the flat buffer has {big.numel()} elements, expected W * m = "
             f"{world_size} * {small.numel()} = {world_size * small.numel()}")
     if big.dtype != small.dtype:
-        raise ValueError(f"{what}: dtypes differ ({big.dtype} vs {small.dtype}); one buffer per dtype")
+        raise ValueError(f"{what}: dtypes differ ({big.dtype} vs {small.dtype}); one "
+                         "buffer per dtype")
 
 
 def all_gather_flat(
@@ -219,7 +232,7 @@ def reduce_scatter_flat(
 
     On backends without ``ReduceOp.AVG`` an average is a SUM followed by one in-place
     ``output.div_(W)`` (on ``wait()`` when ``async_op``), which rounds exactly as
-    ``sum / W`` does ([Note: avg fallback]).
+    ``sum / W`` does (see ``supports_native_avg``).
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce op must be one of {_REDUCE_OPS}, got {op!r}")
@@ -235,9 +248,11 @@ def reduce_scatter_flat(
     else:
         if not output.is_floating_point() and not output.is_complex():
             raise NotImplementedError(
-                f"op='avg' is supported for floating and complex dtypes, got {output.dtype}; use op='sum'")
+                f"op='avg' is supported for floating and complex dtypes, got {output.dtype}; "
+                "use op='sum'")
         rop, divide_by = dist.ReduceOp.SUM, w
-    if w == 2 and rop == dist.ReduceOp.SUM and _point_to_point(group, output) and not _overlap(output, input):
+    if (w == 2 and rop == dist.ReduceOp.SUM and _point_to_point(group, output)
+            and not _overlap(output, input)):
         p2p = _reduce_scatter_p2p(output, input, group, divide_by)
         if async_op:
             return FlatWork(p2p, 1, output)
@@ -251,12 +266,6 @@ def reduce_scatter_flat(
     return None
 
 
-# [Note: avg fallback]
-# gloo in torch 2.13 accepts ReduceOp.AVG for reduce_scatter_single, but its rounding
-# is the backend's business; SUM then one in-place division gives exactly the
-# reference's sum / W, costs one pass over m elements and allocates nothing.
-
-
 def group_device(group: dist.ProcessGroup) -> torch.device:
     """The device a check's tensor lives on for ``group``: the host for gloo (and the fake
     process group), else the current accelerator (NCCL's current CUDA device)."""
@@ -267,10 +276,11 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
-def same_on_all_ranks(key: str | int, group: dist.ProcessGroup, device: torch.device | None = None) -> bool:
+def same_on_all_ranks(key: str | int, group: dist.ProcessGroup,
+                      device: torch.device | None = None) -> bool:
     """Whether every rank of ``group`` passes the same ``key``, the same answer on every rank.
 
-    [Note: agreement in O(1) bytes] One ``all_reduce(MAX)`` of two int64 per rank, the
+    One ``all_reduce(MAX)`` of two int64 per rank, the
     62-bit hash ``h`` of the key and ``-h``: the ranks agree iff max(h) == -max(-h) (the
     minimum). What a rank sends and holds is the same at any W, where gathering every
     rank's key (``all_gather_object``) costs each rank W keys, W tensors and W
@@ -326,14 +336,15 @@ def first_difference(keys: list[int], flags: list[bool], group: dist.ProcessGrou
     slots[me] = (key != int(first.tolist()[0])) + 2 * bool(not counts and flags[at])
     dist.all_reduce(slots, group=group)
     per_rank = slots.tolist()
-    return -1 if counts else at, [r for r in range(w) if per_rank[r] & 1], [r for r in range(w) if per_rank[r] & 2]
+    return -1 if counts else at, [r for r in range(w)
+                                  if per_rank[r] & 1], [r for r in range(w) if per_rank[r] & 2]
 
 
 def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | None) -> None:
     """Raise ValueError on every rank if the ranks of ``process_group`` hold different plans.
 
     Compares each rank's ``(plan fingerprint, plan.world_size)`` with
-    :func:`same_on_all_ranks` ([Note: agreement in O(1) bytes]), and only where they
+    :func:`same_on_all_ranks` (see ``same_on_all_ranks``), and only where they
     differ gathers them (``all_gather_object``) to name the ranks, so that a mismatch
     raises everywhere instead of hanging the first collective on a wrongly sized buffer.
     ``process_group=None`` or a single-rank process group: only the plan's world size is checked.
@@ -343,12 +354,14 @@ def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | N
     w = 1 if process_group is None else process_group.size()
     if w == 1:
         if plan.world_size != 1:
-            raise ValueError(f"plan is for {plan.world_size} ranks but the process group has 1 rank")
+            raise ValueError(f"plan is for {plan.world_size} ranks but the process "
+                             "group has 1 rank")
         return
     mine = (plan.fingerprint()[:16], plan.world_size)
     if same_on_all_ranks(f"{mine[0]} {mine[1]}", process_group):
         if plan.world_size != w:
-            raise ValueError(f"plan is for {plan.world_size} ranks but the process group has {w} ranks")
+            raise ValueError(f"plan is for {plan.world_size} ranks but the process group "
+                             f"has {w} ranks")
         return
     gathered: list[tuple[str, int] | None] = [None] * w
     dist.all_gather_object(gathered, mine, group=process_group)
@@ -361,8 +374,8 @@ def check_plan_consistent(plan: BufferPlan, process_group: dist.ProcessGroup | N
         bad = [r for r, g in enumerate(gathered) if g != ref]
         detail = ", ".join(f"rank {r}: {gathered[r][0]} (W={gathered[r][1]})" for r in bad)
         raise ValueError(
-            f"BufferPlan differs across the {w} ranks of the process_group: ranks {bad} hold a plan other "
-            f"than the one of ranks {[r for r in range(w) if r not in bad]} "
+            f"BufferPlan differs across the {w} ranks of the process_group: ranks {bad} hold "
+            f"a plan other than the one of ranks {[r for r in range(w) if r not in bad]} "
             f"({ref[0]}, W={ref[1]}); {detail}")
     if plan.world_size != w:
         raise ValueError(f"plan is for {plan.world_size} ranks but the process group has {w} ranks")

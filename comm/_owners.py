@@ -1,7 +1,7 @@
 """Choose one owner rank per whole-tensor computation (Muon), balancing compute.
 
 Pure and deterministic: every rank computes the same assignment from the same layouts
-and costs without talking. See [Note: owner assignment].
+and costs without talking. See ``assign_owners``.
 """
 
 from __future__ import annotations
@@ -18,16 +18,6 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["OwnerAssignment", "assign_owners"]
 
-# [Note: owner assignment]
-# Longest processing time first (Graham's LPT): tensors by cost descending (ties by
-# index), each to the least-loaded rank. Among ranks whose load is within `tolerance`
-# (a fraction of the mean load per rank) of the minimum, prefer the rank that already
-# holds most of the tensor, then the lower load, then the lower rank. The preference
-# matters at the start (all loads 0) and for equal costs; it keeps a tensor off ranks
-# with empty shards and cuts the elements that must move. Makespan stays within
-# Graham's list-scheduling bound: max load <= total / W + (1 - 1/W) * max cost
-# (plus the tolerance).
-
 
 class OwnerAssignment(NamedTuple):
     owners: tuple[int, ...]  # one rank per tensor
@@ -40,8 +30,8 @@ class OwnerAssignment(NamedTuple):
 def _held(layout: RaggedShard | BoxShard) -> torch.Tensor:
     """Each rank's elements of ``layout`` (int64, W long), once per layout: parameters of
     one shape share theirs. Called under ``host_scratch`` (by ``assign_owners``)."""
-    return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)], dtype=torch.int64,
-                        device="cpu")
+    return torch.tensor([layout.local_numel(r) for r in range(layout.world_size)],
+                        dtype=torch.int64, device="cpu")
 
 
 def assign_owners(
@@ -50,7 +40,16 @@ def assign_owners(
     *,
     tolerance: float = 1e-6,
 ) -> OwnerAssignment:
-    """Assign each tensor (layout i, cost i) to one rank, balancing the summed cost."""
+    """Assign each tensor (layout i, cost i) to one rank, balancing the summed cost.
+
+    Longest processing time first (Graham's LPT): tensors by cost descending, ties by
+    index, each to the least-loaded rank. Among ranks whose load is within ``tolerance``
+    (a fraction of the mean load per rank) of the minimum, the rank that already holds
+    most of the tensor wins, then the lower load, then the lower rank. This preference
+    matters at the start, when all loads are 0, and for equal costs. It keeps a tensor off
+    ranks with empty shards and cuts the elements that must move. The makespan stays within
+    Graham's list-scheduling bound, max load <= total / W + (1 - 1/W) * max cost, plus the
+    tolerance."""
     layouts = list(layouts)
     costs = [float(c) for c in costs]
     if len(layouts) != len(costs):
@@ -59,7 +58,8 @@ def assign_owners(
         raise ValueError("assign_owners needs at least one tensor")
     for i, lay in enumerate(layouts):
         if not isinstance(lay, (RaggedShard, BoxShard)):
-            raise TypeError(f"layouts[{i}] must be a RaggedShard or a BoxShard, got {type(lay).__name__}")
+            raise TypeError(f"layouts[{i}] must be a RaggedShard or a BoxShard, got "
+                            f"{type(lay).__name__}")
     w = layouts[0].world_size
     bad = [i for i, lay in enumerate(layouts) if lay.world_size != w]
     if bad:
@@ -78,13 +78,14 @@ def assign_owners(
     owners = [0] * len(layouts)
     # the per-rank scans run as tensor ops over W float64 loads on the host (real tensors
     # under FakeTensorMode too, seen by no dispatch mode): the same IEEE sums and
-    # comparisons as Python floats, so the same owners ([Note: owner assignment])
+    # comparisons as Python floats, so the same owners (see the docstring)
     with host_scratch():
         load = torch.zeros(w, dtype=torch.float64, device="cpu")
         inf = torch.tensor(math.inf, dtype=torch.float64, device="cpu")
         for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
             low = float(load.min())
-            top = torch.where(load <= low + slack, _held(layouts[i]), -1)  # the candidates' held elements
+            # the candidates' held elements
+            top = torch.where(load <= low + slack, _held(layouts[i]), -1)
             pick = top == top.max()  # the most held among the candidates, then the lowest load
             pick &= load == torch.where(pick, load, inf).min()
             best = int(pick.byte().argmax())  # then the lowest rank: argmax gives the first

@@ -1,10 +1,21 @@
 """Move many tensors between RaggedShard layouts in one batched all_to_all_single.
 
-See [Note: one exchange per bucket]. Every rank must pass the same layouts, in the same
-order: a mismatch is not detected by the collective (it would exchange wrong sizes or
-hang), so callers run :func:`check_same_on_all_ranks` on a fingerprint of their layouts
-once, before the first exchange.
-"""
+Tensor i lives on this rank as the slice [a_i, b_i) of its flat storage under src[i]
+and must end as [c_i, d_i) under dst[i]. For each peer p the outgoing pieces are the
+intersections of [a_i, b_i) with p's dst slice, in tensor order. The send buffer is one
+torch.cat of these pieces, peer-major (rank order), so split sizes are per-peer sums.
+Pieces that stay on this rank never enter the send buffer. Incoming pieces arrive
+peer-major too. Since src slices are in rank order, the pieces of one output sorted by
+peer are also sorted by position. So an output is a single view, of an input or of the
+receive buffer, when one source covers it, else a view of the one buffer that assembles
+every such output (see ``_JOIN_ALIGN``). Nothing crosses ranks iff src[i] == dst[i] for
+every i: if two boundary lists differ at position k, say b_src[k] < b_dst[k], the
+element b_src[k] is held by a src rank >= k and by a dst rank < k. So equal layouts are
+the only case without a collective.
+
+Every rank must pass the same layouts, in the same order: the collective does not detect
+a mismatch (it would exchange wrong sizes or hang), so callers run
+:func:`check_same_on_all_ranks` on a fingerprint of their layouts before the first exchange."""
 
 from __future__ import annotations
 
@@ -22,21 +33,8 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard
 from ._box_exchange import BoxPlan, box_plan, launch_boxes
 from ._collectives import same_on_all_ranks
 
-__all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute", "transfer_sizes"]
-
-# [Note: one exchange per bucket]
-# Tensor i lives on this rank as the slice [a_i, b_i) of its flat storage under src[i]
-# and must end as [c_i, d_i) under dst[i]. For each peer p the outgoing pieces are the
-# intersections of [a_i, b_i) with p's dst slice, in tensor order; the send buffer is
-# one torch.cat of these pieces, peer-major (rank order), so split sizes are per-peer
-# sums. Pieces that stay on this rank never enter the send buffer. Incoming pieces
-# arrive peer-major too, and since src slices are in rank order, the pieces of one
-# output sorted by peer are also sorted by position: an output is a single view (of an
-# input or of the receive buffer) when one source covers it, else a view of the one
-# buffer that assembles every such output ([Note: joined outputs]).
-# Nothing crosses ranks iff src[i] == dst[i] for every i: if two boundary lists differ
-# at position k, say b_src[k] < b_dst[k], the element b_src[k] is held by a src rank
-# >= k and by a dst rank < k. So equal layouts are the only case without a collective.
+__all__ = ["RedistributeHandle", "Route", "check_same_on_all_ranks", "redistribute",
+           "transfer_sizes"]
 
 
 class _Piece(NamedTuple):
@@ -124,12 +122,12 @@ class _RaggedPlan(NamedTuple):
     # per output, its pieces in flat order: (tensor, lo, hi) of a local input that
     # stays, or (-1, lo, hi) of the receive buffer
     assemble: tuple[tuple[tuple[int, int, int], ...], ...]
-    # the outputs of two or more pieces, copied into one buffer ([Note: joined outputs]):
+    # the outputs of two or more pieces, copied into one buffer (see ``_JOIN_ALIGN``):
     # (output, offset, numel) in output order; all their pieces in that order, each with
     # its destination (lo, hi) in the buffer; the buffer's numel
     joined: tuple[tuple[int, int, int], ...]
     # (buffer, lo, hi, count, stride): count pieces of hi - lo elements, stride apart from
-    # lo ([Note: joined outputs]: a run that steps evenly through its buffer is one view)
+    # lo (see ``_JOIN_ALIGN``: a run that steps evenly through its buffer is one view)
     joined_pieces: tuple[tuple[int, int, int, int, int], ...]
     joined_dst: tuple[tuple[int, int], ...]
     joined_numel: int
@@ -138,8 +136,7 @@ class _RaggedPlan(NamedTuple):
 def _coalesced(pieces: list[tuple[int, int, int]], dst: list[tuple[int, int]]
                ) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]]:
     """Pieces ``(buffer, lo, hi)`` copied to ranges ``dst`` (``(lo, hi)``, in order), with
-    each run that is consecutive on both sides as one piece: one copy ([Note: joined
-    outputs])."""
+    each run that is consecutive on both sides as one piece: one copy (see ``_JOIN_ALIGN``)."""
     src_out: list[tuple[int, int, int]] = []
     dst_out: list[tuple[int, int]] = []
     for (b, lo, hi), (a, c) in zip(pieces, dst, strict=True):
@@ -155,7 +152,7 @@ def _strided(pieces: tuple[tuple[int, int, int], ...], dst: tuple[tuple[int, int
              ) -> tuple[tuple[tuple[int, int, int, int, int], ...], tuple[tuple[int, int], ...]]:
     """Coalesced pieces ``(buffer, lo, hi)`` with each run of equal pieces that step evenly
     through one buffer, copied to consecutive ranges, as one ``(buffer, lo, lo + n,
-    count, stride)`` to one range ([Note: joined outputs]): an owner's pieces of one tensor
+    count, stride)`` to one range (see ``_JOIN_ALIGN``): an owner's pieces of one tensor
     from each of W peers, which each sent two tensors, lie every other piece in the
     receive buffer."""
     out: list[list[int]] = []
@@ -163,7 +160,8 @@ def _strided(pieces: tuple[tuple[int, int, int], ...], dst: tuple[tuple[int, int
     for (b, lo, hi), (a, c) in zip(pieces, dst, strict=True):
         if out:
             pb, plo, phi, count, stride = out[-1]
-            n, step = phi - plo, lo - plo if count == 1 else stride  # a second piece sets the stride
+            # a second piece sets the stride
+            n, step = phi - plo, lo - plo if count == 1 else stride
             if pb == b and hi - lo == n and dst_out[-1][1] == a and step > n and lo - plo == count * step:
                 out[-1][3:] = [count + 1, step]
                 dst_out[-1] = (dst_out[-1][0], c)
@@ -222,18 +220,17 @@ def _ragged_plan(src: tuple[RaggedShard, ...], dst: tuple[RaggedShard, ...], ran
                        tuple(joined), joined_pieces, joined_dst, at)
 
 
-# [Note: joined outputs]
-# An output of one piece is a view of it (of the receive buffer, or of the local input
-# that stays). Those of several pieces are assembled in ONE buffer by one foreach copy
-# (one launch on CUDA, where a cat per output took one each), in output order, each
-# starting at a multiple of _JOIN_ALIGN elements: 64-byte aligned like a fresh tensor
-# ([Note: aligned gradients]: CPU kernels round by the address of their operands), and
-# consecutive where an output's length is a multiple of it, so that a batch of equal
-# outputs is a view of the buffer (muon_orthogonalize_batched's). Pieces that lie one
-# after another in their buffer are one copy: an owner's W row pieces of a matrix,
-# received in rank order, are one range of the receive buffer. Equal pieces that step
-# evenly through their buffer (an owner's pieces of one tensor from W peers that each
-# sent it two tensors: every other piece of the receive buffer) are one strided view.
+# An output of one piece is a view of it, of the receive buffer or of the local input
+# that stays. Outputs of several pieces are assembled in ONE buffer by one foreach copy
+# (one launch on CUDA, where a cat per output took one each), in output order. Each starts
+# at a multiple of _JOIN_ALIGN elements: 64-byte aligned like a fresh tensor, since CPU
+# kernels round by the address of their operands (``aligned`` in _step_loop.py). They are
+# consecutive where an output's length is a multiple of it, so a batch of equal outputs is
+# a view of the buffer (muon_orthogonalize_batched's). Pieces that lie one after another in
+# their buffer are one copy: an owner's W row pieces of a matrix, received in rank order,
+# are one range of the receive buffer. Equal pieces that step evenly through their buffer
+# are one strided view: an owner's pieces of one tensor from W peers that each sent it two
+# tensors, every other piece of the receive buffer.
 _JOIN_ALIGN = 64  # elements: 64 bytes or more for every dtype
 
 
@@ -339,7 +336,7 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
     def finish() -> list[torch.Tensor]:
         result = [(recv_buf[ps[0][1]:ps[0][2]] if ps[0][0] < 0 else locals[ps[0][0]][ps[0][1]:ps[0][2]])
                   if len(ps) == 1 else None for ps in plan.assemble]
-        if plan.joined:  # [Note: joined outputs]
+        if plan.joined:  # ``_JOIN_ALIGN``
             flat = ref.new_empty(plan.joined_numel)
             foreach_copy_([flat[lo:hi] if ps[3] == 1 else flat[lo:hi].view(ps[3], ps[2] - ps[1])
                            for (lo, hi), ps in zip(plan.joined_dst, plan.joined_pieces, strict=True)],
@@ -356,7 +353,7 @@ def _launch_ragged(locals: list[torch.Tensor], plan: _RaggedPlan, process_group:
 def _run_boxes(locals: list[torch.Tensor], src: Sequence[RaggedShard | BoxShard],
                dst: Sequence[RaggedShard | BoxShard], plan: BoxPlan, process_group: dist.ProcessGroup,
                rank: int, async_op: bool) -> list[torch.Tensor] | RedistributeHandle:
-    """The exchange between layouts of which some are BoxShards ([Note: box exchange])."""
+    """The exchange between layouts of which some are BoxShards (see comm/_box_exchange.py)."""
     work, buffers, finish = launch_boxes(locals, src, dst, plan, process_group, rank, async_op)
     if async_op:
         return RedistributeHandle(work, buffers, finish)
@@ -439,7 +436,9 @@ def check_same_on_all_ranks(obj_fingerprint: str, process_group: dist.ProcessGro
     if not isinstance(obj_fingerprint, str):
         raise TypeError(f"obj_fingerprint must be a str, got {type(obj_fingerprint).__name__}")
     if process_group is None or same_on_all_ranks(obj_fingerprint, process_group):
-        return  # [Note: agreement in O(1) bytes]; the keys are gathered only to name who differs
+        # ``same_on_all_ranks`` in comm/_collectives.py; the keys are gathered only to name who
+        # differs
+        return
     gathered: list[object] = [None] * process_group.size()
     dist.all_gather_object(gathered, obj_fingerprint, group=process_group)
     if any(g != gathered[0] for g in gathered):

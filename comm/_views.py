@@ -2,7 +2,8 @@
 
 The optimizers accept three kinds of parameter (plain tensors, FSDP2 DTensors, this
 library's own sharded parameters) and see each through a :class:`ShardedView`, so the
-step loop never branches on the parameter's kind. See [Note: views alias storage].
+step loop never branches on the parameter's kind. ``local`` always aliases the
+parameter's storage (see the comment above ``ShardedView``).
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard
 
 __all__ = ["ShardedView", "dtensor_boxes", "sharded_view"]
 
-# [Note: views alias storage]
-# ``ShardedView.local`` is always a view of the parameter's own storage, never a copy:
-# an optimizer that writes its update into ``local`` updates the parameter. For FSDP2
-# the DTensor's local tensor is a narrow of a padded per-rank buffer
-# (``FSDPParam._sharded_param_data``); the narrow starts at offset 0 and is contiguous,
+# ``ShardedView.local`` is always a view of the parameter's own storage, never a copy, so
+# an optimizer that writes its update into ``local`` updates the parameter. For FSDP2 the
+# DTensor's local tensor is a narrow of a padded per-rank buffer
+# (``FSDPParam._sharded_param_data``). The narrow starts at offset 0 and is contiguous,
 # so ``_local_tensor.view(-1)`` aliases exactly this rank's rows and not the padding.
 
 _SUPPORTED = (
-    "plain tensors and nn.Parameter (single device or DDP; FakeTensorMode's fakes of them), DTensors on any mesh whose "
-    "placements are Shard, _StridedShard and Replicate (FSDP2, HSDP, tensor and expert "
-    "parallel, with unpadded local tensors), and objects with a __sharded_view__() method"
+    "plain tensors and nn.Parameter (single device or DDP; FakeTensorMode's fakes of them), "
+    "DTensors on any mesh whose placements are Shard, _StridedShard and Replicate (FSDP2, HSDP, "
+    "tensor and expert parallel, with unpadded local tensors), and objects with a "
+    "__sharded_view__() method"
 )
 
 
@@ -55,7 +56,8 @@ class ShardedView:
 
     def __post_init__(self) -> None:
         if not isinstance(self.local, torch.Tensor):
-            raise TypeError(f"ShardedView.local must be a torch.Tensor, got {type(self.local).__name__}")
+            raise TypeError("ShardedView.local must be a torch.Tensor, got "
+                            f"{type(self.local).__name__}")
         if self.local.dim() != 1:
             raise ValueError(f"ShardedView.local must be 1-D, got shape {tuple(self.local.shape)}")
         if not isinstance(self.layout, (RaggedShard, BoxShard)):
@@ -76,7 +78,8 @@ class ShardedView:
                 raise ValueError(f"ShardedView over {w} ranks needs a process group, got None")
         elif self.process_group.size() != w:
             raise ValueError(
-                f"ShardedView layout has {w} ranks but its process group has {self.process_group.size()}"
+                f"ShardedView layout has {w} ranks but its process group has "
+                f"{self.process_group.size()}"
             )
         n = self.layout.local_numel(self.rank)
         if self.local.numel() != n:
@@ -90,7 +93,7 @@ def sharded_view(t: object) -> ShardedView:
     """The :class:`ShardedView` of a parameter (or of its ``.grad``).
 
     Accepts plain tensors / nn.Parameter, DTensors on any mesh placed with ``Shard``,
-    ``_StridedShard`` and ``Replicate`` ([Note: N-D placements]), and any object with a
+    ``_StridedShard`` and ``Replicate`` (see ``_dtensor_meta``), and any object with a
     ``__sharded_view__()`` method returning a ShardedView. Other placements (Partial)
     raise ValueError naming them; other tensor subclasses, padded DTensor local tensors
     and non-contiguous tensors raise NotImplementedError; non-tensors without the
@@ -119,7 +122,8 @@ def sharded_view(t: object) -> ShardedView:
                         f"supported: {_SUPPORTED}")
     if isinstance(t, _dtensor_type()):
         return _dtensor_view(t)
-    raise NotImplementedError(f"tensor subclass {kind.__name__} is not supported; supported: {_SUPPORTED}")
+    raise NotImplementedError(f"tensor subclass {kind.__name__} is not supported; supported: "
+                              f"{_SUPPORTED}")
 
 
 @functools.cache
@@ -142,7 +146,8 @@ def _dtensor_view(dt: torch.Tensor) -> ShardedView:
         if len(cache) > 4096:
             cache.clear()
         layout, process_group, rank = _dtensor_meta(mesh, *key)
-        meta = cache[key] = (layout, process_group, rank, layout.local_shape(rank) if isinstance(layout, BoxShard)
+        meta = cache[key] = (layout, process_group, rank,
+                             layout.local_shape(rank) if isinstance(layout, BoxShard)
                              else None, layout.local_numel(rank), torch.Size(key[1]))
     layout, process_group, rank, want, n, shape = meta
     local = dtensor_local(dt)
@@ -184,7 +189,8 @@ def _plain_view(t: torch.Tensor, local: torch.Tensor) -> ShardedView:
     return _trusted_view(local, _whole_layout(t.numel()), None, t.shape, 0)
 
 
-def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_group: dist.ProcessGroup | None,
+def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard,
+                  process_group: dist.ProcessGroup | None,
                   shape: torch.Size, rank: int) -> ShardedView:
     """A ShardedView of fields that are valid by construction, without its checks (a
     step asks for two views of every parameter: ~10 us each on a CPU)."""
@@ -198,7 +204,8 @@ def _trusted_view(local: torch.Tensor, layout: RaggedShard | BoxShard, process_g
 
 
 _SET_LOCAL, _SET_LAYOUT, _SET_PROCESS_GROUP, _SET_SHAPE, _SET_RANK = (
-    getattr(ShardedView, name).__set__ for name in ("local", "layout", "process_group", "shape", "rank"))
+    getattr(ShardedView, name).__set__
+    for name in ("local", "layout", "process_group", "shape", "rank"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -207,18 +214,17 @@ def _whole_layout(numel: int) -> RaggedShard:
     return RaggedShard.whole(numel, 1, 0)
 
 
-# [Note: N-D placements]
-# A DTensor's placements say, per mesh axis, Shard(d) / _StridedShard(d, sf) /
-# Replicate(). The axes that shard form the shard process group (flattened in mesh order when
-# there are several, rank = row-major coordinate over them); Replicate axes hold
-# copies that compute alike, as HSDP's replicas do. Each tensor dim is split by its
-# axes in nesting order, outermost first, each with torch.chunk semantics: DTensor's
+# A DTensor's placements say, per mesh axis, Shard(d), _StridedShard(d, sf) or
+# Replicate(). The axes that shard form the shard process group, flattened in mesh order
+# when there are several (rank = row-major coordinate over them). Replicate axes hold
+# copies that compute alike, as HSDP's replicas do. Each tensor dim is split by its axes
+# in nesting order, outermost first, each with torch.chunk semantics: DTensor's
 # left-to-right order for Shard, except that _StridedShard(d, sf) on an axis is applied
-# after the axes to its right whose sizes multiply to sf (FSDP2 + TP: the tp split
-# first, then dp's chunk of the TP-local rows). Every rank then holds a box
-# ([Note: boxes in flat order]); one contiguous flat range per rank in rank order is a
-# RaggedShard (FSDP2's Shard(0), HSDP), anything else a BoxShard. Partial (a pending
-# reduction) is refused: its values are not the tensor's.
+# after the axes to its right whose sizes multiply to sf. For FSDP2 + TP that is the tp
+# split first, then dp's chunk of the TP-local rows. Every rank then holds a box
+# ([Note: boxes in flat order]). One contiguous flat range per rank in rank order is a
+# RaggedShard (FSDP2's Shard(0), HSDP), anything else a BoxShard. Partial, a pending
+# reduction, is refused: its values are not the tensor's.
 
 
 def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple[
@@ -251,14 +257,16 @@ def _dtensor_meta(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> tuple
         return RaggedShard.whole(math.prod(shape), 1, 0), None, 0
     process_group = _shard_process_group(mesh, tuple(axes), placements)
     if dist.get_rank(process_group) != rank:
-        raise AssertionError(f"rank {dist.get_rank(process_group)} in the shard process group of mesh "
-                             f"axes {axes}, expected the row-major coordinate {rank}")
+        raise AssertionError(f"rank {dist.get_rank(process_group)} in the shard process "
+                             f"group of mesh axes {axes}, expected the row-major coordinate {rank}")
     return layout, process_group, rank
 
 
 def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
-                  per_dim: list[list[tuple[int, int | None]]] | None = None) -> tuple[BoxShard, list[int]]:
-    """Every shard rank's box of a DTensor placement ([Note: N-D placements]) and the
+                  per_dim: list[list[tuple[int,
+                                           int | None]]] | None = None) -> tuple[BoxShard,
+                                                                                 list[int]]:
+    """Every shard rank's box of a DTensor placement (see ``_dtensor_meta``) and the
     mesh axes that shard (the box ranks are their row-major coordinates)."""
     from torch.distributed.tensor import Shard
 
@@ -267,7 +275,9 @@ def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
         per_dim = [[] for _ in shape]
         for axis, p in enumerate(placements):
             if isinstance(p, (Shard, StridedShard)):
-                per_dim[p.dim].append((axis, int(p.split_factor) if isinstance(p, StridedShard) else None))
+                per_dim[p.dim].append((axis,
+                                       int(p.split_factor) if isinstance(p, StridedShard)
+                                       else None))
     axes = sorted(a for d in per_dim for a, _ in d)
     sizes = [mesh.size(a) for a in axes]
     try:
@@ -280,7 +290,7 @@ def dtensor_boxes(mesh: Any, placements: tuple, shape: tuple[int, ...],
 
 def _nesting(entries: list[tuple[int, int | None]], mesh: Any, placements: tuple,
              shape: tuple[int, ...]) -> list[int]:
-    """The mesh axes that split one dim, outermost first ([Note: N-D placements])."""
+    """The mesh axes that split one dim, outermost first (see ``_dtensor_meta``)."""
     if not entries:
         return []
     (axis, sf), rest = entries[0], entries[1:]
@@ -291,10 +301,12 @@ def _nesting(entries: list[tuple[int, int | None]], mesh: Any, placements: tuple
         prod *= mesh.size(rest[k][0])
         k += 1
     if prod != sf:
-        raise ValueError(f"_StridedShard(sf={sf}) on mesh axis {axis} is not matched by the sizes of "
-                         "the later axes sharding the same dim; supported: split factors equal to "
-                         "the product of the sizes of the axes that follow it (FSDP2 + TP)")
-    return [*_nesting(rest[:k], mesh, placements, shape), axis, *_nesting(rest[k:], mesh, placements, shape)]
+        raise ValueError(f"_StridedShard(sf={sf}) on mesh axis {axis} is not matched by "
+                         "the sizes of the later axes sharding the same dim; supported: split "
+                         "factors equal to the product of the sizes of the axes that follow it "
+                         "(FSDP2 + TP)")
+    return [*_nesting(rest[:k], mesh, placements, shape), axis,
+            *_nesting(rest[k:], mesh, placements, shape)]
 
 
 def _shard_process_group(mesh: Any, axes: tuple[int, ...], placements: tuple) -> dist.ProcessGroup:
@@ -307,9 +319,10 @@ def _shard_process_group(mesh: Any, axes: tuple[int, ...], placements: tuple) ->
         names = mesh.mesh_dim_names
         if not names:
             raise ValueError(
-                f"DTensor placements {placements} shard over mesh axes {list(axes)} of a mesh without "
-                "mesh_dim_names; name the mesh dims (init_device_mesh(..., mesh_dim_names=...)) so "
-                "the optimizer can flatten them into one shard process group")
+                f"DTensor placements {placements} shard over mesh axes {list(axes)} of a "
+                "mesh without mesh_dim_names; name the mesh dims (init_device_mesh(..., "
+                "mesh_dim_names=...)) so the optimizer can flatten them into one shard "
+                "process group")
         sub = mesh[tuple(names[a] for a in axes)]
         process_group = cache[axes] = mesh_flatten(sub).get_group(0)
     return process_group

@@ -13,7 +13,7 @@ and on "fsdp" for the rest, then the root; before it, activation checkpointing,
 selective as in torchtitan's debug config, ``--ac``), ``init_weights`` and its cross-entropy loss
 normalized by the global token count. The one swap, marked ``# vefsdp_optim``:
 torchtitan's ``fully_shard`` is ours (one attribute of ``torchtitan.distributed.fsdp``);
-our fully_shard gives each such block two shard groups ([Note: shard groups of one call]).
+our fully_shard gives each such block two shard groups (see ``_by_mesh`` in vefsdp_optim/_fsdp/_fully_shard.py).
 
 Optimizers: Muon with ``flatten=False`` on the experts (each expert's matrix
 orthogonalized whole) and AdamW on every other parameter. ``--fsdp both`` trains three

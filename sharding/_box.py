@@ -18,22 +18,22 @@ from ._requirement import Requirement, check_shape
 __all__ = ["BoxShard", "Box", "flat_range_boxes"]
 
 # [Note: boxes in flat order]
-# Tensor parallelism shards a parameter on several tensor dims over several mesh axes
-# (FSDP2 + TP: ``(_StridedShard(0, sf=2), Shard(0))`` for a colwise weight,
-# ``(Shard(0), Shard(1))`` for a rowwise one). Each rank then holds a *box*: per tensor
-# dim one contiguous index range (nested torch.chunk splits of a range are ranges), so
-# its local tensor is ``full[o0:o0+s0, o1:o1+s1, ...]``. The key fact: a box's elements
-# in its own row-major order are in increasing order of their global row-major flat
-# index. So
-#   - the box elements below a flat index x are a prefix of the local data, and its
-#     length is counted in O(ndim) (``count_below``): the elements a box holds of a
-#     flat range [lo, hi) are one contiguous run of the local data;
-#   - a rank that holds a contiguous range (a RaggedShard slice) holds any box's part
+# Tensor parallelism shards a parameter on several tensor dims over several mesh axes.
+# FSDP2 + TP gives ``(_StridedShard(0, sf=2), Shard(0))`` for a colwise weight and
+# ``(Shard(0), Shard(1))`` for a rowwise one. Each rank then holds a *box*: one
+# contiguous index range per tensor dim. Nested torch.chunk splits of a range are
+# ranges, so the local tensor is ``full[o0:o0+s0, o1:o1+s1, ...]``.
+# The key fact: a box's elements, in its own row-major order, come in increasing order
+# of their global row-major flat index. Two things follow.
+#   - The box elements below a flat index x are a prefix of the local data. Its length
+#     is counted in O(ndim) by ``count_below``. So the elements a box holds of a flat
+#     range [lo, hi) are one contiguous run of the local data.
+#   - A rank that holds a contiguous range, a RaggedShard slice, holds any box's part
 #     of it at the flat indices ``flat_indices`` returns, also in increasing order.
 # Redistributing between a BoxShard (the storage) and a RaggedShard (a compute layout
-# with whole blocks) therefore needs no sort: one side of every piece is a contiguous
-# run, the other an index gather / scatter. fully_shard over a TP-local tensor cuts
-# that box's row-major order into runs, one per data-parallel rank: a ``Box`` carries an
+# with whole blocks) therefore needs no sort. One side of every piece is a contiguous
+# run, the other an index gather or scatter. fully_shard over a TP-local tensor cuts
+# that box's row-major order into runs, one per data-parallel rank. A ``Box`` carries an
 # optional run ``[start, start + length)`` of its row-major order, which keeps the fact.
 
 
@@ -90,14 +90,14 @@ class BoxShard:
             if not isinstance(b, Box):
                 raise TypeError(f"BoxShard.boxes[{r}] must be a Box, got {type(b).__name__}")
             if len(b.offsets) != len(shape) or len(b.sizes) != len(shape):
-                raise ValueError(f"box of rank {r} has {len(b.offsets)}-D offsets and {len(b.sizes)}-D "
-                                 f"sizes for a tensor of shape {shape}")
+                raise ValueError(f"box of rank {r} has {len(b.offsets)}-D offsets and "
+                                 f"{len(b.sizes)}-D sizes for a tensor of shape {shape}")
             for d, (o, s, n) in enumerate(zip(b.offsets, b.sizes, shape, strict=True)):
                 if s < 0 or o < 0 or o + s > n:
                     raise ValueError(f"box of rank {r} spans [{o}, {o + s}) on dim {d} of size {n}")
             if not 0 <= b.start <= b.start + b.length <= b.box_numel:
-                raise ValueError(f"run [{b.start}, {b.start + b.length}) of rank {r} is not inside its "
-                                 f"box of {b.box_numel} elements")
+                raise ValueError(f"run [{b.start}, {b.start + b.length}) of rank {r} is "
+                                 f"not inside its box of {b.box_numel} elements")
             total += b.length
         if total != math.prod(shape):
             raise ValueError(f"the boxes hold {total} elements, the tensor of shape {shape} "
@@ -126,8 +126,9 @@ class BoxShard:
             if not isinstance(run, RaggedShard) or run.world_size != dp:
                 raise ValueError(f"runs[{j}] must be a RaggedShard over {dp} ranks, got {run!r}")
             if b.start or b.length != b.box_numel or run.numel != b.box_numel:
-                raise ValueError(f"runs[{j}] holds {run.numel} elements; box {j} is a run of {b.length} of "
-                                 f"{b.box_numel}: each run layout must tile a whole box")
+                raise ValueError(f"runs[{j}] holds {run.numel} elements; box {j} is a run of "
+                                 f"{b.length} of {b.box_numel}: each run layout must "
+                                 "tile a whole box")
         out = tuple(Box(boxes.boxes[j].offsets, boxes.boxes[j].sizes, *runs[j].local(i))
                     for i in range(dp) for j in range(len(runs)))
         self = object.__new__(cls)
@@ -151,11 +152,12 @@ class BoxShard:
         shape = check_shape(shape)
         sizes = tuple(int(s) for s in mesh_sizes)
         if len(splits) != len(shape):
-            raise ValueError(f"splits must name the axes of each of the {len(shape)} dims, got {len(splits)}")
+            raise ValueError(f"splits must name the axes of each of the {len(shape)} dims, got "
+                             f"{len(splits)}")
         used = [a for axes in splits for a in axes]
         if sorted(used) != list(range(len(sizes))):
-            raise ValueError(f"each mesh axis must split exactly one dim once, got splits {splits} for "
-                             f"{len(sizes)} axes")
+            raise ValueError("each mesh axis must split exactly one dim once, got splits "
+                             f"{splits} for {len(sizes)} axes")
         boxes = []
         for coord in _coords(sizes):
             offs, lens = [], []
@@ -187,7 +189,8 @@ class BoxShard:
         """The shape of rank's local tensor (its box; the run must be the whole box)."""
         b = self.boxes[rank]
         if b.start or b.length != b.box_numel:
-            raise ValueError(f"rank {rank} holds a run of {b.length} of its box {b.sizes}, not a box")
+            raise ValueError(f"rank {rank} holds a run of {b.length} of its box "
+                             f"{b.sizes}, not a box")
         return b.sizes
 
     def count_below(self, rank: int, x: int) -> int:
@@ -195,7 +198,8 @@ class BoxShard:
         b = self.boxes[rank]
         return min(max(_box_count_below(b.offsets, b.sizes, self.shape, x) - b.start, 0), b.length)
 
-    def flat_indices(self, rank: int, lo: int, hi: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def flat_indices(self, rank: int, lo: int, hi: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
         """The global flat indices (int64, increasing) of rank's local elements ``lo:hi``."""
         b = self.boxes[rank]
         pos = torch.arange(b.start + lo, b.start + hi, dtype=torch.int64, device=device)
@@ -212,18 +216,19 @@ class BoxShard:
 
     def sub_boxes(self, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Rank's part as whole boxes ``(global offsets, sizes)`` in flat order: its box, or
-        the at most 2 * ndim - 1 boxes of its run ([Note: ragged slices as DCP boxes])."""
+        the at most 2 * ndim - 1 boxes of its run (see :func:`flat_range_boxes`)."""
         b = self.boxes[rank]
         if self.is_whole_box(rank):
             return [(b.offsets, b.sizes)] if b.length else []
         return [(tuple(o + a for o, a in zip(offsets, b.offsets, strict=True)), tuple(sizes))
                 for offsets, sizes, _ in flat_range_boxes(b.sizes, b.start, b.length)]
 
-    def range_parts(self, rank: int, lo: int, hi: int) -> list[tuple[int, tuple[int, ...], tuple[slice, ...],
+    def range_parts(self, rank: int, lo: int,
+                    hi: int) -> list[tuple[int, tuple[int, ...], tuple[slice, ...],
                                                                      tuple[int, ...]]]:
         """Rank's part intersected with the flat range ``[lo, hi)``, as strided pieces
-        ([Note: box exchange] in comm): per box of the range ([Note: ragged slices as DCP
-        boxes]) and sub-box of the rank that meet, ``(the range box's flat offset in the
+        (see comm/_box_exchange.py): per box of the range (:func:`flat_range_boxes`) and
+        sub-box of the rank that meet, ``(the range box's flat offset in the
         range, its sizes, the slices of the intersection inside it, the intersection's
         sizes)``. In this order the intersections' elements are the rank's local elements
         in ``[lo, hi)``, in order."""
@@ -232,11 +237,13 @@ class BoxShard:
         for p_off, p_size in self.sub_boxes(rank):
             for offsets, sizes, f in ranges:
                 ilo = [max(o, bo) for o, bo in zip(offsets, p_off, strict=True)]
-                ihi = [min(o + s, bo + bs) for o, s, bo, bs in zip(offsets, sizes, p_off, p_size, strict=True)]
+                ihi = [min(o + s, bo + bs)
+                       for o, s, bo, bs in zip(offsets, sizes, p_off, p_size, strict=True)]
                 if any(y <= x for x, y in zip(ilo, ihi, strict=True)):
                     continue
-                out.append((f, tuple(sizes), tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, offsets,
-                                                                                          strict=True)),
+                out.append((f, tuple(sizes),
+                            tuple(slice(x - o, y - o)
+                                  for x, y, o in zip(ilo, ihi, offsets, strict=True)),
                             tuple(y - x for x, y in zip(ilo, ihi, strict=True))))
         return out
 
@@ -282,7 +289,8 @@ class BoxShard:
         b = self.boxes[rank]
         if not b.length:
             return (0, 0)
-        return (_flat_of(b, b.start, self.shape), _flat_of(b, b.start + b.length - 1, self.shape) + 1)
+        return (_flat_of(b, b.start, self.shape),
+                _flat_of(b, b.start + b.length - 1, self.shape) + 1)
 
     def holders(self, lo: int, hi: int) -> list[int]:
         """The ranks, in increasing order, whose flat span meets ``[lo, hi)``: every rank
@@ -291,7 +299,8 @@ class BoxShard:
         if lo >= hi:
             return []
         if self._spans is None:
-            spans = sorted((*self.flat_span(r), r) for r in range(self.world_size) if self.boxes[r].length)
+            spans = sorted((*self.flat_span(r), r) for r in range(self.world_size)
+                           if self.boxes[r].length)
             firsts = [a for a, _, _ in spans]
             ends, top = [], 0
             for _, b, _ in spans:
@@ -313,14 +322,17 @@ def _check_disjoint(layout: BoxShard) -> None:
     """ValueError when two ranks' parts overlap (a sweep over dim 0 of their sub-boxes)."""
     if not layout.shape:
         return
-    parts = sorted((off, size, r) for r in range(layout.world_size) for off, size in layout.sub_boxes(r))
+    parts = sorted((off, size, r) for r in range(layout.world_size)
+                   for off, size in layout.sub_boxes(r))
     for i, (off, size, r) in enumerate(parts):
         for off2, size2, r2 in parts[i + 1:]:
             if off2[0] >= off[0] + size[0]:
                 break
-            if all(a < b + z2 and b < a + z for a, z, b, z2 in zip(off, size, off2, size2, strict=True)):
-                raise ValueError(f"the parts of ranks {r} and {r2} overlap (boxes at {off} of {size} and at "
-                                 f"{off2} of {size2}): the boxes must partition the tensor")
+            if all(a < b + z2 and b < a + z
+                   for a, z, b, z2 in zip(off, size, off2, size2, strict=True)):
+                raise ValueError(f"the parts of ranks {r} and {r2} overlap (boxes at {off} of "
+                                 f"{size} and at {off2} of {size2}): the boxes must "
+                                 "partition the tensor")
 
 
 def _coords(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -330,7 +342,8 @@ def _coords(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
-def _box_count_below(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...], x: int) -> int:
+def _box_count_below(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...],
+                     x: int) -> int:
     """Elements of the box whose global flat index is below ``x`` ([Note: boxes in flat order])."""
     n = math.prod(shape)
     if x >= n:
@@ -368,23 +381,23 @@ def _flat_of(b: Box, pos: int, shape: tuple[int, ...]) -> int:
     return flat
 
 
-# [Note: ragged slices as DCP boxes]
-# DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
-# (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
-# which is the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row (itself
-# split recursively over the inner dims), a run of whole rows, and a partial trailing
-# row. Each box is contiguous in flat order, so it is a plain view of the local data,
-# and DCP reshards between these boxes and any other layout (FSDP2's Shard(0), a plain
-# tensor, another world size) by itself.
-
-
-def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[torch.Size, torch.Size, int]]:
+def flat_range_boxes(shape: Sequence[int], start: int,
+                     length: int) -> list[tuple[torch.Size, torch.Size, int]]:
     """Boxes ``(offsets, sizes, flat offset in the range)`` covering the flat range
-    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order."""
+    ``[start, start + length)`` of a row-major tensor of ``shape``, in flat order.
+
+    DCP (torch.distributed.checkpoint) describes a rank's part of a tensor as boxes
+    (offsets, sizes) in the global shape. A rank's ragged slice is a contiguous flat range,
+    the union of at most 2 * (ndim - 1) + 1 boxes: a partial leading row, itself split
+    recursively over the inner dims, a run of whole rows, and a partial trailing row. Each
+    box is contiguous in flat order, so it is a plain view of the local data. DCP then
+    reshards between these boxes and any other layout by itself: FSDP2's Shard(0), a plain
+    tensor, another world size."""
     shape = tuple(shape)
     numel = math.prod(shape)
     if start < 0 or length < 0 or start + length > numel:
-        raise ValueError(f"flat range [{start}, {start + length}) is not inside a tensor of {numel} elements")
+        raise ValueError(f"flat range [{start}, {start + length}) is not inside a tensor of "
+                         f"{numel} elements")
     if length == 0:
         return []
     if not shape:

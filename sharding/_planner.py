@@ -2,9 +2,9 @@
 
 Every rank holds ``m`` consecutive elements of the buffer (``m`` a multiple of
 ``align``, equal on every rank). Each rank boundary ``k * m`` that falls strictly inside
-a tensor must be a legal cut of that tensor ([Note: legal cuts]). Padding is
+a tensor must be a legal cut of that tensor (see sharding/_requirement.py). Padding is
 ``W * m - N``. Minimizing it contains multiprocessor scheduling (NP-hard), so the
-planner is a polynomial heuristic; see [Note: planner heuristic].
+planner is a polynomial heuristic; see :func:`plan_buffer`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class TensorSpec:
             raise ValueError(f"TensorSpec name must be a non-empty str, got {self.name!r}")
         shape = check_shape(self.shape)
         if not shape:
-            raise ValueError(f"TensorSpec {self.name!r}: shape () is empty; plan a 0-d tensor as (1,)")
+            raise ValueError(f"TensorSpec {self.name!r}: shape () is empty; plan a 0-d "
+                             "tensor as (1,)")
         if math.prod(shape) == 0:
             raise ValueError(f"TensorSpec {self.name!r}: shape {shape} has no elements")
         _check_positive_int(f"TensorSpec {self.name!r} unit", self.unit)
@@ -104,17 +105,20 @@ class BufferPlan:
         for s in self.specs:
             if s.name == name:
                 return s
-        raise KeyError(f"no tensor named {name!r} in this plan; names: {[s.name for s in self.specs]}")
+        raise KeyError(f"no tensor named {name!r} in this plan; names: "
+                       f"{[s.name for s in self.specs]}")
 
     def layout(self, name: str) -> RaggedShard:
         """The RaggedShard of tensor ``name`` implied by the plan."""
         for s, off in zip(self.specs, self.offset_list, strict=True):
             if s.name == name:
                 return _plan_layout(self.world_size, self.shard_size, off, s.numel)
-        raise KeyError(f"no tensor named {name!r} in this plan; names: {[s.name for s in self.specs]}")
+        raise KeyError(f"no tensor named {name!r} in this plan; names: "
+                       f"{[s.name for s in self.specs]}")
 
     def local_slices(self, rank: int) -> list[tuple[str, int, int, int]]:
-        """Tensors overlapping ``rank``'s shard: ``(name, start_in_tensor, start_in_shard, length)``."""
+        """Tensors overlapping ``rank``'s shard: ``(name, start_in_tensor, start_in_shard,
+        length)``."""
         m = self.shard_size
         lo, hi = rank * m, (rank + 1) * m
         out = []
@@ -127,21 +131,25 @@ class BufferPlan:
     def fingerprint(self) -> str:
         """A stable hash of the plan, equal on every rank iff the plans are equal."""
         text = repr((self.world_size, self.shard_size, self.align, tuple(
-            (s.name, s.shape, s.unit, o) for s, o in zip(self.specs, self.offset_list, strict=True))))
+            (s.name, s.shape, s.unit, o)
+            for s, o in zip(self.specs, self.offset_list, strict=True))))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def validate(self) -> None:
         """Check the plan's invariants; raises AssertionError naming the broken one."""
         w, m = self.world_size, self.shard_size
         if m < 0 or m % self.align:
-            raise AssertionError(f"shard_size {m} is not a non-negative multiple of align {self.align}")
+            raise AssertionError(f"shard_size {m} is not a non-negative multiple of align "
+                                 f"{self.align}")
         if len(self.offset_list) != len(self.specs):
             raise AssertionError(f"{len(self.offset_list)} offsets for {len(self.specs)} tensors")
-        spans = sorted((o, o + s.numel, s) for s, o in zip(self.specs, self.offset_list, strict=True))
+        spans = sorted((o, o + s.numel, s)
+                       for s, o in zip(self.specs, self.offset_list, strict=True))
         prev_end = 0
         for start, end, s in spans:
             if start < prev_end or end > w * m:
-                raise AssertionError(f"tensor {s.name!r} at [{start}, {end}) overlaps or exceeds W*m={w * m}")
+                raise AssertionError(f"tensor {s.name!r} at [{start}, {end}) overlaps or "
+                                     f"exceeds W*m={w * m}")
             prev_end = end
             # Interior boundaries are b, b + m, ...: all legal iff the first is and,
             # when there are two or more, m is a multiple of the unit.
@@ -196,25 +204,6 @@ def fsdp2_row_padding(shapes: Iterable[Sequence[int]], world_size: int) -> int:
     return total
 
 
-# [Note: planner heuristic]
-# For a fixed tensor order and a fixed m, placing each tensor at its earliest legal
-# offset minimizes every later position (a legal offset stays legal whatever came
-# before), so an order and an m define one placement. The heuristic
-#   1. scans m upward from the lower bound (in steps of align, then geometrically),
-#      adding the multiples of each unit, since m % u == 0 lets a tensor of unit u span
-#      any number of ranks;
-#   2. for each m tries a few orders: coarse units first (fine tensors then fill the
-#      tail), largest first, and the given order (so it is never worse than that);
-#      for few tensors also each of those with one tensor moved to the front;
-#   3. when a tensor must be pushed forward to reach a legal cut, first fills the gap
-#      with the largest remaining tensors that fit it (fine-grained ones, usually);
-#   4. then tries a dynamic order: at each position, the remaining tensor that wastes
-#      the least (earliest legal offset minus position), coarse or large ones on ties.
-#      It packs whole tensors next to the pieces of splittable ones that fill a rank.
-# The first m with a placement wins: padding W * m - N grows with m. Work per m is
-# O(k^3) for k tensors in a small plan, O(k^2) beyond _ROTATE_MAX, and the dynamic
-# order is skipped beyond _GREEDY_MAX tensors, so big plans stay fast.
-
 _ROTATE_MAX = 16
 _GREEDY_MAX = 64
 
@@ -240,7 +229,8 @@ def _placeable(n: int, u: int, m: int) -> bool:
     return n <= m or m % u == 0 or _round_up(n - m, u) <= m
 
 
-def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: int, cap: int) -> list[int] | None:
+def _place(order: Sequence[int], sizes: Sequence[int], units: Sequence[int], m: int,
+           cap: int) -> list[int] | None:
     offsets = [0] * len(sizes)
     remaining = list(order)
     placed = [False] * len(sizes)
@@ -288,9 +278,9 @@ def _fill_gap(pos: int, limit: int, remaining: list[int], sizes, units, m, offse
         remaining.remove(best)
 
 
-def _place_dynamic(sizes: Sequence[int], units: Sequence[int], key: Sequence[tuple[int, ...]], m: int,
-                   cap: int) -> list[int] | None:
-    """Step 4 of [Note: planner heuristic]: least waste next, ties by ``key``."""
+def _place_dynamic(sizes: Sequence[int], units: Sequence[int], key: Sequence[tuple[int, ...]],
+                   m: int, cap: int) -> list[int] | None:
+    """Step 4 of :func:`plan_buffer`'s heuristic: least waste next, ties by ``key``."""
     offsets = [0] * len(sizes)
     remaining = list(range(len(sizes)))
     pos = 0
@@ -331,6 +321,26 @@ def plan_buffer(specs: Iterable[TensorSpec], world_size: int, align: int = 1) ->
     """Plan one buffer: order and offsets of its tensors in a W * m buffer.
 
     Deterministic: the same arguments give the same plan on every rank and every run.
+
+    For a fixed tensor order and a fixed m, placing each tensor at its earliest legal
+    offset minimizes every later position, since a legal offset stays legal whatever came
+    before. So an order and an m define one placement. The heuristic:
+
+    1. scans m upward from the lower bound, in steps of align, then geometrically, adding
+       the multiples of each unit, since m % u == 0 lets a tensor of unit u span any
+       number of ranks;
+    2. for each m tries a few orders: coarse units first, so that fine tensors fill the
+       tail; largest first; and the given order, so it is never worse than that. For few
+       tensors it also tries each of those with one tensor moved to the front;
+    3. when a tensor must be pushed forward to reach a legal cut, first fills the gap with
+       the largest remaining tensors that fit it, usually fine-grained ones;
+    4. then tries a dynamic order: at each position, the remaining tensor that wastes the
+       least (earliest legal offset minus position), coarse or large ones on ties. It packs
+       whole tensors next to the pieces of splittable ones that fill a rank.
+
+    The first m with a placement wins, since padding W * m - N grows with m. Work per m is
+    O(k^3) for k tensors in a small plan, O(k^2) beyond _ROTATE_MAX, and the dynamic order
+    is skipped beyond _GREEDY_MAX tensors, so big plans stay fast.
     """
     specs = _check_specs(specs)
     w = _check_world(world_size)

@@ -142,7 +142,8 @@ class RaggedShard:
     def boundaries(self) -> tuple[int, ...]:
         """W + 1 cut points: rank r holds ``[b[r], b[r + 1])``."""
         if self._bounds is None:
-            object.__setattr__(self, "_bounds", (0, *itertools.accumulate(map(_LENGTH, self.extents))))
+            object.__setattr__(self, "_bounds",
+                               (0, *itertools.accumulate(map(_LENGTH, self.extents))))
         return self._bounds
 
     def local(self, rank: int) -> tuple[int, int]:
@@ -182,12 +183,14 @@ class RaggedShard:
         n = self.numel
         if n == 0:
             if shape is not None and math.prod(check_shape(shape)) != 0:
-                raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has 0")
+                raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, "
+                                 "layout has 0")
             return True
         unit = self._unit(requirement, shape)
         return all(is_legal_cut(b, n, unit) for b in self.boundaries[1:-1])
 
-    def snapped(self, requirement: Requirement | int, shape: Sequence[int] | None = None) -> RaggedShard:
+    def snapped(self, requirement: Requirement | int,
+                shape: Sequence[int] | None = None) -> RaggedShard:
         """The nearest layout that satisfies ``requirement``: each boundary moves to the
         nearest legal cut (ties go down), so only the pieces at boundaries change rank."""
         unit = self._unit(requirement, shape)
@@ -206,7 +209,8 @@ class RaggedShard:
                 raise TypeError("a Requirement needs the tensor's shape to resolve its unit")
             shape = check_shape(shape)
             if math.prod(shape) != self.numel:
-                raise ValueError(f"shape {shape} has {math.prod(shape)} elements, layout has {self.numel}")
+                raise ValueError(f"shape {shape} has {math.prod(shape)} elements, layout has "
+                                 f"{self.numel}")
             return requirement.unit(shape)
         unit = _as_int("unit", requirement)
         if unit < 1:
@@ -241,7 +245,9 @@ def _check_world(world_size: object) -> int:
 @functools.lru_cache(maxsize=4096)
 def _whole(numel: int, world_size: int, rank: int) -> RaggedShard:
     """``RaggedShard.whole`` of checked ints, built once (by tuple repetition: C speed)."""
-    return RaggedShard._trusted(((0, 0),) * rank + ((0, numel),) + ((numel, 0),) * (world_size - rank - 1))
+    return RaggedShard._trusted(((0, 0),) * rank + ((0,
+                                                     numel),) + ((numel,
+                                                                  0),) * (world_size - rank - 1))
 
 
 def holders_between(boundaries: Sequence[int], lo: int, hi: int) -> range:
@@ -249,4 +255,5 @@ def holders_between(boundaries: Sequence[int], lo: int, hi: int) -> range:
     ``boundaries``, for a caller that asks for many ranges of one layout (its W + 1
     boundaries built once)."""
     w = len(boundaries) - 1
-    return range(max(bisect_right(boundaries, lo) - 1, 0), min(bisect_left(boundaries, hi) - 1, w - 1) + 1)
+    return range(max(bisect_right(boundaries, lo) - 1, 0),
+                 min(bisect_left(boundaries, hi) - 1, w - 1) + 1)

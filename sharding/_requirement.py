@@ -3,7 +3,13 @@
 A requirement is pure data. For a given tensor shape it resolves to a **unit**: the
 distance, in row-major flat elements counted from the tensor's first element, between
 two legal cut points. A cut ``c`` (``0 <= c <= numel``) is legal iff ``c % unit == 0``
-or ``c == numel`` (the last block may be short). See [Note: legal cuts].
+or ``c == numel`` (the last block may be short).
+
+Every requirement reduces to this one integer u, clamped to numel. A layout satisfies a
+requirement iff each interior rank boundary of the tensor falls on a multiple of u or on
+numel. Elementwise: u = 1. Bands of k rows: u = k * row size. Flat blocks of n elements:
+u = n. Whole tensor: u = numel, so the only legal cuts are 0 and numel and the tensor
+lies on one rank.
 """
 
 from __future__ import annotations
@@ -21,13 +27,6 @@ __all__ = [
     "check_shape",
     "is_legal_cut",
 ]
-
-# [Note: legal cuts]
-# Every requirement reduces to one integer, the unit u, clamped to numel. A layout
-# satisfies a requirement iff each interior rank boundary of the tensor falls on a
-# multiple of u or on numel. Elementwise: u = 1. Bands of k rows: u = k * row size.
-# Flat blocks of n elements: u = n. Whole tensor: u = numel, so the only legal cuts
-# are 0 and numel and the tensor lies on one rank.
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -57,7 +56,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def is_legal_cut(cut: int, numel: int, unit: int) -> bool:
-    """Whether flat position ``cut`` is a legal cut point of a tensor (see [Note: legal cuts])."""
+    """Whether flat position ``cut`` is a legal cut point of a tensor (see the module docstring)."""
     return 0 <= cut <= numel and (cut % unit == 0 or cut == numel)
 
 

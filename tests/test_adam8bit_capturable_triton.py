@@ -1,7 +1,8 @@
-"""The capturable 8-bit Adam step on the Triton kernel ([Note: coefficients on the device]):
-the coefficients read from a device table, bit for bit the eager capturable step given the
-same table and the host-scalar kernel given the same float32 coefficients, one launch for
-tensors of different step counts, and the optimizer's ``capturable=True`` on it.
+"""The capturable 8-bit Adam step on the Triton kernel (see ``_adam8bit_step_kernel`` in
+vefsdp_optim/_kernels/_quant8_triton.py): the coefficients read from a device table, bit
+for bit the eager capturable step given the same table and the host-scalar kernel given the
+same float32 coefficients, one launch for tensors of different step counts, and the
+optimizer's ``capturable=True`` on it.
 
 On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), so the
 sizes stay small; with ``VEFSDP_TEST_DEVICE=cuda`` the kernel tests run compiled on the GPU.
@@ -221,7 +222,7 @@ def test_capturable_copies_step_with_the_eager_ops(monkeypatch):
 
 
 def test_address_tables_under_capture(monkeypatch):
-    """The kernel's address tables ([Note: one launch for many tensors]) with a capture
+    """The kernel's address tables (see ``run_triton_steps_`` in vefsdp_optim/_kernels/_quant8_triton.py) with a capture
     under way (``stream_capturing`` patched: no CUDA graphs here): a table the warm-up built is
     kept for good once a capture reads it, even when the cache then drops its oldest; a
     table missing at the capture is a RuntimeError naming the warm-up, not a copy into a

@@ -1,4 +1,4 @@
-"""The fused 8-bit Adam kernel ([Note: fused 8-bit step]): the same bits as the eager
+"""The fused 8-bit Adam kernel (see vefsdp_optim/_kernels/_native.py): the same bits as the eager
 torch ops, on whole tensors and on runs of blocks, the eager fallback where the kernel
 is off or cannot be built, and bit-identity of sharded runs (FSDP2 and fully_shard,
 W = 2 and 3, uneven shapes) with a single-device run fed the same averaged gradients.
@@ -111,10 +111,11 @@ def _hard_grad(n, bs, step, gen):
 @pytest.mark.parametrize("bs,decoupled,wd,maximize", [
     (1, True, 0.1, False), (7, False, 0.1, True), (256, True, 1e-2, False), (2048, False, 0.0, False)])
 def test_kernel_threads_equal_eager_bitwise(threads, bs, decoupled, wd, maximize):
-    """[Note: threads over blocks]: at 1, 2 and 3 intra-op threads the kernel gives the
-    eager ops' bits (a size with a short last block, split across threads at any block
-    size); moments from the whole float range exercise [Note: requantization by
-    reciprocal], including its exact fallbacks."""
+    """Threads over blocks (``adam8bit_steps_cpu`` in
+    vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp): at 1, 2 and 3 intra-op threads the
+    kernel gives the eager ops' bits (a size with a short last block, split across
+    threads at any block size); moments from the whole float range exercise ``QPlan``
+    in vefsdp_optim/_kernels/csrc/quant8_adam.cpp, including its exact fallbacks."""
     n = 200_003
     gen = torch.Generator().manual_seed(bs)
     p = torch.randn(n, generator=gen)
@@ -161,10 +162,12 @@ def test_block_runs_equal_whole_tensor(fused):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("fused", [True, False])
 def test_multi_tensor_step_equals_one_call_per_tensor(threads, fused):
-    """[Note: one call for many tensors]: adam8bit_multi_tensor_step_ gives each tensor the
-    bits of its own adam8bit_block_step_: tensors of uneven sizes (short last blocks, an
-    empty one, one smaller than a block), their own step counts, a bfloat16 parameter and
-    a non-contiguous absmax, on runs of blocks that span tensors at 2 and 3 threads."""
+    """One call for many tensors (``adam8bit_steps_cpu`` in
+    vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp): adam8bit_multi_tensor_step_ gives each
+    tensor the bits of its own adam8bit_block_step_: tensors of uneven sizes (short last
+    blocks, an empty one, one smaller than a block), their own step counts, a bfloat16
+    parameter and a non-contiguous absmax, on runs of blocks that span tensors at 2 and 3
+    threads."""
     from vefsdp_optim._math import adam8bit_multi_tensor_step_
 
     bs = 256
@@ -353,8 +356,10 @@ def test_sharded_fused_bit_identical_to_single_device(kind, world_size):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_packed_bucket_table_gives_the_reference_codes(signed):
-    """[Note: packed bucket table], evaluated with torch ops, against quantize_blockwise's
-    binary search on values at, just above and just below every midpoint."""
+    """The packed bucket table (``_pack_buckets`` in
+    vefsdp_optim/_math/_quant8.py), evaluated with torch ops, against
+    quantize_blockwise's binary search on values at, just above and just
+    below every midpoint."""
     from vefsdp_optim._math import TableQuantizer
 
     code = dynamic_code_map(signed)

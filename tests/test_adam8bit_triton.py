@@ -1,5 +1,5 @@
-"""The Triton 8-bit Adam kernel ([Note: Triton 8-bit step]) bit for bit against the C++
-kernel and the eager ops, and the backend choice ([Note: 8-bit Adam backends]).
+"""The Triton 8-bit Adam kernel (see vefsdp_optim/_kernels/_quant8_triton.py) bit for bit against the C++
+kernel and the eager ops, and the backend choice (see vefsdp_optim/_kernels/_backend.py).
 
 On the CPU (the default) the Triton kernel runs under Triton's interpreter
 (``TRITON_INTERPRET=1``), so the sizes stay small; with ``VEFSDP_TEST_DEVICE=cuda``
@@ -184,9 +184,10 @@ class _Launches:
 @needs_triton
 @pytest.mark.parametrize("bs", [7, pytest.param(64, marks=pytest.mark.slow)])
 def test_triton_one_launch_for_many_tensors_bitwise(device, bs):
-    """[Note: one launch for many tensors]: uneven tensors (a block's tail, one shorter than
-    a block, an empty one) in one launch per step count, the bits of one launch per tensor
-    and of the eager ops (on ``device``: the GPU check runs it on CUDA)."""
+    """One launch for many tensors (``run_triton_steps_`` in
+    vefsdp_optim/_kernels/_quant8_triton.py): uneven tensors (a block's tail, one shorter
+    than a block, an empty one) in one launch per step count, the bits of one launch per
+    tensor and of the eager ops (on ``device``: the GPU check runs it on CUDA)."""
     from vefsdp_optim._kernels import _quant8_triton as qt
     from vefsdp_optim._math import adam8bit_multi_tensor_step_
 
@@ -241,10 +242,12 @@ def test_triton_bf16_param_and_grad(device):
     (256, False, True, True), (7, False, False, True)])  # the coefficients read from a device table
 def test_triton_kernel_compiles_for_cuda_without_contraction(block_size, off64, aligned, hp_on_device):
     """Compiled for an H100 (sm_90) with Triton's own ptxas, no GPU needed: every multiply
-    and add stays apart (no fma), division and square root are IEEE round-to-nearest,
-    and nothing flushes subnormals to zero; an aligned launch loads and stores its float32
-    rows four elements at a time ([Note: aligned tables]); the same with the coefficients
-    of each row read on the device ([Note: coefficients on the device])."""
+    and add stays apart (no fma), division and square root are IEEE round-to-nearest, and
+    nothing flushes subnormals to zero; an aligned launch loads and stores its float32 rows
+    four elements at a time (see ``_adam8bit_step_kernel`` in
+    vefsdp_optim/_kernels/_quant8_triton.py); the same with the coefficients of each row
+    read on the device (see ``_adam8bit_step_kernel`` in
+    vefsdp_optim/_kernels/_quant8_triton.py)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

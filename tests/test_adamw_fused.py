@@ -1,4 +1,4 @@
-"""AdamW's fused fully_shard stores ([Note: fused stores]) equal torch.optim.AdamW.
+"""AdamW's fused fully_shard stores (see ``_FlatState`` in vefsdp_optim/_adamw.py) equal torch.optim.AdamW.
 
 Every case runs the library's AdamW on fully_shard parameters at W = 1..3 and
 torch.optim.AdamW on unsharded copies fed the very gradients the sharded run saw, and

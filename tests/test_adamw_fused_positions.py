@@ -1,5 +1,5 @@
 """AdamW(fused=True) on flat buffers of slices equals torch's fused kernel on whole
-parameters, bit for bit ([Note: fused kernel positions] in vefsdp_optim/_math/_adam.py).
+parameters, bit for bit (see ``FUSED_BLOCK`` in vefsdp_optim/_math/_adam.py).
 
 torch's fused CPU kernel rounds an element by where it sits in its tensor (vector body
 or scalar tail), so stepping a flat buffer of slices in one call is not enough. Pure

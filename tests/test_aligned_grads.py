@@ -1,5 +1,5 @@
 """A block update gives the same bits wherever its gradient lives in memory
-([Note: aligned gradients]): fully_shard's gradients are views into one flat buffer at
+(see ``aligned`` in vefsdp_optim/_step_loop.py): fully_shard's gradients are views into one flat buffer at
 any offset, one device's are fresh tensors. Found by tests/test_fuzz_sequences.py
 (SOAP on fully_shard at W = 2 differed from one device by 1e-2)."""
 

@@ -183,7 +183,7 @@ def test_runs_in_boxes_equals_the_checked_constructor() -> None:
 
 
 def test_merged_box_pieces_are_the_same_elements_in_order() -> None:
-    """[Note: batched box pieces]: the merged places read the same elements in the same
+    """Batched box pieces (``Views`` in comm/_box_exchange.py): the merged places read the same elements in the same
     order as the pieces one by one; an owner's W - 1 received pieces of an evenly cut
     dp x tp grid are two views (its own piece stays out of the run), W = 512 included, and
     an uneven cut only a few."""

@@ -284,7 +284,7 @@ def test_commit_failure_on_rank0_reaches_every_rank(tmp_path):
         assert ls == ["ckpt"], ls
 
 
-# -- who hashes what ([Note: checksums by their writers]) -----------------------------------
+# -- who hashes what (see ``_writer`` in vefsdp_optim/_checkpoint/_save_load.py) -----------------------------------
 
 
 def _hashed_by_whom(root: str, corrupt: bool) -> dict[str, object]:

@@ -103,7 +103,8 @@ def test_sgd_resumes_through_the_protocol_as_torch_sgd():
 
 
 def test_a_parameter_saved_without_state_loses_its_state():
-    """[Note: no state saved, none loaded]: as torch's load, through ``forget_state``."""
+    """No state saved, none loaded (``load_state`` in vefsdp_optim/_checkpoint/_format.py): as
+    torch's load, through ``forget_state``."""
     kw = {"lr": 0.1, "momentum": 0.9}
     params = _params(1)
     opt = CheckpointedSGD(params, **kw)

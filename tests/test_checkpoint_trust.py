@@ -286,7 +286,8 @@ def _chunked_metadata(tmp_path, chunk_sizes: list[int], lie_at: int | None = Non
 
 def test_many_chunks_confined_like_each_chunk_alone(tmp_path):
     """Every entry's length is checked against its own chunk (and only it) at 1,024 chunks
-    of uneven sizes, as the one-chunk-at-a-time reading of [Note: confined storage] says."""
+    of uneven sizes, as the one-chunk-at-a-time reading of ``_confine`` in
+    vefsdp_optim/_checkpoint/_safe_load.py says."""
     from vefsdp_optim._checkpoint._safe_load import _confine
 
     sizes = [(37 * i) % 101 + 1 for i in range(1024)]

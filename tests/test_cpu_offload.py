@@ -1,4 +1,4 @@
-"""CPUOffloadPolicy ([Note: CPU offload] in vefsdp_optim/_fsdp/_store.py), on the CPU.
+"""CPUOffloadPolicy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py), on the CPU.
 
 A mesh on the CPU takes the offload layout too: the master buffer (sharded parameters,
 gradients, the optimizer's data) apart from the compute and reduce buffers, the

@@ -327,7 +327,7 @@ def test_steady_state_step_makes_no_control_collectives(world_size: int) -> None
         assert buckets >= 2 and calls == ["all_to_all_single"] * (2 * buckets), (case, muon)
     for case in ("first", "debug", "after_load", "group_edit"):
         calls, buckets = muon[case]
-        # the check: one all-reduce of two int64 per rank before the exchanges ([Note:
-        # agreement in O(1) bytes])
+        # the check: one all-reduce of two int64 per rank before the exchanges (see
+        # ``same_on_all_ranks`` in comm/_collectives.py)
         assert len(calls) == 2 * buckets + 1 and calls[1:] == ["all_to_all_single"] * (2 * buckets), (case, muon)
         assert calls[0] == "all_reduce", (case, calls)

@@ -5,7 +5,7 @@ one dim, as FSDP2 does). Checked at W = 2 and 3 against one device fed the avera
 gradient and bitwise against the same model sharded with the 1-D submesh passed
 directly; bad names, replicate-only dims and DTensor parameters raise before any
 collective. On torch 2.11, which has no DataParallelMeshDims (2.12 brought it), the
-argument raises NotImplementedError naming 2.12 ([Note: torch range]).
+argument raises NotImplementedError naming 2.12 (see vefsdp_optim/_torch_compat.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Parameters another sharding flattened into 1-D shards ([Note: flattened parameters] in
-vefsdp_optim/_flattened.py): a real FSDP1 (FullyShardedDataParallel on gloo, CPU
-tensors) at W = 2 and 3, both ``use_orig_params`` settings, is refused by every optimizer
-with a block requirement, by name and before any step, and trained by AdamW bit for bit as
-torch.optim.AdamW trains it; and the marks FSDP1 and DeepSpeed's ZeRO-3 set, on their
-own."""
+"""Parameters another sharding flattened into 1-D shards (see vefsdp_optim/_flattened.py):
+a real FSDP1 (FullyShardedDataParallel on gloo, CPU tensors) at W = 2 and 3, both
+``use_orig_params`` settings, is refused by every optimizer with a block requirement, by
+name and before any step, and trained by AdamW bit for bit as torch.optim.AdamW trains it;
+and the marks FSDP1 and DeepSpeed's ZeRO-3 set, on their own."""
 
 from __future__ import annotations
 

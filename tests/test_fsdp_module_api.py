@@ -209,7 +209,8 @@ def _signature() -> dict[str, object]:
                              reshard_after_forward=None)
     out["ignored_kept_plain"] = m.out.bias is keep and not isinstance(keep, vefsdp_optim.ShardedParameter)
     out["sharded"] = isinstance(m.out.weight, vefsdp_optim.ShardedParameter)
-    # [Note: shard placements]: Shard(d) of a dim of the parameter is accepted, stored ragged
+    # ``_check_placement`` in vefsdp_optim/_fsdp/_placement.py: Shard(d) of a dim of the parameter
+    # is accepted, stored ragged
     out["shard1_accepted"] = isinstance(
         vefsdp_optim.fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(p.dim() - 1)).weight,
         vefsdp_optim.ShardedParameter)

@@ -426,8 +426,8 @@ def test_sharded_regressions(kind: str, case: str) -> None:
 
 
 def _unused_grad(world: int) -> dict[str, Any]:
-    """[Note: unused parameters], three ways: the default, FSDP2's option, and the debug
-    check of a parameter that one rank used alone."""
+    """Unused parameters (``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py), three ways: the default,
+    FSDP2's option, and the debug check of a parameter that one rank used alone."""
     import torch.distributed as dist
 
     from vefsdp_optim import _debug

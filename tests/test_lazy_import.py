@@ -1,7 +1,7 @@
-"""The top-level package is lazy ([Note: lazy top level] in vefsdp_optim/__init__.py):
+"""The top-level package is lazy (see vefsdp_optim/__init__.py):
 the lower layers import alone, every public name still resolves, type checkers see the
 same names, and the registry finds the built-in optimizers whatever was imported
-([Note: built-in names] in vefsdp_optim/_registry.py)."""
+(see ``_BUILTINS`` in vefsdp_optim/_registry.py)."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def test_adamw_step_equals_torch_functional_adamw(amsgrad: bool, maximize: bool)
 def test_adamw_batched_forms_equal_the_pure_function_per_tensor() -> None:
     """The two batched forms of adamw_step_ the step loop runs: adam_foreach_ (torch's
     multi-tensor Adam over a bucket of slices) and adamw_step_ on one flat store holding
-    several parameters end to end ([Note: fused stores]): each is adamw_step_ on every
+    several parameters end to end (see ``_FlatState`` in vefsdp_optim/_adamw.py): each is adamw_step_ on every
     tensor alone, bit for bit."""
     gen = torch.Generator().manual_seed(1)
     shapes = [(64, 33), (7,), (1, 129), (300,)]
@@ -112,10 +112,11 @@ def test_adamw_batched_forms_equal_the_pure_function_per_tensor() -> None:
                           (True, False, False, 0.1), (False, False, True, 0.0)])
 def test_adam_foreach_reads_steps_once_with_torchs_bits(dtype, amsgrad, maximize, decoupled, wd,
                                                         monkeypatch) -> None:
-    """adam_foreach_'s own multi-tensor path ([Note: host step counts read once]) against
-    torch.optim.adam.adam(foreach=True) itself: equal counts (one scalar per op), then
-    mixed counts (a fresh tensor among stepped ones: lists), every flag; bit for bit, the
-    counts included. Tensor hyperparameters and mixed dtypes go to torch's own path."""
+    """adam_foreach_'s own multi-tensor path (see ``_multi_tensor_adam_host_steps_`` in
+    vefsdp_optim/_math/_adam.py) against torch.optim.adam.adam(foreach=True) itself: equal
+    counts (one scalar per op), then mixed counts (a fresh tensor among stepped ones:
+    lists), every flag; bit for bit, the counts included. Tensor hyperparameters and mixed
+    dtypes go to torch's own path."""
     import vefsdp_optim._math._adam as ours_module
 
     def not_torchs(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -156,7 +157,7 @@ def test_adam_foreach_reads_steps_once_with_torchs_bits(dtype, amsgrad, maximize
 def _adam8bit_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
                         lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                         decoupled: bool, block_size: int) -> tuple[torch.Tensor, ...]:
-    """One 8-bit Adam(W) step written from [Note: 8-bit Adam op order] with the reference
+    """One 8-bit Adam(W) step written from vefsdp_optim/_math/_adam8bit_step.py with the reference
     quantizer (quantize_blockwise's binary search): new (p, m codes, m absmax, v codes,
     v absmax). ``m`` and ``v`` are the dequantized float32 moments."""
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731 - one rounding to float32
@@ -267,7 +268,7 @@ def test_shampoo_step_equals_float64_reference(grafting: str) -> None:
 
 def test_shampoo_step_on_band_runs_equals_whole_matrix() -> None:
     """The optimizer steps each rank's run of whole row bands with its own tiles
-    ([Note: Shampoo tiles by global band]): the bits of the whole-matrix step."""
+    (see vefsdp_optim/_shampoo.py): the bits of the whole-matrix step."""
     gen = torch.Generator().manual_seed(4)
     rows, cols, d = 10, 9, 4  # bands of 4, 4, 2 rows
     hp = dict(SHAMPOO_HP, grafting="adam")
@@ -436,7 +437,7 @@ def test_muon_step_int8_momentum_equals_reference() -> None:
         x = torch_muon._zeropower_via_newtonschulz(g.lerp(m, MUON_HP["momentum"]), NS_COEFFICIENTS, 5, 1e-7)
         p_ref.mul_(1 - MUON_HP["lr"] * MUON_HP["weight_decay"])
         p_ref.add_(x, alpha=-muon_adjust_lr(MUON_HP["lr"], None, shape))
-        requantize_momentum_(m.reshape(-1), m_codes, m_absmax, code=SIGNED, offset=0, step=step)  # [Note: no dead zone]
+        requantize_momentum_(m.reshape(-1), m_codes, m_absmax, code=SIGNED, offset=0, step=step)  # _math/_muon_int8.py
         assert torch.equal(p, p_ref) and torch.equal(state.codes, m_codes) and torch.equal(state.absmax, m_absmax)
         assert int(state.step) == step + 1
 
@@ -549,7 +550,7 @@ def test_muon_orthogonalize_batched_equals_per_block() -> None:
 
 def test_muon_orthogonalize_batched_takes_joined_outputs_as_a_view() -> None:
     """Equal whole-block inputs that are consecutive views of one buffer from an aligned
-    start (the exchange's joined outputs, [Note: joined outputs]) are batched as a view of
+    start (the exchange's joined outputs, ``_JOIN_ALIGN`` in comm/_redistribute.py) are batched as a view of
     that buffer, with no stack; anything else (an unaligned start, a gap) is stacked. The
     bits are muon_orthogonalize's on each input either way."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -1,6 +1,7 @@
 """Memory: the live-bytes tracker of the memory benchmark against known allocations, and
-fully_shard's gradient memory ([Note: gradient memory], [Note: lazy gradient buffer])
-as structure: which storages hold bytes when, not numbers from an earlier run."""
+fully_shard's gradient memory (see ``StoreGrads.release_grads`` in
+vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]) as structure: which storages
+hold bytes when, not numbers from an earlier run."""
 
 from __future__ import annotations
 

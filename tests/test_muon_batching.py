@@ -1,4 +1,5 @@
-"""Muon's batched Newton-Schulz across parameters ([Note: batched Newton-Schulz]).
+"""Muon's batched Newton-Schulz across parameters (see ``newtonschulz_batch_exact`` in
+vefsdp_optim/_math/_newton_schulz.py).
 
 A rank orthogonalizes every whole block it computes in an exchange bucket (parameters
 of one param group), by shape, in one batch: the blocks of several fused QKV matrices
@@ -200,7 +201,7 @@ def test_large_matrix_equals_torch():
     assert torch.equal(ours.detach(), ref.detach())
 
 
-# -- off the CPU: the probe's answer without a host sync ([Note: batch probes off the CPU]) --
+# -- off the CPU: the probe's answer without a host sync (see vefsdp_optim/_math/_batch_probe.py) --
 
 class _Event:
     done = False

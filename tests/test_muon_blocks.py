@@ -301,7 +301,8 @@ def test_flat_copy_gives_row_major_order(tall, into):
     assert out.is_contiguous()
 
 
-# -- balanced compute cuts on FSDP2 ([Note: balanced compute cuts]) ----------------------------
+# -- balanced compute cuts on FSDP2 (see ``balanced_compute`` in vefsdp_optim/_compute_layouts.py)
+# ----------------------------
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -1,7 +1,7 @@
-"""8-bit Muon momentum ([Note: 8-bit Muon momentum]): ``momentum_dtype=torch.int8``.
+"""8-bit Muon momentum (see vefsdp_optim/_math/_muon_int8.py): ``momentum_dtype=torch.int8``.
 
 One device: equal, bit for bit, to torch.optim.Muon whose momentum buffer is replaced
-after every step by its 8-bit value, written here from the rule of [Note: no dead zone]
+after every step by its 8-bit value, written here from the rule of vefsdp_optim/_math/_muon_int8.py
 (256-element blocks, 8-bit Adam's signed code map, nearest code unless that is the
 element's previous code, then a dithered rounding keyed on its flat index and the step), and
 about 1.016 bytes of state per element. The rule keeps the increments that rounding to
@@ -165,7 +165,7 @@ def test_int8_momentum_equals_torch_muon_with_8bit_buffer() -> None:
 
 
 def test_dither_reads_a_tensor_step_with_the_same_bits() -> None:
-    """The draw of [Note: no dead zone] from a step count given as an int (the host's) or
+    """The draw of vefsdp_optim/_math/_muon_int8.py from a step count given as an int (the host's) or
     as a 0-d int64 tensor (capturable: read where it lives): both equal the rule written
     out here, large flat indices and steps included."""
     from vefsdp_optim._math._muon_int8 import _dither

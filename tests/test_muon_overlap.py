@@ -1,4 +1,4 @@
-"""Muon's owner rounds ([Note: owner rounds] in _step_loop.py) and cost-balanced owners.
+"""Muon's owner rounds (see ``make_buckets`` in vefsdp_optim/_step_loop.py) and cost-balanced owners.
 
 Whole matrices sent to owner ranks are exchanged round by round, each round's send
 and return in flight while another round's Newton-Schulz runs. The reference is
@@ -125,7 +125,8 @@ def test_cost_counts_each_block():
 @pytest.mark.parametrize("exact", [True, False])
 def test_experts_batched_or_not_equal_torch(monkeypatch, exact):
     """Runs of equal experts are orthogonalized in one batch where that keeps every bit
-    ([Note: batched Newton-Schulz]), one by one elsewhere: torch.optim.Muon's bits either way."""
+    (see ``newtonschulz_batch_exact`` in vefsdp_optim/_math/_newton_schulz.py), one by
+    one elsewhere: torch.optim.Muon's bits either way."""
     import vefsdp_optim._math._muon as muon_mod
 
     calls = []

@@ -1,5 +1,5 @@
 """muon_param_groups: Muon's parameters chosen from a module, checked against the groups a
-careful user writes by hand for each architecture ([Note: choosing Muon's parameters]).
+careful user writes by hand for each architecture (see vefsdp_optim/_param_groups.py).
 
 Architectures built from their configs with random weights (no download): Hugging Face
 Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, GPT-2 (Conv1D), ViT and DeepSeek-V3 (skipped

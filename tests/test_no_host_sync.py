@@ -7,7 +7,7 @@ whose output size depends on device values (``nonzero``, boolean-mask indexing,
 one drains the stream. Two checks, each on every optimizer (and the 8-bit, int8 and
 eager variants), after a warm-up step, which creates the state and runs the one-time
 CPU probes (the batched Newton-Schulz / NorMuon bit probe of each new (batch, shape)
-class, host work: [Note: batched Newton-Schulz]):
+class, host work: ``newtonschulz_batch_exact`` in vefsdp_optim/_math/_newton_schulz.py):
 
 1. On the CPU, in every venv: each step under :class:`SyncRecorder`, a TorchDispatchMode
    that records the ops that would sync and fails on any of them applied to a tensor that

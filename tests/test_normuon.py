@@ -563,7 +563,7 @@ def test_batched_normalization_equals_per_matrix(shape: tuple[int, int], dtype: 
     on each matrix, bit for bit (update and row second moments), on every family, from
     contiguous and transposed (a tall Newton-Schulz result) batches in bfloat16 (whose
     squares often sum exactly in any order) and in the moment's dtype (which do not);
-    below ``BATCH_MIN_DIM`` the guard refuses ([Note: batched NorMuon normalization])."""
+    below ``BATCH_MIN_DIM`` the guard refuses (see ``normuon_normalize_batched_`` in vefsdp_optim/_math/_normuon.py)."""
     from vefsdp_optim._math._newton_schulz import BATCH_MIN_DIM
     from vefsdp_optim._math._normuon import normuon_batch_exact, normuon_normalize_batched_
 

@@ -10,7 +10,7 @@ AdamW(fused=True) does on FSDP2's DTensors; the CPU kernel's vectorized body and
 tail can round an element differently when the shard starts elsewhere, so on FSDP2 the
 reference is torch's AdamW(fused=True) on the same FSDP2 model (bit for bit). On
 fully_shard the flat store is stepped in pieces that put every element where one
-device's tensor has it ([Note: fused kernel positions]): one device, bit for bit.
+device's tensor has it (see ``FUSED_BLOCK`` in vefsdp_optim/_math/_adam.py): one device, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Planner tests: plan invariants (hypothesis), heuristic vs an exact optimum, bad input.
 
-Every check here is written from the definitions ([Note: legal cuts], the plan's
+Every check here is written from the definitions (see sharding/_requirement.py, the plan's
 W * m buffer), not from the planner's internals: legality is recomputed boundary by
 boundary, and the exact optimum comes from an independent solver (an exhaustive search
 over orders and offsets, cross-checked against brute force on tiny instances).

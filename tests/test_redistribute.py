@@ -397,7 +397,7 @@ def test_assign_owners_prefers_holders_and_skips_empty_shards() -> None:
 
 
 def _reference_owners(layouts, costs, tolerance=1e-6):
-    """[Note: owner assignment] as plain Python loops over the ranks (the library's
+    """Owner assignment (``assign_owners`` in comm/_owners.py) as plain Python loops over the ranks (the library's
     first implementation): the owners and loads the tensor scans must reproduce."""
     w = layouts[0].world_size
     slack = tolerance * math.fsum(costs) / w

@@ -1,8 +1,9 @@
 """Resuming from a checkpoint saved while a parameter had no optimizer state yet (a
 param group whose parameters first get a gradient later): that parameter has no state
-after loading and its first step is its first, as with torch.optim ([Note: no state
-saved, none loaded], [Note: stateless parameters in a checkpoint]). The reference is
-the same run without the round trip."""
+after loading and its first step is its first, as with torch.optim (see ``load_state``
+in vefsdp_optim/_checkpoint/_format.py, ``_empty_stateless_entries`` in
+vefsdp_optim/_checkpoint/_save_load.py). The reference is the same run without the
+round trip."""
 
 from __future__ import annotations
 

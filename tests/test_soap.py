@@ -83,8 +83,9 @@ def test_rotations_apply_each_basis_along_its_dim() -> None:
 
 
 def test_rotations_are_the_references_tensordot_calls_bit_for_bit() -> None:
-    """[Note: SOAP rotations]: a matrix is rotated by mm, not tensordot; the bits must not
-    change (sizes of 1, a dim without a factor, N-D tensors, both directions)."""
+    """SOAP rotations (``soap_project`` in vefsdp_optim/_math/_soap.py): a matrix
+    is rotated by mm, not tensordot; the bits must not change (sizes of 1, a dim
+    without a factor, N-D tensors, both directions)."""
     g = torch.Generator().manual_seed(4)
     for shape in [(1, 9), (9, 1), (1, 1), (5, 32), (64, 32), (3, 300), (4, 1, 6), (3, 4, 5, 2)]:
         x = torch.randn(shape, generator=g)
@@ -219,7 +220,7 @@ def _grads64(shape: tuple[int, ...], steps: int, seed: int = 0) -> list[torch.Te
 
 # shapes whose factors have full rank from the first step (a factor with a null space has
 # eigenvectors there that any rounding difference rotates, and Adam's per-coordinate
-# scaling then differs by O(lr): see [Note: SOAP momentum round trip])
+# scaling then differs by O(lr): see ``soap_step_`` in vefsdp_optim/_math/_soap.py)
 PAPER_CASES = [
     ((6, 6), dict(precondition_frequency=3, weight_decay=0.1)),
     ((3, 4, 5), dict(precondition_frequency=2, betas=(0.9, 0.99), shampoo_beta=0.8, eps=1e-6)),

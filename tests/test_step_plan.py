@@ -261,7 +261,7 @@ def test_step_keeps_no_fsdp2_gradient_alive() -> None:
         assert all(h == held["torch"] for h in held.values()), (rank, held)
 
 
-# -- FSDP2 at W = 3: the identities of [Note: step plan identities] ----------------------------
+# -- FSDP2 at W = 3: the identities of ``identity`` in vefsdp_optim/_step_plan.py ----------------------------
 
 
 def _fsdp2_identities(name: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A Parameter tied across fully_shard calls ([Note: tied parameters across shard groups]):
+"""A Parameter tied across fully_shard calls (see ``_tie_error`` in vefsdp_optim/_fsdp/_fully_shard.py):
 refused on every rank, in either order and by the root call after one child, naming
 both modules; the fix the error names (one shard group for both) keeps the tie and trains as
 one device with torch.optim.AdamW, bit for bit."""

@@ -1,4 +1,4 @@
-"""[Note: torch range]: every private torch name lives in vefsdp_optim/_torch_compat.py,
+"""The torch range: every private torch name lives in vefsdp_optim/_torch_compat.py,
 resolves on the installed torch, and no other library module uses one."""
 
 import ast
@@ -104,7 +104,7 @@ def test_make_test_runs_both_ends_of_the_range():
     assert set(compat.CHECKED) >= set(compat.TESTED), compat.CHECKED
 
 
-# -- what differs between releases ([Note: torch range]: SINCE and its branches) ----------
+# -- what differs between releases (see vefsdp_optim/_torch_compat.py: SINCE and its branches) ----------
 
 
 def _has(dotted: str) -> bool:

@@ -158,7 +158,7 @@ def _before_forward() -> dict[str, object]:
     (_full(model.child.weight) * 3).square().sum().backward()
     (ref.child.weight * 3).square().sum().backward()
     _average_like_ranks(ref, w)
-    # child.bias, unused, keeps None as on one device ([Note: unused parameters])
+    # child.bias, unused, keeps None as on one device (see ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py)
     out = {n: _same(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)}
     out["child.bias"] = out["child.bias"] and model.child.bias.grad is None
     # then a normal iteration still trains everything as one device

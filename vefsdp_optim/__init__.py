@@ -10,18 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# [Note: lazy top level]
 # Importing a submodule runs this file first, so it imports nothing of the library
-# itself: each public name is loaded from the module _LAZY gives for it the first time
-# it is asked for (PEP 562 ``__getattr__``, as torch does for its heavy submodules),
-# then cached in this module's globals. So ``vefsdp_optim.sharding``,
-# ``vefsdp_optim.comm`` and ``vefsdp_optim._math`` import without fully_shard, the
-# checkpoints or any optimizer, and each layer can be used and tested alone
-# (tests/test_lazy_import.py checks sys.modules in a fresh interpreter). The
-# ``TYPE_CHECKING`` block below names the same objects for type checkers and IDEs,
-# which do not run ``__getattr__``; the test checks that it, _LAZY and ``__all__``
-# agree. Built-in optimizers register their names when their module is imported;
-# _registry.py imports them on the first lookup ([Note: built-in names]).
+# itself. Each public name is loaded from the module _LAZY gives for it the first time it
+# is asked for (PEP 562 ``__getattr__``, as torch does for its heavy submodules), then
+# cached in this module's globals. So ``vefsdp_optim.sharding``, ``vefsdp_optim.comm``
+# and ``vefsdp_optim._math`` import without fully_shard, the checkpoints or any
+# optimizer, and each layer can be used and tested alone (tests/test_lazy_import.py
+# checks sys.modules in a fresh interpreter). The ``TYPE_CHECKING`` block below names
+# the same objects for type checkers and IDEs, which do not run ``__getattr__``; the test
+# checks that it, _LAZY and ``__all__`` agree. Built-in optimizers register their names
+# when their module is imported; _registry.py imports them on the first lookup
+# (see ``_BUILTINS`` in vefsdp_optim/_registry.py).
 
 if TYPE_CHECKING:
     from ._adam8bit import Adam8bit, AdamW8bit
@@ -114,7 +113,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use ([Note: lazy top level])."""
+    """A public name, imported from its module on first use (the comment at the top)."""
     where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

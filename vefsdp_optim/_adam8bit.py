@@ -30,16 +30,6 @@ from ._torch_compat import foreach_add_
 
 __all__ = ["AdamW8bit", "Adam8bit"]
 
-# [Note: which tensors are 8-bit]
-# A parameter is quantized iff its GLOBAL numel (from its global shape, never the local
-# shard) is at least the group's ``min_8bit_size``. Every rank sees the same global
-# shapes and the same param groups, so every rank takes the same decision without
-# talking. Smaller tensors (biases, norms) keep float32 moments and plain Adam(W) math
-# with an elementwise requirement, so they never move; their 8-bit state would save
-# little and cost accuracy. Quantized tensors require FlatBlocks(block_size): each
-# compute slice starts on a block boundary of the full parameter, so the block-local
-# dequantize / update / requantize gives the same bits as on a single device.
-
 
 def _check_8bit_args(block_size: object, min_8bit_size: object) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -75,15 +65,15 @@ class _Adam8bitBase(BlockOptimizer):
         if fused is not None and not isinstance(fused, bool):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         #: a fused kernel (Triton on CUDA, C++ on the CPU): None where one runs, True
-        #: required, False never ([Note: 8-bit Adam backends]; the same bits every way)
+        #: required, False never (see vefsdp_optim/_kernels/_backend.py; the same bits every way)
         self.fused = fused
         from vefsdp_optim._kernels import requested_backend, select_backend
 
         requested_backend()  # a bad VEFSDP_ADAM8BIT_BACKEND raises here, before any step
         if amsgrad:
             raise NotImplementedError(
-                f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state keeps the two "
-                "Adam moments only; use vefsdp_optim.AdamW(amsgrad=True)")
+                f"{type(self).__name__}(amsgrad=True) is not supported: the 8-bit state "
+                "keeps the two Adam moments only; use vefsdp_optim.AdamW(amsgrad=True)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         block_size=block_size, min_8bit_size=min_8bit_size, amsgrad=False,
                         maximize=maximize, capturable=capturable)
@@ -95,8 +85,9 @@ class _Adam8bitBase(BlockOptimizer):
         self._host_quantizers = host_table_quantizers()
         super().__init__(params, defaults)
         if fused:  # a kernel must run on every device type that holds parameters; capturable:
-            # the Triton kernel, which reads the coefficients on the device ([Note: coefficients
-            # on the device]), never the C++ kernel's host scalars
+            # the Triton kernel, which reads the coefficients on the device (see
+            # ``_adam8bit_step_kernel`` in vefsdp_optim/_kernels/_quant8_triton.py), never the C++
+            # kernel's host scalars
             select = select_capturable_backend if capturable else select_backend
             for device_type in sorted({p.device.type for g in self.param_groups
                                        for p in g["params"]} - {"meta"}):
@@ -111,13 +102,22 @@ class _Adam8bitBase(BlockOptimizer):
         check_adam_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         _check_8bit_args(merged["block_size"], merged["min_8bit_size"])
         if merged.get("amsgrad"):
-            raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported (param group "
-                                      "keys); use vefsdp_optim.AdamW(amsgrad=True)")
+            raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported "
+                                      "(param group keys); use vefsdp_optim.AdamW(amsgrad=True)")
         super().add_param_group(param_group)
 
     def is_quantized(self, shape: torch.Size, group: dict[str, Any]) -> bool:
-        """Whether a parameter of global ``shape`` in ``group`` keeps 8-bit moments
-        (see [Note: which tensors are 8-bit])."""
+        """Whether a parameter of global ``shape`` in ``group`` keeps 8-bit moments.
+
+        A parameter is quantized iff its GLOBAL numel (from its global shape, never the
+        local shard) is at least the group's ``min_8bit_size``. Every rank sees the same
+        global shapes and the same param groups, so every rank takes the same decision
+        without talking. Smaller tensors (biases, norms) keep float32 moments and plain
+        Adam(W) math with an elementwise requirement, so they never move; their 8-bit state
+        would save little and cost accuracy. Quantized tensors require
+        FlatBlocks(block_size): each compute slice starts on a block boundary of the full
+        parameter, so the block-local dequantize / update / requantize gives the same bits
+        as on a single device."""
         numel = math.prod(shape)
         return numel > 0 and numel >= group["min_8bit_size"]
 
@@ -149,7 +149,8 @@ class _Adam8bitBase(BlockOptimizer):
             qs = self._quantizers[device] = tuple(q.to(device) for q in self._host_quantizers)
         return qs
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         signed, unsigned = self._code_maps(p.device)
         zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         bs = group["block_size"]
@@ -158,7 +159,8 @@ class _Adam8bitBase(BlockOptimizer):
         if m_absmax.numel() != num_blocks(p.numel(), bs):
             raise AssertionError(f"absmax has {m_absmax.numel()} blocks for {p.numel()} elements")
         return {  # the step on the host as torch.optim keeps it, on the device when capturable
-            "step": (torch.zeros((), dtype=torch.float32, device=p.device) if group.get("capturable")
+            "step": (torch.zeros((), dtype=torch.float32, device=p.device)
+                     if group.get("capturable")
                      else torch.tensor(0.0, dtype=torch.float32)),
             "exp_avg_codes": m_codes,  # uint8 (slice numel,)
             "exp_avg_absmax": m_absmax,  # float32 (ceil(slice numel / block_size),)
@@ -172,7 +174,8 @@ class _Adam8bitBase(BlockOptimizer):
     ) -> None:
         self._update_blocks([(p, g, state, ctx)], group)
 
-    def _update_blocks(self, work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]],
+    def _update_blocks(self,
+                       work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]],
                        group: dict[str, Any]) -> None:
         """``update_block`` on each ``(p, g, state, ctx)`` of ``group`` (one device, as a
         bucket is), all in one ``adam8bit_multi_tensor_step_`` (one kernel call on the
@@ -192,27 +195,32 @@ class _Adam8bitBase(BlockOptimizer):
         device = work[0][0].device
         signed, unsigned = self._code_maps(device)
         beta1, beta2 = group["betas"]
-        if group.get("capturable"):  # [Note: capturable steps]: the coefficients on the device, read
-            # there by the Triton kernel or the eager ops ([Note: coefficients on the device])
+        # [Note: capturable steps]: the coefficients on the device, read there by the Triton
+        # kernel or the eager ops (see ``_adam8bit_step_kernel`` in _kernels/_quant8_triton.py)
+        if group.get("capturable"):
             adam8bit_capturable_step_(
                 [p for p, _, _, _ in work], [g for _, g, _, _ in work],
-                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+                [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                  st["exp_avg_sq_absmax"])
                  for _, _, st, _ in work],
                 steps=step_tensors, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], decoupled=self.decoupled, block_size=bs,
-                signed_code=signed, unsigned_code=unsigned, quantizers=self._table_quantizers(device),
+                signed_code=signed, unsigned_code=unsigned,
+                quantizers=self._table_quantizers(device),
                 maximize=group["maximize"], fused=self.fused)
             return
         adam8bit_multi_tensor_step_(
             [p for p, _, _, _ in work], [g for _, g, _, _ in work],
-            [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"])
+            [(st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+              st["exp_avg_sq_absmax"])
              for _, _, st, _ in work],
             steps=[int(t.item()) for t in step_tensors], lr=group["lr"], beta1=beta1, beta2=beta2,
             eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
             block_size=bs, signed_code=signed, unsigned_code=unsigned,
             quantizers=self._table_quantizers(device), maximize=group["maximize"], fused=self.fused)
 
-    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem],
+                       inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         out: list[list[torch.Tensor]] = [[ins[0]] for ins in inputs]
         fp32 = []  # small tensors: fused fp32 Adam(W) (one param group and device per bucket)
         work: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], BlockContext]] = []
@@ -228,8 +236,8 @@ class _Adam8bitBase(BlockOptimizer):
             self._update_blocks(work, items[0].group)
         if fp32:
             adam_bucket_([self.state[items[i].param] for i in fp32], [inputs[i][0] for i in fp32],
-                         [inputs[i][1] for i in fp32], group=items[0].group, decoupled=self.decoupled,
-                         maximize=items[0].group["maximize"])
+                         [inputs[i][1] for i in fp32], group=items[0].group,
+                         decoupled=self.decoupled, maximize=items[0].group["maximize"])
         return out
 
 
@@ -242,7 +250,7 @@ class AdamW8bit(_Adam8bitBase):
     ``exp_avg_sq``) and one float32 absmax per block of ``block_size`` consecutive
     elements counted from the parameter's first element: about 2 + 8 / block_size
     bytes per element. Smaller parameters keep float32 moments (see
-    [Note: which tensors are 8-bit]). On plain, FSDP2/HSDP and fully_shard parameters
+    ``is_quantized``). On plain, FSDP2/HSDP and fully_shard parameters
     the result is bit-identical to a single-device run at any world size: only whole
     blocks are ever updated together, and only pieces of blocks cut by a shard
     boundary move.
@@ -251,7 +259,7 @@ class AdamW8bit(_Adam8bitBase):
     CUDA (with ``pip install 'vefsdp-optim[triton]'``), C++ on the CPU where the system
     compiler can build it; with eager torch ops elsewhere (a logged reason; also with
     ``fused=False``). ``VEFSDP_ADAM8BIT_BACKEND`` =
-    ``triton`` / ``c`` / ``eager`` forces one ([Note: 8-bit Adam backends]);
+    ``triton`` / ``c`` / ``eager`` forces one (see vefsdp_optim/_kernels/_backend.py);
     ``fused=True`` raises where no kernel can run. All give the same bits.
     ``capturable=True`` ([Note: capturable steps]) computes each step's coefficients on the
     device and steps with the Triton kernel, which reads them there, where it runs (CUDA),

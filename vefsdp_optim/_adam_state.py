@@ -20,7 +20,8 @@ __all__ = ["adam_state_spec", "adam_bucket_"]
 
 def adam_state_spec(amsgrad: bool = False) -> dict[str, str | int]:
     """The checkpoint spec of torch's Adam(W) state (``step``, ``exp_avg``, ...)."""
-    spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE, "exp_avg_sq": ELEMENTWISE}
+    spec: dict[str, str | int] = {"step": REPLICATED, "exp_avg": ELEMENTWISE,
+                                  "exp_avg_sq": ELEMENTWISE}
     if amsgrad:
         spec["max_exp_avg_sq"] = ELEMENTWISE
     return spec
@@ -38,7 +39,8 @@ def adam_bucket_(
     exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], []
     on_device = group.get("capturable", False) or group.get("fused", False)
     for state, p in zip(states, params, strict=True):
-        if not state:  # torch keeps the step on the CPU unless capturable or fused (and makes it so)
+        # torch keeps the step on the CPU unless capturable or fused (and makes it so)
+        if not state:
             state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
                              else torch.tensor(0.0, dtype=torch.float32))
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

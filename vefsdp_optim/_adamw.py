@@ -24,23 +24,20 @@ from ._torch_compat import FakeTensor, device_dtype_check_for_fused, to_scalar
 __all__ = ["AdamW"]
 
 
-# [Note: fused stores]
 # A fully_shard store ([Note: flat store contract]) keeps this rank's shard of every
-# parameter of one shard group and dtype in one flat buffer (flat_param(), m elements), and
-# after the reduce-scatter every .grad is the same segment of one flat gradient buffer
-# (flat_grad()). When the whole store steps together (every member in one param group,
-# grads in place, one step count), AdamW runs ONCE on the flat buffers: about ten
-# elementwise ops per store whatever the number of parameters, in torch.optim.AdamW's
-# op order (adamw_step_), so each element gets the same bits as torch gives it.
-# Padding stays zero: zero param, zero grad -> zero moments, and 0 / (0 + eps) = 0.
-# The state is the flat _FlatState; each parameter's self.state[p] holds 1-D views of
-# it (and a 0-d view of a float32 step vector), so state_dict(), schedulers and users
-# see torch's per-parameter keys. The fallback (adam_bucket_ on per-parameter slices)
-# updates those views in place, so both paths share one state. If a state entry is not
-# the view handed out (load_state_dict replaced it), the flat state is rebuilt by
+# parameter of one shard group and dtype in one flat buffer. When the whole store steps
+# together (every member in one param group, grads in place, one step count), AdamW runs
+# ONCE on the flat buffers: about ten elementwise ops per store whatever the number of
+# parameters, in torch.optim.AdamW's op order (adamw_step_), so each element gets the same
+# bits as torch gives it. Padding stays zero: zero param, zero grad -> zero moments, and 0
+# / (0 + eps) = 0. The state is the flat _FlatState; each parameter's self.state[p] holds
+# 1-D views of it (and a 0-d view of a float32 step vector), so state_dict(), schedulers
+# and users see torch's per-parameter keys. The fallback (adam_bucket_ on per-parameter
+# slices) updates those views in place, so both paths share one state. If a state entry is
+# not the view handed out (load_state_dict replaced it), the flat state is rebuilt by
 # copying the entries in, once. With ``fused=True`` the flat buffers are stepped in the
-# pieces of [Note: fused kernel positions] (torch's fused CPU kernel rounds an element
-# by its position in its tensor), so each element still gets one device's bits.
+# pieces of ``FUSED_BLOCK`` in vefsdp_optim/_math/_adam.py (torch's fused CPU kernel rounds
+# an element by its position in its tensor), so each element still gets one device's bits.
 
 
 @dataclass(slots=True)
@@ -66,7 +63,7 @@ class AdamW(BlockOptimizer):
 
     Same signature, defaults and results (elementwise math on each rank's slice). On
     fully_shard parameters each store's whole local buffer is updated in one set of
-    fused ops ([Note: fused stores]); elsewhere each step-loop bucket's slices are
+    fused ops (see ``_FlatState``); elsewhere each step-loop bucket's slices are
     updated in one foreach call. No communication either way.
     """
 
@@ -123,7 +120,8 @@ class AdamW(BlockOptimizer):
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
         return adam_state_spec(group["amsgrad"])
 
-    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem],
+                       inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         group = items[0].group  # one param group per bucket
         adam_bucket_([self.state[it.param] for it in items], [ins[0] for ins in inputs],
                      [ins[1] for ins in inputs], group=group, amsgrad=group["amsgrad"],
@@ -134,13 +132,14 @@ class AdamW(BlockOptimizer):
         """torch's Adam keeps ``step`` on the device when capturable or fused."""
         return bool(group.get("capturable", False) or group.get("fused", False))
 
-    # -- fused fully_shard stores ([Note: fused stores]) ---------------------------------
+    # -- fused fully_shard stores (see ``_FlatState``) ---------------------------------
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Update the whole fully_shard stores of ``group`` fused; the rest go to the loop."""
         params = group["params"]
         kinds = set(map(type, params))
-        if not self.fuse_stores or not any(callable(getattr(kind, "flat_store", None)) for kind in kinds):
+        if not self.fuse_stores or not any(callable(getattr(kind, "flat_store", None))
+                                           for kind in kinds):
             return params  # (no parameter kind has a store: flat_store() of each is None)
         by_store: dict[int, tuple[FlatStore, list[Any]]] = {}
         for p in params:
@@ -167,7 +166,8 @@ class AdamW(BlockOptimizer):
             return False
         amsgrad = group["amsgrad"]
         flat = self._flat.get(store)
-        if flat is None or flat.flat_param is not store.flat_param() or not self._state_intact(flat, amsgrad):
+        if (flat is None or flat.flat_param is not store.flat_param()
+                or not self._state_intact(flat, amsgrad)):
             flat = self._build_flat(store, amsgrad)
             if flat is None:
                 return False
@@ -179,14 +179,17 @@ class AdamW(BlockOptimizer):
                   weight_decay=group["weight_decay"], amsgrad=amsgrad,
                   maximize=group["maximize"], decoupled=self.decoupled)
         if group["fused"] and flat.flat_param.device.type == "cpu":
-            if flat.pieces is None:  # torch's fused kernel, in pieces ([Note: fused kernel positions])
-                flat.pieces = fused_pieces([_local_slice(p, *store.segment(p)) for p in flat.members])
+            # torch's fused kernel, in pieces (``FUSED_BLOCK``, _math/_adam.py)
+            if flat.pieces is None:
+                flat.pieces = fused_pieces([_local_slice(p, *store.segment(p))
+                                            for p in flat.members])
             adam_fused_pieces_(flat.pieces, flat.flat_param, store.flat_grad(), flat.exp_avg,
                                flat.exp_avg_sq, flat.max_exp_avg_sq, step=steps[0], **hp)
         elif group["fused"] or group["foreach"]:  # torch's fused or multi-tensor implementation
             param = flat.flat_param
             # incremented by torch; a fill, not a copy from the host, on the device
-            step = torch.full((), steps[0], dtype=torch.float32, device=param.device if group["fused"] else None)
+            step = torch.full((), steps[0], dtype=torch.float32,
+                              device=param.device if group["fused"] else None)
             adam_foreach_([param], [store.flat_grad()], [flat.exp_avg], [flat.exp_avg_sq],
                           [flat.max_exp_avg_sq] if amsgrad else [], [step],
                           foreach=group["foreach"], fused=group["fused"], **hp)
@@ -203,7 +206,8 @@ class AdamW(BlockOptimizer):
             return False
         for p, handed in zip(flat.members, flat.handed, strict=True):
             state = self.state.get(p)
-            if state is None or any(state.get(k) is not t for k, t in zip(_STATE_KEYS, handed, strict=False)):
+            if state is None or any(state.get(k) is not t
+                                    for k, t in zip(_STATE_KEYS, handed, strict=False)):
                 return False
         return True
 
@@ -217,9 +221,11 @@ class AdamW(BlockOptimizer):
             n = store.segment(p)[1]
             if state:
                 has_max = has_max or "max_exp_avg_sq" in state
-                keys = [k for k in _STATE_KEYS[1:] if k in state or k != "max_exp_avg_sq" or amsgrad]
+                keys = [k for k in _STATE_KEYS[1:]
+                        if k in state or k != "max_exp_avg_sq" or amsgrad]
                 if "step" not in state or any(
-                        not isinstance(state.get(k), torch.Tensor) or state[k].numel() != n for k in keys):
+                        not isinstance(state.get(k), torch.Tensor) or state[k].numel() != n
+                        for k in keys):
                     return None  # the per-slice fallback reports it
         local = store.flat_param()
         mk = lambda: torch.zeros_like(local)  # noqa: E731
@@ -243,7 +249,8 @@ class AdamW(BlockOptimizer):
 
 
 def _local_slice(p: torch.Tensor, offset: int, length: int) -> LocalSlice:
-    """Member ``p``'s segment of its flat buffer as a LocalSlice ([Note: fused kernel positions])."""
+    """Member ``p``'s segment of its flat buffer as a LocalSlice (see ``FUSED_BLOCK`` in
+    vefsdp_optim/_math/_adam.py)."""
     view = sharded_view(p)
     layout, numel = view.layout, view.layout.numel
     first = numel - numel % FUSED_BLOCK  # the parameter's last partial block starts here
@@ -252,5 +259,6 @@ def _local_slice(p: torch.Tensor, offset: int, length: int) -> LocalSlice:
         last = tuple(range(max(start, first), start + length))
     else:  # BoxShard: local elements in increasing global order, so the block's are last
         k = min(length, FUSED_BLOCK - 1)
-        last = tuple(i for i in layout.flat_indices(view.rank, length - k, length).tolist() if i >= first)
+        last = tuple(i for i in layout.flat_indices(view.rank, length - k, length).tolist()
+                     if i >= first)
     return LocalSlice(offset, length, numel, last)

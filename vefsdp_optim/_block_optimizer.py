@@ -33,23 +33,24 @@ __all__ = ["BlockOptimizer", "BlockContext"]
 # Every parameter is reduced to a ShardedView: this rank's 1-D slice of the flat
 # parameter, its RaggedShard layout and the shard process group. Plain tensors, FSDP2
 # DTensors and the library's own sharded parameters all look the same from here.
-# Each optimizer declares a Requirement per parameter. The compute layout is
-#   - the storage layout itself when it already satisfies the requirement (no comm);
-#   - the storage layout with each boundary snapped to the nearest legal cut
-#     (only pieces at boundaries move) for block and band requirements;
-#   - "whole on an owner" for WholeTensor, owners balanced by cost (LPT).
-# A step walks exchange buckets of parameters (same param group, process group, dtype,
-# device; so every override sees one param group per bucket; whole tensors in balanced
-# owner rounds, [Note: owner rounds] in _step_loop.py): it gathers the inputs of every
-# moving parameter of the bucket in ONE all_to_all (launched before the previous
-# bucket's compute, so they overlap), computes on whole blocks, and sends the results
-# back in one more (waited for after the next bucket's compute). The loop is written
-# once, here; a subclass supplies only what differs, through the override points in
-# BlockOptimizer's table: always requirement, init_state and update_block (the state
-# lives with the blocks: the default data flow moves (param, grad), runs update_block
-# on each whole block and copies the param back); optionally the three data-flow
-# overrides gather_inputs / compute_bucket / apply_results, where the data that move
-# are not (param, grad): Muon keeps its momentum sharded and moves one tensor.
+# Each optimizer declares a Requirement per parameter. The compute layout is one of:
+#   - the storage layout itself, when it already satisfies the requirement (no comm);
+#   - for block and band requirements, the storage layout with each boundary snapped
+#     to the nearest legal cut, so only pieces at boundaries move;
+#   - for WholeTensor, "whole on an owner", owners balanced by cost (LPT).
+# A step walks exchange buckets of parameters. A bucket shares param group, process
+# group, dtype and device, so every override sees one param group per bucket. Whole
+# tensors go in balanced owner rounds (see ``make_buckets`` in _step_loop.py). For each
+# bucket the step gathers the inputs of every moving parameter in ONE all_to_all,
+# launched before the previous bucket's compute so that the two overlap. It computes on
+# whole blocks and sends the results back in one more all_to_all, waited for after the
+# next bucket's compute. The loop is written once, here. A subclass supplies only what
+# differs, through the override points in BlockOptimizer's table. It always supplies
+# requirement, init_state and update_block. The state lives with the blocks: the default
+# data flow moves (param, grad), runs update_block on each whole block and copies the
+# param back. The three data-flow overrides gather_inputs, compute_bucket and
+# apply_results are optional, for optimizers whose moving data are not (param, grad).
+# Muon keeps its momentum sharded and moves one tensor.
 
 
 class BlockOptimizer(Optimizer):
@@ -92,8 +93,8 @@ class BlockOptimizer(Optimizer):
 
     #: elements per bucket of parameters exchanged together
     bucket_numel: int = 1 << 26
-    #: fewest elements per round of whole tensors sent to owners ([Note: owner rounds]);
-    #: 0 keeps them in the buckets above
+    #: fewest elements per round of whole tensors sent to owners (see ``make_buckets`` in
+    #: vefsdp_optim/_step_loop.py); 0 keeps them in the buckets above
     min_round_numel: int = 1 << 20
     #: ``capturable=True`` on a device CUDA graphs cannot capture: our ValueError when the
     #: step is planned; False leaves the error to torch at the first step (AdamW, as
@@ -101,8 +102,9 @@ class BlockOptimizer(Optimizer):
     checks_capturable: bool = True
     #: True where the optimizer keeps no state on the compute layout of a block
     #: requirement its storage cuts (where state_layout() is the storage), so that its
-    #: cuts may differ between plans: they then balance the ranks' shares ([Note: balanced
-    #: compute cuts]); False keeps the nearest cuts, a function of the parameter alone
+    #: cuts may differ between plans: they then balance the ranks' shares (see
+    #: ``balanced_compute`` in vefsdp_optim/_compute_layouts.py); False keeps the
+    #: nearest cuts, a function of the parameter alone
     balance_compute_cuts: bool = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
@@ -118,31 +120,33 @@ class BlockOptimizer(Optimizer):
                 except ValueError as e:
                     names = group.get("param_names")
                     who = repr(names[pi]) if names else f"{pi} (shape {tuple(p.shape)})"
-                    raise ValueError(f"{type(self).__name__}: param group {gi} parameter {who}: {e}") from None
+                    raise ValueError(f"{type(self).__name__}: param group {gi} "
+                                     f"parameter {who}: {e}") from None
                 self.requirement(view.shape, group)  # validates the shape too
-        #: what the re-plan at construction changed ([Note: requirements flow in])
+        #: what the re-plan at construction changed (see ``BlockOptimizer.replan``)
         self.replan_report: ReplanReport = self.replan()
 
     def replan(self) -> ReplanReport:
         """Re-plan the fully_shard groups of this optimizer's parameters so that the blocks
         each parameter's requirement names are whole on single ranks.
 
-        [Note: requirements flow in] The constructor calls it once; call it again after
-        ``add_param_group``. What the padding rule refuses stays exact, through the
-        exchange of the step loop (the report's ``kept``). Collective over the process
-        group of every re-planned store ([Note: flat store contract]); FSDP2 and plain
-        parameters need none and are left alone. Raises ValueError, before any
-        communication, if a parameter that would move already has optimizer state
-        (in this or another optimizer): build the optimizers before the first step.
+        The constructor calls it once; call it again after ``add_param_group``. What the
+        padding rule refuses stays exact, through the exchange of the step loop (the
+        report's ``kept``). Collective over the process group of every re-planned store
+        ([Note: flat store contract]); FSDP2 and plain parameters need none and are left
+        alone. Raises ValueError, before any communication, if a parameter that would move
+        already has optimizer state (in this or another optimizer): build the optimizers
+        before the first step.
         """
         wanted = {p: self.requirement(sharded_view(p).shape, group)
-                  for group in self.param_groups for p in group["params"] if flat_store(p) is not None}
+                  for group in self.param_groups for p in group["params"]
+                  if flat_store(p) is not None}
         self._drop_plan()  # [Note: step plan], [Note: consistent steps]
         return apply_requirements(wanted, holder=self) if wanted else ReplanReport()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        try:  # before any state or collective ([Note: flattened parameters])
+        try:  # before any state or collective (see vefsdp_optim/_flattened.py)
             check_not_flattened(self, self.param_groups[-1], len(self.param_groups) - 1)
         except ValueError:
             self.param_groups.pop()
@@ -154,7 +158,8 @@ class BlockOptimizer(Optimizer):
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement:
         raise NotImplementedError(f"{type(self).__name__} must define requirement(shape, group)")
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         return {}
 
     def update_block(
@@ -166,12 +171,12 @@ class BlockOptimizer(Optimizer):
     def updates_elementwise(self, group: dict[str, Any]) -> bool:
         """Whether ``group``'s update is element by element whatever a parameter's shape,
         so that a 1-D slice of a flattened parameter (FSDP1's) gets one device's update:
-        only then are such parameters accepted ([Note: flattened parameters])."""
+        only then are such parameters accepted (see vefsdp_optim/_flattened.py)."""
         return False
 
     def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
         """Relative compute cost of a whole-tensor update in param group ``group``, for
-        owner balancing ([Note: owner assignment] in comm/_owners.py)."""
+        owner balancing (see ``assign_owners`` in comm/_owners.py)."""
         return float(math.prod(shape))
 
     # -- checkpoint API (see [Note: world-size-free optimizer state]) ------------------
@@ -193,7 +198,8 @@ class BlockOptimizer(Optimizer):
         or on the host."""
         return bool(group.get("capturable", False))
 
-    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None:
+    def checkpoint_spec(self, shape: torch.Size,
+                        group: dict[str, Any]) -> dict[str, str | int] | None:
         """The declaration of a parameter's state: ``{key: kind}`` for every state entry of
         a parameter of global ``shape``, kinds ``REPLICATED`` (the same on every rank:
         step counts), ``ELEMENTWISE`` (one value per element), an int ``k`` (one value
@@ -250,7 +256,7 @@ class BlockOptimizer(Optimizer):
     def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
         """Create the state of ``params``: one step with lr 0 and zero gradients for them
         (as DCP's _init_optim_state), none for the others, every parameter and gradient
-        restored after ([Note: state created alike on every rank])."""
+        restored after (see ``_to_create`` in vefsdp_optim/_checkpoint/_format.py)."""
         create = {id(p) for p in params}
         saved = []  # (param, its gradient, and for the stepped ones their local data and a copy)
         for g in self.param_groups:
@@ -315,7 +321,7 @@ class BlockOptimizer(Optimizer):
     def _compute_block(self, item: StepItem, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         p, g = inputs
         if p.numel():
-            g = aligned(g)  # [Note: aligned gradients]
+            g = aligned(g)  # ``aligned`` in vefsdp_optim/_step_loop.py
             ctx = item.ctx(item.compute)
             state = self._block_state(item, p, ctx)
             self.update_block(p, g, state, ctx, item.group)
@@ -326,7 +332,8 @@ class BlockOptimizer(Optimizer):
         if p is not item.view.local and p.numel():
             item.view.local.copy_(p)
 
-    def compute_bucket(self, items: list[StepItem], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def compute_bucket(self, items: list[StepItem],
+                       inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The results of a bucket (one param group): by default update_block on each
         parameter's whole blocks; override to fuse across parameters (AdamW) or to move
         other data than (param, grad) (Muon)."""
@@ -341,7 +348,8 @@ class BlockOptimizer(Optimizer):
     # -- the step loop ----------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self,  # type: ignore[override]
+             closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -362,16 +370,18 @@ class BlockOptimizer(Optimizer):
         items = plan.items
         state = self.state
         if not plan.validated:
-            for it in items:  # an entry on every rank, even for empty slices (DCP's _init_optim_state)
+            # an entry on every rank, even for empty slices (DCP's _init_optim_state)
+            for it in items:
                 state[it.param]
         buckets, moving, routes = plan.buckets, plan.moving, plan.routes
-        # pipeline ([Note: owner rounds]): bucket k+1's inputs and bucket k-1's results
-        # are in flight while bucket k computes
+        # pipeline (see ``make_buckets`` in vefsdp_optim/_step_loop.py): bucket k+1's inputs and
+        # bucket k-1's results are in flight while bucket k computes
         pending = self._launch(buckets[0], moving[0], routes[0]) if buckets else None
         returning: tuple[list[StepItem], PendingExchange] | None = None
         for k, bucket in enumerate(buckets):
             current = pending
-            pending = self._launch(buckets[k + 1], moving[k + 1], routes[k + 1]) if k + 1 < len(buckets) else None
+            pending = (self._launch(buckets[k + 1], moving[k + 1], routes[k + 1])
+                       if k + 1 < len(buckets) else None)
             outputs = self.compute_bucket(bucket, current.wait())
             back = exchange(bucket, outputs, forward=False, moving=moving[k], routes=routes[k])
             if returning is not None:
@@ -395,10 +405,11 @@ class BlockOptimizer(Optimizer):
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
         """Hook: the parameters of ``group`` left to the step loop. A subclass may first
         update, itself, parameters that need no exchange (AdamW's fused fully_shard
-        stores, [Note: fused stores]) and leave out those it updated."""
+        stores, ``_FlatState`` in vefsdp_optim/_adamw.py) and leave out those it updated."""
         return group["params"]
 
-    def checkpoint_layout(self, p: Any, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
+    def checkpoint_layout(self, p: Any, view: ShardedView,
+                          group: dict[str, Any]) -> RaggedShard | BoxShard | None:
         """Where ``p``'s state lives (``CheckpointedOptimizer``): :meth:`state_layout`,
         with the spread compute layout where that is the compute layout of a requirement
         with fewer blocks than ranks ([Note: spread compute blocks])."""
@@ -409,7 +420,8 @@ class BlockOptimizer(Optimizer):
 
     def _apply_bucket(self, bucket: list[StepItem], outputs: list[list[torch.Tensor]]) -> None:
         """apply_results over a bucket (one param group); the library's optimizers may
-        batch it across parameters (Muon's foreach ops, [Note: Muon's bucket ops])."""
+        batch it across parameters (Muon's foreach ops, ``Muon._gather_bucket`` in
+        vefsdp_optim/_muon.py)."""
         if type(self).apply_results is BlockOptimizer.apply_results:  # the default, inlined
             for it, (p,) in zip(bucket, outputs, strict=True):
                 if p is not it.view.local and p.numel():
@@ -424,5 +436,7 @@ class BlockOptimizer(Optimizer):
             return [[it.view.local, it.grad] for it in bucket]
         return [self.gather_inputs(it) for it in bucket]
 
-    def _launch(self, bucket: list[StepItem], moving: list[int], routes: dict[tuple, list]) -> PendingExchange:
-        return exchange(bucket, self._gather_bucket(bucket), forward=True, moving=moving, routes=routes)
+    def _launch(self, bucket: list[StepItem], moving: list[int],
+                routes: dict[tuple, list]) -> PendingExchange:
+        return exchange(bucket, self._gather_bucket(bucket), forward=True, moving=moving,
+                        routes=routes)

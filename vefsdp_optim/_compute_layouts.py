@@ -16,22 +16,22 @@ from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 __all__ = ["balanced_compute", "snapped_compute", "spread_compute", "spreads"]
 
 
-# [Note: balanced compute cuts]
 # A block requirement that the storage layout cuts (Muon's row blocks of a fused QKV on
 # FSDP2's row shards) computes on the snapped layout: each boundary at its nearest legal
 # cut, ties down. Where every parameter ties alike (MHA's 3 blocks over 2 ranks: rank 0
 # one block, rank 1 two), one rank computes twice the other's blocks in every layer. So
-# where the optimizer keeps no state on the compute layout (BlockOptimizer's
-# balance_compute_cuts, and state_layout() the storage: Muon's float momentum, not its
-# 8-bit one nor NorMuon's row moments), whose cuts may then differ between plans (a
-# gradient fewer moves the later ones), each boundary instead takes whichever of its two
-# nearest legal cuts brings the rank before it closer to an even share of the elements
-# the param group's moving parameters computed so far, ties to the nearer cut (then
-# down). Every rank derives the same cuts from the same items in the same order. The
-# bits do not change: each block is computed whole, wherever.
-def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, load: list[int]) -> RaggedShard:
+# where the optimizer keeps no state on the compute layout, each boundary instead takes
+# whichever of its two nearest legal cuts brings the rank before it closer to an even
+# share of the elements the param group's moving parameters computed so far, ties to the
+# nearer cut, then down. That holds under BlockOptimizer's balance_compute_cuts with
+# state_layout() the storage: Muon's float momentum, not its 8-bit one nor NorMuon's row
+# moments. The cuts may then differ between plans, since a gradient fewer moves the later
+# ones. Every rank derives the same cuts from the same items in the same order. The bits
+# do not change: each block is computed whole, wherever.
+def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
+                     load: list[int]) -> RaggedShard:
     """The snapped compute layout of ``layout`` under ``req``, balanced against ``load``
-    (elements computed so far per rank, updated) ([Note: balanced compute cuts])."""
+    (elements computed so far per rank, updated); see the comment above."""
     unit, n, w = req.unit(shape), layout.numel, layout.world_size
     target = (sum(load) + n) / w
     out, prev = [0], 0
@@ -53,25 +53,24 @@ def balanced_compute(layout: RaggedShard, req: Requirement, shape: torch.Size, l
 
 
 # [Note: spread compute blocks]
-# Where a parameter has fewer blocks than ranks (Shampoo's and SOAP's 1,024-row tiles of
-# LLaMA-3-70B's matrices on FSDP2's row shards at W = 1,024: 8 tiles of a q matrix over
-# ranks that hold 8 rows each), the snapped layout gives each block to the rank at its
-# nearest cut, and every matrix of one shape to the same ranks: 37 of 1,024 ranks
-# computed every tile, the busiest 55x its even share (602x at 8,192), and held that
-# share of the preconditioners. Instead each block goes to the least loaded of the
-# ranks that hold a part of it (ties: the lowest), the load being the elements that the
-# param group's earlier parameters, in their order, put on each rank, with or without a
-# gradient, so it depends on neither gradients nor later parameters; a block still
-# moves only between the ranks that hold it. The optimizer's state lives on this layout,
-# so it is pinned per parameter while the storage layout and the requirement stay
-# (BlockOptimizer, as [Note: owners stay] pins owners), and every rank derives the same
-# layout from the same parameters. Ranks in increasing order hold blocks in increasing
-# order (the ranks that may hold block t all precede those of block t + 1, or share one
-# rank with them), so the result is a RaggedShard. The bits do not change: each block
-# is computed whole, wherever. With as many blocks as ranks or more, the snapped layout
-# stays (each rank then gets its share, give or take a block). A tensor-parallel box
-# layout spreads over its even split (as its nearest cuts snap that): its exchange moves
-# the pieces of each block wherever it goes.
+# A parameter may have fewer blocks than ranks, as Shampoo's and SOAP's tiles of a large
+# matrix on FSDP2's row shards at a large world size. The snapped layout would give each
+# block to the rank at its nearest cut, and every matrix of one shape to the same ranks.
+# A few ranks would then compute every tile and hold the preconditioners. So instead
+# each block goes to the least loaded of the ranks that hold a part of it, the lowest on
+# a tie. The load is the elements that the param group's earlier parameters, in their
+# order, put on each rank, with or without a gradient. It depends on neither gradients
+# nor later parameters. A block still moves only between the ranks that hold it.
+# The optimizer's state lives on this layout. So BlockOptimizer pins it per parameter
+# while the storage layout and the requirement stay, as [Note: owners stay] pins owners.
+# Every rank derives the same layout from the same parameters. The ranks that may hold
+# block t all precede those of block t + 1, or share one rank with them. So ranks in
+# increasing order hold blocks in increasing order, and the result is a RaggedShard.
+# The bits do not change, because each block is computed whole, wherever it goes. With
+# as many blocks as ranks or more, the snapped layout stays, and each rank gets its
+# share, give or take a block. A tensor-parallel box layout spreads over its even split,
+# as its nearest cuts snap that. Its exchange moves the pieces of each block wherever
+# the block goes. The figures that led here are in docs/decisions.md.
 
 
 def spreads(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> bool:
@@ -89,7 +88,8 @@ def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
     # every block's holders (holders_between's bisections, in C over all blocks at once)
     starts = range(0, n, unit)
     first = map(bisect.bisect_right, itertools.repeat(b), starts)
-    last = map(bisect.bisect_left, itertools.repeat(b), itertools.chain(starts[1:], (n,) if n else ()))
+    last = map(bisect.bisect_left, itertools.repeat(b),
+               itertools.chain(starts[1:], (n,) if n else ()))
     owners, prev, get = [], 0, load.__getitem__
     for t, (c0, c1) in enumerate(zip(first, last, strict=True)):
         size = min(unit, n - t * unit)
@@ -108,7 +108,8 @@ def spread_compute(layout: RaggedShard, req: Requirement, shape: torch.Size,
     return RaggedShard._trusted(extents), tuple(owners)
 
 
-def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement, shape: torch.Size) -> RaggedShard:
+def snapped_compute(layout: RaggedShard | BoxShard, req: Requirement,
+                    shape: torch.Size) -> RaggedShard:
     """The compute layout of a block requirement that ``layout`` cuts: its boundaries
     snapped to legal cuts; for a BoxShard (tensor parallel, [Note: boxes in flat
     order]), equal element counts per rank, snapped."""

@@ -19,26 +19,28 @@ import torch
 from vefsdp_optim._torch_compat import FakeTensor, storage_id
 from vefsdp_optim.sharding import Requirement
 
-__all__ = ["FlatStore", "FlatBacked", "ReplanReport", "StoreReplan", "flat_store", "apply_requirements"]
+__all__ = ["FlatStore", "FlatBacked", "ReplanReport", "StoreReplan", "flat_store",
+           "apply_requirements"]
 
 logger = logging.getLogger("vefsdp_optim")
 
 # [Note: flat store contract]
 # fully_shard keeps this rank's shard of every parameter of one group and dtype in one
-# flat buffer (m elements): each parameter's local data is the dense segment
-# [offset, offset + numel) of ``flat_param()``, and after the reduce-scatter each
-# ``.grad``'s local data is the same segment of ``flat_grad()``. Parameters in one
-# store share it; padding between segments stays zero. Two things follow:
-#   - an elementwise optimizer may update every member at once with a few ops on the
-#     two flat tensors (AdamW's fused path), when ``grads_in_place()`` says that every
-#     member's .grad still is its segment;
-#   - an optimizer may ask the store for a new plan in which its blocks are whole on
-#     single ranks (``replan(units)``): the re-plan, a collective over the store's
+# flat buffer of m elements. Each parameter's local data is the dense segment
+# [offset, offset + numel) of ``flat_param()``. After the reduce-scatter, each
+# ``.grad``'s local data is the same segment of ``flat_grad()``. Parameters in one store
+# share it, and the padding between segments stays zero. Two things follow.
+#   - An elementwise optimizer may update every member at once with a few ops on the two
+#     flat tensors, as AdamW's fused path does. It may do so when ``grads_in_place()``
+#     says that every member's .grad still is its segment.
+#   - An optimizer may ask the store for a new plan in which its blocks are whole on
+#     single ranks, with ``replan(units)``. The re-plan is a collective over the store's
 #     process group. The constructor of every BlockOptimizer asks once, through
-#     ``apply_requirements``; users may call it themselves (after add_param_group).
+#     ``apply_requirements``. Users may call it themselves, after add_param_group.
 # A re-plan moves the parameters' data and their reduced gradients, never optimizer
-# state; it therefore refuses, before any communication, to move a parameter for which
-# a registered state holder (an optimizer, ``add_state_holder``) already has state.
+# state. So it refuses to move a parameter for which a registered state holder already
+# has state, before any communication. A state holder is an optimizer, or anything
+# given to ``add_state_holder``.
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +179,8 @@ def apply_requirements(requirements: Mapping[torch.Tensor, Requirement], *,
         tuple(n for r in parts for n in r.changed), tuple(k for r in parts for k in r.kept),
         sum(r.padding_before for r in done), sum(r.padding_after for r in done), len(done))
     if parts:
-        logger.info("re-planned %d store(s) for %s: moved %s; kept (padding rule) %s; padding %d -> %d",
+        logger.info("re-planned %d store(s) for %s: moved %s; kept (padding rule) %s; "
+                    "padding %d -> %d",
                     report.groups, type(holder).__name__ if holder is not None else "requirements",
                     list(report.changed), list(report.kept), report.padding_before,
                     report.padding_after)

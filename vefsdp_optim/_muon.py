@@ -82,28 +82,29 @@ class Muon(QKClip, BlockOptimizer):
     * ``momentum_dtype``: ``None`` (the parameter's dtype, as torch.optim.Muon) or
       ``torch.int8``: the momentum block-wise quantized in 256-element blocks of the
       flat order with 8-bit Adam's signed code map, 1.016 bytes per element
-      ([Note: 8-bit Muon momentum] in _math/_muon_int8.py); its blocks stay whole on
+      (see vefsdp_optim/_math/_muon_int8.py); its blocks stay whole on
       single ranks, so the result is the same at every world size.
 
     ``ns_coefficients="polar_express"`` replaces the fixed quintic by Polar Express's
     per-iteration coefficients and input scale (arXiv 2505.16932, Algorithm 1:
-    [Note: Polar Express] in _math/_polar_express.py), ``ns_steps`` iterations of it.
+    vefsdp_optim/_math/_polar_express.py), ``ns_steps`` iterations of it.
 
     QK-clip (MuonClip, Kimi K2): ``qk_clip_threshold`` (None: off) and ``qk_clip_alpha``
     (group keys), :meth:`register_qk_clip` and :meth:`qk_clip_` after each step
-    ([Note: QK-clip] in _math/_qk_clip.py).
+    (see vefsdp_optim/_math/_qk_clip.py).
 
     ``capturable=True`` (torch.optim's flag, [Note: capturable steps]): the learning rate
     (a float, or a 0-d tensor on the parameters' device that a scheduler may change in
     place), its per-shape adjustment and the weight decay factor are device tensors, so a
     CUDA graph can capture the step; the 1-D parameters' AdamW keeps its step counts on
     the device, as torch's capturable AdamW; with ``momentum_dtype=torch.int8`` the
-    rounding's step count too ([Note: no dead zone]).
+    rounding's step count too (see vefsdp_optim/_math/_muon_int8.py).
     """
 
     #: accepted ``adjust_lr_fn`` values: torch.optim.Muon's (``"spectral_unclamped"``,
     #: ``lr * sqrt(rows / cols)``, since torch 2.14; accepted here on any torch)
-    adjust_lr_fns: tuple[str | None, ...] = (None, "original", "match_rms_adamw", "spectral_unclamped")
+    adjust_lr_fns: tuple[str | None, ...] = (None, "original", "match_rms_adamw",
+                                             "spectral_unclamped")
 
     def __init__(
         self,
@@ -146,8 +147,8 @@ class Muon(QKClip, BlockOptimizer):
         split = param_group.get("split_sizes", self.defaults.get("split_sizes"))
         if split is not None:
             if isinstance(split, (str, bytes, torch.Tensor)) or not isinstance(split, Sequence):
-                raise TypeError(f"split_sizes must be a sequence of positive ints (row-block sizes), "
-                                f"got {split!r}")
+                raise TypeError("split_sizes must be a sequence of positive ints "
+                                f"(row-block sizes), got {split!r}")
             param_group["split_sizes"] = tuple(split)
         if "num_heads" in param_group:
             param_group["num_heads"] = check_heads(param_group["num_heads"])
@@ -184,12 +185,12 @@ class Muon(QKClip, BlockOptimizer):
             return Elementwise()
         req = self._plan(shape, group).requirement
         if group.get("momentum_dtype") is torch.int8 and not req.needs_whole:
-            # whole blocks and whole 256-element momentum blocks ([Note: 8-bit Muon momentum])
+            # whole blocks and whole 256-element momentum blocks (see _math/_muon_int8.py)
             return FlatBlocks(math.lcm(req.unit(tuple(shape)), MOMENTUM_BLOCK))
         return req
 
     # the float momentum stays with the storage: the cuts of split blocks may balance
-    # ([Note: balanced compute cuts]); 8-bit momentum lives on them (its state_layout)
+    # (``balanced_compute`` in _compute_layouts.py); 8-bit momentum lives on them (state_layout)
     balance_compute_cuts = True
     structural_keys = ("use_muon", "momentum_dtype")
     step_count_keys = ("step", "momentum_step")  # the 1-D AdamW path's, the 8-bit momentum's
@@ -207,7 +208,7 @@ class Muon(QKClip, BlockOptimizer):
 
     def state_layout(self, view: ShardedView, group: dict[str, Any]) -> RaggedShard | BoxShard | None:
         if group.get("momentum_dtype") is torch.int8 and self._is_muon(view.shape, group):
-            return super().state_layout(view, group)  # with the compute slices ([Note: 8-bit Muon momentum])
+            return super().state_layout(view, group)  # the compute slices (_math/_muon_int8.py)
         return view.layout  # momentum stays sharded like the parameter
 
     def cost(self, shape: torch.Size, group: dict[str, Any]) -> float:
@@ -229,10 +230,9 @@ class Muon(QKClip, BlockOptimizer):
         buf = state.get("momentum_buffer")
         if buf is None:
             buf = state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-        # Newton-Schulz's bfloat16 input, cast before the exchange ([Note: Muon's phases])
+        # Newton-Schulz's bfloat16 input, cast before the exchange (see vefsdp_optim/_math/_muon.py)
         return [muon_momentum_(g, buf, momentum=group["momentum"], nesterov=group["nesterov"])]
 
-    # [Note: Muon's bucket ops]
     # The momentum and the apply are elementwise, the same ops on every matrix of a
     # bucket (one param group, dtype and device): the step runs them over the bucket's
     # lists with torch's foreach ops, one launch per op on CUDA (per tensor on the CPU,
@@ -314,7 +314,7 @@ class Muon(QKClip, BlockOptimizer):
         return runs
 
     def _block_runs(self, item: StepItem, plan: MuonPlan) -> list[tuple[int, int, tuple[int, int]]]:
-        """:func:`block_runs` (_muon_plan.py), kept per (plan, storage layout, rank): the same every step."""
+        """:func:`block_runs` (_muon_plan.py) per (plan, storage layout, rank): the same each step."""
         cache = self.__dict__.setdefault("_block_runs_cache", {})
         key = (id(plan), item.view.layout, item.view.rank)
         hit = cache.get(key)
@@ -333,7 +333,8 @@ class Muon(QKClip, BlockOptimizer):
             for i in adam_idx:
                 out[i] = [inputs[i][0]]
         # every whole block this rank orthogonalizes in this bucket: one batched
-        # Newton-Schulz per block shape across parameters ([Note: batched Newton-Schulz])
+        # Newton-Schulz per block shape across parameters (see
+        # ``newtonschulz_batch_exact`` in vefsdp_optim/_math/_newton_schulz.py)
         updates: list[torch.Tensor] = []
         blocks: list[list[tuple[int, int, int]]] = []
         where: list[tuple[int, MuonPlan, int]] = []  # (item, plan, flat offset of its slice)
@@ -366,25 +367,25 @@ class Muon(QKClip, BlockOptimizer):
                 f"Muon with momentum_dtype=torch.int8: a parameter of shape {tuple(item.view.shape)} would "
                 f"step on other ranks than at its last step ({item.compute} instead of {last}), which lack "
                 "its 8-bit momentum: a parameter of its param group stepped without a gradient and moved "
-                "the owners; give every parameter of the group a gradient at every step (zeros rather "
-                "than None)")
+                "the owners; give every parameter of the group a gradient at every step "
+                "(zeros rather than None)")
         state["compute"] = item.compute
         if "momentum_codes" not in state:
             state["momentum_codes"], state["momentum_absmax"] = empty_momentum(grad.numel(), grad.device)
             # the dither's phase: a host counter, on the device when capturable (read there)
             state["momentum_step"] = torch.zeros((), dtype=torch.int64,
                                                  device=grad.device if item.group.get("capturable") else "cpu")
-        codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit Adam's signed code map
+        codes = self.__dict__.setdefault("_signed_codes", {})  # device -> 8-bit signed code map
         code = codes.get(grad.device)
         if code is None:
             code = codes[grad.device] = dynamic_code_map(True).to(grad.device, non_blocking=True)
         group = item.group
-        # the rounding keys on the flat index in the whole parameter ([Note: no dead zone])
-        if not isinstance(item.compute, RaggedShard):  # FlatBlocks and whole requirements snap to flat runs
+        # the rounding keys on the flat index in the whole parameter (see _math/_muon_int8.py)
+        if not isinstance(item.compute, RaggedShard):  # FlatBlocks, whole requirements: flat runs
             raise AssertionError(f"8-bit Muon momentum on a compute layout of boxes: {item.compute}")
         offset = item.compute.local(item.view.rank)[0]
-        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code, state["momentum_step"],
-                                offset)
+        momentum = Int8Momentum(state["momentum_codes"], state["momentum_absmax"], code,
+                                state["momentum_step"], offset)
         return muon_momentum_(grad, momentum, momentum=group["momentum"], nesterov=group["nesterov"])
 
     # what a subclass changes after Newton-Schulz (NorMuon's normalization)

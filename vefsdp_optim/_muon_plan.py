@@ -57,7 +57,8 @@ class MuonPlan:
         return range(max(lo, 0), hi)
 
 
-def _muon_plan(shape: tuple[int, ...], flatten: bool, split_sizes: tuple[int, ...] | None) -> MuonPlan:
+def _muon_plan(shape: tuple[int, ...], flatten: bool,
+               split_sizes: tuple[int, ...] | None) -> MuonPlan:
     blocks = muon_blocks(shape, flatten, split_sizes)
     unit = muon_block_unit(shape, flatten, split_sizes)
     numel = math.prod(shape)
@@ -81,7 +82,8 @@ _PLANS: dict[tuple, MuonPlan] = {}
 
 def muon_defaults(
     *, lr: float, weight_decay: float, momentum: float, nesterov: bool, ns_coefficients: object,
-    eps: float, ns_steps: int, adjust_lr_fn: str | None, betas: tuple[float, float], adamw_eps: float,
+    eps: float, ns_steps: int, adjust_lr_fn: str | None, betas: tuple[float, float],
+    adamw_eps: float,
     flatten: bool | None, split_sizes: Sequence[int] | None, adjust_lr_fns: tuple[str | None, ...],
     num_heads: int | None = None, momentum_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
@@ -140,20 +142,22 @@ def ns_args(group: dict[str, Any]) -> tuple[NsCoefficients, int, float]:
     return coeffs if isinstance(coeffs, str) else tuple(coeffs), group["ns_steps"], group["eps"]
 
 
-def whole_blocks(it: StepItem, plan: MuonPlan, start: int, length: int) -> list[tuple[int, int, int]]:
+def whole_blocks(it: StepItem, plan: MuonPlan, start: int,
+                 length: int) -> list[tuple[int, int, int]]:
     """(offset in the slice, rows, cols) of each block of the compute slice ``[start,
     start + length)`` of item ``it``, which must hold whole blocks only."""
     found, done = [], 0
     for b in plan.span(start, length):
         (rows, cols), a = plan.blocks[b], plan.offsets[b] - start
         if a < 0 or a + rows * cols > length:
-            raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a parameter of shape "
-                               f"{tuple(it.view.shape)} is split by the compute layout {it.compute}")
+            raise RuntimeError(f"Muon block at flat offset {plan.offsets[b]} of a "
+                               f"parameter of shape {tuple(it.view.shape)} is split by the compute "
+                               f"layout {it.compute}")
         found.append((a, rows, cols))
         done += rows * cols
     if done != length:
-        raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a parameter of shape "
-                           f"{tuple(it.view.shape)} does not hold whole blocks")
+        raise RuntimeError(f"Muon compute slice [{start}, {start + length}) of a "
+                           f"parameter of shape {tuple(it.view.shape)} does not hold whole blocks")
     return found
 
 
@@ -199,12 +203,13 @@ def _split_sizes(shape: tuple[int, ...], group: dict[str, Any]) -> tuple[int, ..
     if heads is None:
         return None if split is None else tuple(split)
     if split is not None:
-        raise ValueError(f"a Muon group sets both num_heads={heads} and split_sizes={tuple(split)}; "
-                         "set one (num_heads: equal row blocks; split_sizes: any row blocks)")
+        raise ValueError(f"a Muon group sets both num_heads={heads} and "
+                         f"split_sizes={tuple(split)}; set one (num_heads: equal row blocks; "
+                         "split_sizes: any row blocks)")
     _, rows, cols = muon_batch_view(shape, group.get("flatten") is not False)
     if rows % heads:
-        raise ValueError(f"num_heads={heads} does not divide the {rows} rows of the {rows} x {cols} "
-                         f"matrices of a Muon parameter of shape {shape}")
+        raise ValueError(f"num_heads={heads} does not divide the {rows} rows of the "
+                         f"{rows} x {cols} matrices of a Muon parameter of shape {shape}")
     return (rows // heads,) * heads
 
 

@@ -26,21 +26,21 @@ __all__ = ["NorMuon"]
 _VARIANCE = "variance_neuron."  # + global block index: one block's row second moment
 
 # [Note: NorMuon state]
-# The row second moment of a block needs the block's whole orthogonalized update, which
-# only the rank that runs its Newton-Schulz has (the owner of a whole matrix; the rank
-# holding a block where blocks stay in place: whole experts, QKV blocks). So it lives
-# there, as state["variance_neuron.{b}"] (rows_b floats) per block b of
-# [Note: Muon blocks], created at the block's first step; the normalization runs on the
-# owner and the normalized update (float32) comes back instead of Newton-Schulz's
-# bfloat16. The momentum stays sharded, as Muon's. The entries are saved under these
-# keys, by global block index, by the rank that holds them, so a checkpoint loads at any
-# world size onto whichever rank then computes the block (the keys are the live ones,
-# as Shampoo's tiles: [Note: Shampoo's live state keys are its saved keys]). The owner
-# stays from step to step ([Note: owners stay] in _block_optimizer.py) and, after a
-# load, is the rank that saved the moments; each parameter still keeps the compute
-# layout of its last step (state["compute"], LOCAL), and a step that would compute it
-# elsewhere raises, on every rank alike and before its exchange, instead of restarting
-# the moment from zero.
+# The row second moment of a block needs the block's whole orthogonalized update. Only the
+# rank that runs the block's Newton-Schulz has it. That rank is the owner of a whole
+# matrix, or the rank holding a block where blocks stay in place, as whole experts and QKV
+# blocks do. So the moment lives there, as state["variance_neuron.{b}"] with rows_b floats,
+# per block b of [Note: Muon blocks]. It is created at the block's first step. The
+# normalization runs on the owner, and the normalized float32 update comes back instead of
+# Newton-Schulz's bfloat16 one. The momentum stays sharded, as Muon's. The rank that holds
+# the entries saves them under these keys, by global block index. So a checkpoint loads at
+# any world size onto whichever rank then computes the block. The saved keys are the live
+# ones, as for Shampoo's tiles (see vefsdp_optim/_shampoo.py). The owner stays from step to
+# step ([Note: owners stay] in _step_loop.py). After a load it is the rank that saved the
+# moments. Each parameter still keeps the compute layout of its last step, in
+# state["compute"], which is LOCAL. A step that would compute the parameter elsewhere
+# raises, on every rank alike and before its exchange, instead of restarting the moment
+# from zero.
 
 
 def _check_beta2(value: object) -> None:
@@ -55,7 +55,7 @@ class NorMuon(Muon):
 
     Muon's update, then per orthogonalized matrix ``O`` (m x n): the row second moment
     ``v <- muon_beta2 v + (1 - muon_beta2) mean_j O_ij^2``, ``O / (sqrt(v) + 1e-8)`` row by
-    row, rescaled to ``||O||_F`` ([Note: NorMuon normalization] in _math/_normuon.py),
+    row, rescaled to ``||O||_F`` (see vefsdp_optim/_math/_normuon.py),
     then the learning-rate adjustment and decoupled weight decay. Newton-Schulz and the
     normalization run once per matrix in the world, on whole matrices (or whole blocks),
     as in :class:`Muon`; ``v`` lives on that rank ([Note: NorMuon state]).
@@ -69,11 +69,12 @@ class NorMuon(Muon):
     (``ns_coefficients="polar_express"``: the paper's table, where Dion's
     ``use_polar_express`` uses modded-nanogpt's) and ``adjust_lr_fn="spectral_norm"``
     (``lr * sqrt(rows / cols)``; also ``"rms_norm"``, and torch's ``None`` /
-    ``"original"`` / ``"match_rms_adamw"`` / ``"spectral_unclamped"``). The momentum is torch's average
-    (``m <- momentum m + (1 - momentum) g``) where Dion sums (``m <- mu m + g``): the
-    same direction, a constant factor that Newton-Schulz's normalization removes.
-    ``eps`` is Newton-Schulz's (torch's and the Polar Express paper's 1e-7). QK-clip as
-    :class:`Muon`'s (``qk_clip_threshold``, ``register_qk_clip``, ``qk_clip_``).
+    ``"original"`` / ``"match_rms_adamw"`` / ``"spectral_unclamped"``). The momentum is
+    torch's average (``m <- momentum m + (1 - momentum) g``) where Dion sums (``m <- mu m
+    + g``): the same direction, a constant factor that Newton-Schulz's normalization
+    removes. ``eps`` is Newton-Schulz's (torch's and the Polar Express paper's 1e-7).
+    QK-clip as :class:`Muon`'s (``qk_clip_threshold``, ``register_qk_clip``,
+    ``qk_clip_``).
     """
 
     adjust_lr_fns = Muon.adjust_lr_fns + ("spectral_norm", "rms_norm")
@@ -115,14 +116,15 @@ class NorMuon(Muon):
         defaults["muon_beta2"] = muon_beta2
         defaults.update(qk_clip_defaults(qk_clip_threshold, qk_clip_alpha))
         defaults["capturable"] = capturable  # as Muon's ([Note: capturable steps])
-        BlockOptimizer.__init__(self, params, defaults)  # what Muon.__init__ does, with these defaults
+        # what Muon.__init__ does, with these defaults
+        BlockOptimizer.__init__(self, params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if "muon_beta2" in param_group:
             _check_beta2(param_group["muon_beta2"])
         if param_group.get("adjust_lr_fn", None) not in self.adjust_lr_fns:
-            raise ValueError(f"adjust_lr_fn {param_group['adjust_lr_fn']!r} is not supported; use one of "
-                             f"{', '.join(map(repr, self.adjust_lr_fns))}")
+            raise ValueError(f"adjust_lr_fn {param_group['adjust_lr_fn']!r} is not "
+                             f"supported; use one of {', '.join(map(repr, self.adjust_lr_fns))}")
         super().add_param_group(param_group)
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
@@ -131,8 +133,8 @@ class NorMuon(Muon):
         # + the per-block row second moments, by the extra-state hooks ([Note: NorMuon state])
         return {**self._momentum_spec(group), "compute": LOCAL}
 
-    def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard | None,
-                           group: dict[str, Any]) -> dict[str, Any]:
+    def export_extra_state(self, state: dict[str, Any], view: ShardedView,
+                           layout: RaggedShard | None, group: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in state.items() if isinstance(k, str) and k.startswith(_VARIANCE)}
 
     def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
@@ -140,15 +142,17 @@ class NorMuon(Muon):
         keys = [k for k in state if isinstance(k, str) and k.startswith(_VARIANCE)]
         missing = [k for k in keys if k not in saved]
         if missing:
-            raise ValueError(f"NorMuon state of parameter {name!r} (shape {tuple(view.shape)}): the checkpoint "
-                             f"lacks {missing[:8]}{'...' if len(missing) > 8 else ''}")
+            raise ValueError(f"NorMuon state of parameter {name!r} (shape {tuple(view.shape)}): "
+                             "the checkpoint lacks "
+                             f"{missing[:8]}{'...' if len(missing) > 8 else ''}")
         for k in keys:
             live, v = state[k], saved[k]
             if not isinstance(v, torch.Tensor) or v.shape != live.shape:
                 raise ValueError(
                     f"NorMuon state {name!r}.{k} has shape "
-                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}, expected "
-                    f"{tuple(live.shape)} (the rows of that block: flatten and split_sizes must match)")
+                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}, "
+                    f"expected {tuple(live.shape)} (the rows of that block: flatten and "
+                    "split_sizes must match)")
             if v.data_ptr() != live.data_ptr():
                 live.copy_(v)
 
@@ -162,18 +166,21 @@ class NorMuon(Muon):
             last = state.get("compute")
             if last is not None and last != item.compute:
                 raise NotImplementedError(
-                    f"NorMuon: a parameter of shape {tuple(item.view.shape)} would be orthogonalized "
-                    f"on other ranks than at its last step ({item.compute} instead of {last}), which "
-                    "lack its row second moments: a parameter of its param group stepped without a "
-                    "gradient and moved the owners ([Note: NorMuon state]); give every parameter "
-                    "of a NorMuon group a gradient at every step (zeros rather than None)")
+                    f"NorMuon: a parameter of shape {tuple(item.view.shape)} would be "
+                    f"orthogonalized on other ranks than at its last step ({item.compute} instead "
+                    f"of {last}), which lack its row second moments: a parameter of its param "
+                    "group stepped without a gradient and moved the owners ([Note: NorMuon "
+                    "state]); give every parameter of a NorMuon group a gradient at every step "
+                    "(zeros rather than None)")
             state["compute"] = item.compute
-        return super()._gather_bucket(bucket)  # Muon's momentum ([Note: Muon's bucket ops])
+        # Muon's momentum (see ``Muon._gather_bucket`` in vefsdp_optim/_muon.py)
+        return super()._gather_bucket(bucket)
 
     def _update_dtype(self, item: StepItem) -> torch.dtype:
         return torch.promote_types(item.view.local.dtype, torch.float32)
 
-    def _orthogonalize(self, where: list[tuple[StepItem, MuonPlan, int]], updates: list[torch.Tensor],
+    def _orthogonalize(self, where: list[tuple[StepItem, MuonPlan, int]],
+                       updates: list[torch.Tensor],
                        blocks: list[list[tuple[int, int, int]]]) -> list[torch.Tensor]:
         variances = []  # per slice, the row second moment of each of its blocks
         for (item, plan, start), x in zip(where, updates, strict=True):

@@ -1,6 +1,5 @@
 """Muon's parameter groups chosen from a module: which parameters are hidden matrices.
 
-[Note: choosing Muon's parameters]
 Muon is for the hidden weight matrices; the input embedding, the output head, norms, biases
 and gains go to AdamW (Keller Jordan's rule, kept by torch.optim.Muon, Moonlight and Dion).
 :func:`muon_param_groups` applies that rule to a module and says why for each parameter
@@ -31,7 +30,7 @@ the stored orientation, and its fused ``c_attn`` splits columns, which ``split_s
 Parameters are classified by their global shape, so the groups are the same for a plain
 module, FSDP2's DTensors, tensor parallelism and ``vefsdp_optim.fully_shard``, before or
 after sharding; a parameter another sharding flattened raises ValueError
-([Note: flattened parameters]).
+(see vefsdp_optim/_flattened.py).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def muon_param_report(
     num_heads: Mapping[str, int] | None = None,
 ) -> ParamReport:
     """The choice :func:`muon_param_groups` makes for each parameter of ``module`` (in
-    ``named_parameters()`` order), with its reason ([Note: choosing Muon's parameters])."""
+    ``named_parameters()`` order), with its reason (see the module docstring)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"muon_param_report expects an nn.Module, got {type(module).__name__}")
     split_sizes, num_heads = dict(split_sizes or {}), dict(num_heads or {})
@@ -117,7 +116,7 @@ def muon_param_groups(
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`~vefsdp_optim.Muon` / :class:`~vefsdp_optim.NorMuon` from
     ``module``: one Muon group per distinct block options, then one ``use_muon=False`` group
-    (AdamW) for the rest ([Note: choosing Muon's parameters]).
+    (AdamW) for the rest (see the module docstring).
 
     Args:
         module: a plain, FSDP2, tensor-parallel or ``vefsdp_optim.fully_shard`` module.

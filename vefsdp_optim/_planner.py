@@ -37,11 +37,14 @@ class StepPlanner:
         self.owner_cache: dict[tuple, tuple[int, ...]] = {}
         # (requirement, storage layout, shape) -> compute layout, None for "whole on an owner"
         self.compute_cache: dict[tuple, RaggedShard | None] = {}
-        # id(param) -> (storage layout, owner rank) of its whole-tensor compute ([Note: owners stay])
+        # id(param) -> (storage layout, owner rank) of its whole-tensor compute ([Note: owners
+        # stay])
         self.pinned_owners: dict[int, tuple[RaggedShard | BoxShard, int]] = {}
         # id(param) -> (storage layout, requirement, compute layout, (rank, elements) per
         # block) of a requirement with fewer blocks than ranks ([Note: spread compute blocks])
-        self.pinned_spread: dict[int, tuple[RaggedShard | BoxShard, Requirement, RaggedShard, tuple]] = {}
+        self.pinned_spread: dict[int,
+                                 tuple[RaggedShard | BoxShard, Requirement, RaggedShard,
+                                       tuple]] = {}
         # the step structure last checked; None: check at the next step ([Note: consistent steps])
         self.checked_structure: list[tuple] | None = None
 
@@ -83,7 +86,8 @@ class StepPlanner:
         self.plan = StepPlan(fresh, items, buckets, moving, sizes)
         return self.plan
 
-    def plan_group(self, opt: Any, group: dict[str, Any], gi: int, claimed: list[Any], values: tuple) -> GroupPlan:
+    def plan_group(self, opt: Any, group: dict[str, Any], gi: int, claimed: list[Any],
+                   values: tuple) -> GroupPlan:
         """The plan of param group ``gi`` ([Note: step plan]): a step item per parameter
         with a gradient; an entry per parameter without a gradient and per sharded
         parameter with one ([Note: consistent steps] compares the sharded ones); and
@@ -103,10 +107,11 @@ class StepPlanner:
                 check_not_replaced(p, type(opt).__name__)
                 view = sharded_view(p)
                 req = opt.requirement(view.shape, group)
-                compute = self.spread_or(opt, p, view, req, group, self.compute_layout(req, view), loads)
+                compute = self.spread_or(opt, p, view, req, group, self.compute_layout(req, view),
+                                         loads)
                 entries.append(StepEntry(pos, tuple(view.shape), view.layout, None,
-                                         compute is None or compute != view.layout, view.process_group,
-                                         view.local.device))
+                                         compute is None or compute != view.layout,
+                                         view.process_group, view.local.device))
                 if view.process_group is not None:
                     structure.append((pos, id(p), id(view.process_group), view.layout, compute))
                 rows.append((p, key, None if key is not None else view_key(view), None))
@@ -119,7 +124,8 @@ class StepPlanner:
             if p.grad.is_sparse:
                 raise NotImplementedError(f"{type(opt).__name__} does not support sparse gradients")
             if p.is_complex():
-                raise NotImplementedError(f"{type(opt).__name__} does not support complex parameters")
+                raise NotImplementedError(f"{type(opt).__name__} does not support "
+                                          "complex parameters")
             view = sharded_view(p)
             gview = step_grad_view(p.grad)
             if gview.layout != view.layout:
@@ -129,10 +135,11 @@ class StepPlanner:
             if group.get("capturable") and opt.checks_capturable:
                 check_capturable(type(opt).__name__, group, view.local.device)
             req = opt.requirement(view.shape, group)
-            compute = self.spread_or(opt, p, view, req, group, self.compute_layout(req, view), loads)
+            compute = self.spread_or(opt, p, view, req, group, self.compute_layout(req, view),
+                                     loads)
             if (opt.balance_compute_cuts and compute is not None and compute != view.layout
                     and isinstance(view.layout, RaggedShard)
-                    and opt.state_layout(view, group) == view.layout):  # [Note: balanced compute cuts]
+                    and opt.state_layout(view, group) == view.layout):  # see ``balanced_compute``
                 w = view.layout.world_size
                 compute = balanced_compute(view.layout, req, view.shape,
                                            loads.setdefault(id(view.process_group), [0] * w))
@@ -152,7 +159,8 @@ class StepPlanner:
             pin_owners([items[i] for i in whole], opt.cost, self.owner_cache, self.pinned_owners)
         return GroupPlan(group, values, rows, items, entries, structure)
 
-    def spread_or(self, opt: Any, p: Any, view: ShardedView, req: Requirement, group: dict[str, Any],
+    def spread_or(self, opt: Any, p: Any, view: ShardedView, req: Requirement,
+                  group: dict[str, Any],
                    compute: RaggedShard | None, loads: dict[Any, list[int]]) -> RaggedShard | None:
         """``compute``, or where ``req`` has fewer blocks than ranks and the state lives
         on the compute layout, the spread layout, pinned ([Note: spread compute blocks]);
@@ -189,7 +197,8 @@ class StepPlanner:
             self.pin_spreads(opt)
             kept = self.pinned_spread.get(id(p))
         if kept is None:
-            raise AssertionError(f"no compute layout pinned for a parameter of shape {tuple(view.shape)}")
+            raise AssertionError("no compute layout pinned for a parameter of shape "
+                                 f"{tuple(view.shape)}")
         return kept[2]
 
     def pin_spreads(self, opt: Any) -> None:

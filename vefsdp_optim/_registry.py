@@ -15,10 +15,9 @@ __all__ = ["register_optimizer", "get_optimizer", "list_optimizers"]
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
 
-# [Note: built-in names]
 # The built-in optimizers register their names with @register_optimizer when their
 # module is imported, and the package imports its modules only when a name is asked
-# for ([Note: lazy top level] in __init__.py). So a lookup must not depend on which
+# for (the comment at the top of __init__.py). So a lookup must not depend on which
 # optimizer happens to be loaded: _BUILTINS names each built-in's module and class, and
 # get_optimizer and list_optimizers import that module before they read _REGISTRY.
 # register_optimizer does the same for a built-in's name, unless the class being
@@ -38,12 +37,13 @@ _BUILTINS: dict[str, tuple[str, str]] = {
 
 def _load_builtin(key: str) -> None:
     """Import the module of the built-in optimizer named ``key``, if it is one
-    ([Note: built-in names])."""
+    (see ``_BUILTINS``)."""
     if key in _BUILTINS and key not in _REGISTRY:
         importlib.import_module(_BUILTINS[key][0])
 
 
-def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = False) -> Callable[[T], T] | type:
+def register_optimizer(name: str, cls: type | None = None, *,
+                       overwrite: bool = False) -> Callable[[T], T] | type:
     """Register an optimizer class under ``name`` (case-insensitive).
 
     Use as a decorator (``@register_optimizer("tile_sgd")``) or a call
@@ -64,8 +64,9 @@ def register_optimizer(name: str, cls: type | None = None, *, overwrite: bool = 
         old = _REGISTRY.get(key)
         if old is not None and old is not c and not overwrite and not _same_definition(old, c):
             raise ValueError(
-                f"optimizer name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
-                f"pass overwrite=True to replace it with {c.__module__}.{c.__qualname__}")
+                f"optimizer name {name!r} is already registered to "
+                f"{old.__module__}.{old.__qualname__}; pass overwrite=True to replace it with "
+                f"{c.__module__}.{c.__qualname__}")
         _REGISTRY[key] = c
         return c
 

@@ -28,7 +28,6 @@ def _tile_key(stat: str, band: int, col: int) -> str:
     """The state key (live and saved) of one statistic of tile (band, col)."""
     return f"{stat}.{band}.{col}"
 
-# [Note: Shampoo tiles by global band]
 # A matrix (dim 0, rest) of shape (rows, cols) is cut into tiles of at most
 # max_preconditioner_dim (= d) on each side; tile (b, c) covers rows [b*d, (b+1)*d) and
 # columns [c*d, (c+1)*d), clipped at the edges. The requirement RowBlocks(d) makes every
@@ -37,7 +36,6 @@ def _tile_key(stat: str, band: int, col: int) -> str:
 # index, the band counted from the slice's first row ctx.start // cols: the math on a
 # tile is then the same on any rank at any world size as on a single device.
 #
-# [Note: Shampoo's live state keys are its saved keys]
 # A tile's statistics live in the parameter's state as flat entries
 # state["{stat}.{band}.{col}"] (stat one of L, R, L_inv_root, R_inv_root), the very keys
 # state_dict() saves them under (through export_extra_state). Framework flows rebuild a
@@ -67,7 +65,7 @@ class Shampoo(ReplayCounting, BlockOptimizer):
 
     A parameter with 2 or more dims is viewed as the matrix ``(dim 0, rest)`` and cut
     into tiles of at most ``max_preconditioner_dim`` on each side (see
-    [Note: Shampoo tiles by global band]). Per step ``t`` (from 1), with
+    the comments at the top of this file). Per step ``t`` (from 1), with
     ``(beta1, beta2) = betas`` and ``g`` the raw gradient:
 
     * ``m <- beta1 m + (1 - beta1) g`` (momentum, per element), ``m_hat = m / (1 - beta1^t)``;
@@ -178,7 +176,7 @@ class Shampoo(ReplayCounting, BlockOptimizer):
 
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: RaggedShard,
                            group: dict[str, Any]) -> dict[str, Any]:
-        # the live keys themselves ([Note: Shampoo's live state keys are its saved keys])
+        # the live keys themselves (see the comments at the top of this file)
         return {k: v for k, v in state.items() if k.startswith(self.extra_state_prefixes)}
 
     def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
@@ -189,8 +187,9 @@ class Shampoo(ReplayCounting, BlockOptimizer):
         keys = [k for k in state if k.startswith(self.extra_state_prefixes)]
         missing = [k for k in keys if k not in saved]
         if missing:
-            raise ValueError(f"Shampoo state of parameter {name!r} (shape {tuple(view.shape)}): the "
-                             f"checkpoint lacks tiles {missing[:8]}{'...' if len(missing) > 8 else ''}")
+            raise ValueError(f"Shampoo state of parameter {name!r} (shape "
+                             f"{tuple(view.shape)}): the checkpoint lacks tiles "
+                             f"{missing[:8]}{'...' if len(missing) > 8 else ''}")
         for k in keys:
             live, v = state[k], saved[k]
             if not isinstance(v, torch.Tensor) or v.shape != live.shape:
@@ -211,7 +210,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
 
     # -- state ------------------------------------------------------------------------
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         if group["capturable"]:  # on the device ([Note: capturable steps])
             step = torch.zeros((), dtype=torch.float32, device=p.device)
             self._host_steps.start(step)
@@ -219,7 +219,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
             step = torch.tensor(0.0, dtype=torch.float32)
         state: dict[str, Any] = {
             "step": step,
-            "span": slice(ctx.start, ctx.start + ctx.length),  # the flat slice this state belongs to
+            # the flat slice this state belongs to
+            "span": slice(ctx.start, ctx.start + ctx.length),
             "exp_avg": torch.zeros_like(p),  # 1-D, ctx.length elems
         }
         if group["grafting"] == "adam":
@@ -227,13 +228,15 @@ class Shampoo(ReplayCounting, BlockOptimizer):
         cols = _matrix_cols(ctx.shape)
         if cols is not None:
             dtype = torch.promote_types(p.dtype, torch.float32)
-            # flat keys, as saved: [Note: Shampoo's live state keys are its saved keys]
+            # flat keys, as saved (the comments at the top of this file)
             for (band, col), rs, cs, *_ in self._tiles(ctx, group):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 state[_tile_key("L", band, col)] = torch.zeros(r, r, dtype=dtype, device=p.device)
                 state[_tile_key("R", band, col)] = torch.zeros(c, c, dtype=dtype, device=p.device)
-                state[_tile_key("L_inv_root", band, col)] = torch.eye(r, dtype=dtype, device=p.device)
-                state[_tile_key("R_inv_root", band, col)] = torch.eye(c, dtype=dtype, device=p.device)
+                state[_tile_key("L_inv_root", band,
+                                col)] = torch.eye(r, dtype=dtype, device=p.device)
+                state[_tile_key("R_inv_root", band,
+                                col)] = torch.eye(c, dtype=dtype, device=p.device)
             # diagnostics counted on the device (reading one is a host sync)
             state["root_failures"] = torch.zeros((), dtype=torch.int64, device=p.device)
             state["skipped_tiles"] = torch.zeros((), dtype=torch.int64, device=p.device)
@@ -273,7 +276,8 @@ class Shampoo(ReplayCounting, BlockOptimizer):
             tiles = [ShampooTile(rs, cs, state[kl], state[kr], state[kli], state[kri])
                      for _, rs, cs, kl, kr, kli, kri in self._tiles(ctx, group)]
         skipped, failed = shampoo_step_(
-            p, g, m, v, tiles, step=step, lr=group["lr"], betas=group["betas"], epsilon=group["epsilon"],
+            p, g, m, v, tiles, step=step, lr=group["lr"], betas=group["betas"],
+            epsilon=group["epsilon"],
             weight_decay=group["weight_decay"], grafting=group["grafting"],
             grafting_epsilon=group["grafting_epsilon"],
             start_preconditioning_step=group["start_preconditioning_step"],

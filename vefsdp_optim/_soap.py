@@ -23,20 +23,21 @@ from ._torch_compat import FakeTensor
 __all__ = ["SOAP"]
 
 # [Note: SOAP state]
-# A tensor with a factor ([Note: SOAP geometry] in _math/_soap.py) is updated whole on
-# one rank, its owner, with all its state: the moments (exp_avg in the eigenbasis, both
-# in the work shape) and per factor dim i "GG.{i}" (the factor, the reference's
-# state['GG'][i]) and "Q.{i}" (its eigenbasis, state['Q'][i]), all WHOLE: saved whole by
-# the owner, loaded whole by the owner at any world size. Tensors without one are Adam
-# element by element on any slice: the moments ELEMENTWISE. The owner stays the same
-# from step to step ([Note: owners stay] in _block_optimizer.py); each whole parameter
-# still remembers the compute layout of its last step, and a step that would compute it
-# elsewhere (which would find no factors there) raises, on every rank alike, before its
-# exchange. A step rebinds the moments
-# and bases to new tensors where the reference rebinds its own (their memory layouts set
-# the bits of the next step's matmuls); the keys stay. With capturable=True the step copies
-# the new values into the state's own tensors instead: a captured step reads and writes
-# those, and an eager step between replays must leave them where the graph finds them.
+# A tensor with a factor (see ``SoapGeometry`` in vefsdp_optim/_math/_soap.py) is updated whole on
+# one rank, its owner, with all its state. That state is the moments, with exp_avg in
+# the eigenbasis and both in the work shape, and per factor dim i two entries: "GG.{i}",
+# the factor, the reference's state['GG'][i]; and "Q.{i}", its eigenbasis, the
+# reference's state['Q'][i]. All of them are WHOLE. The owner saves them whole, and the
+# owner at any world size loads them whole. A tensor without a factor is Adam element by
+# element on any slice, so its moments are ELEMENTWISE. The owner stays the same from
+# step to step ([Note: owners stay] in _step_loop.py). Each whole parameter still
+# remembers the compute layout of its last step. A step that would compute it elsewhere
+# would find no factors there, so it raises, on every rank alike, before its exchange.
+# A step rebinds the moments and bases to new tensors where the reference rebinds its
+# own, since their memory layouts set the bits of the next step's matmuls. The keys
+# stay. With capturable=True the step copies the new values into the state's own
+# tensors instead. A captured step reads and writes those, and an eager step between
+# replays must leave them where the graph finds them.
 
 
 _HPARAMS = ("lr", "betas", "shampoo_beta", "eps", "weight_decay", "precondition_frequency",
@@ -62,7 +63,7 @@ class SOAP(ReplayCounting, BlockOptimizer):
 
     The signature, defaults and numerics are those of the reference implementation
     (github.com/nikhilvyas/SOAP, ``soap.py``). Per parameter, with its gradient ``G``
-    viewed in the work shape ([Note: SOAP geometry] in _math/_soap.py: each dim of at
+    viewed in the work shape (see ``SoapGeometry`` in vefsdp_optim/_math/_soap.py: each dim of at
     most ``max_precond_dim`` gets a factor ``F_i``, a larger one is left unrotated):
 
     * the first step only starts the factors ``F_i = (1 - beta_F) G_(i) G_(i)^T`` and
@@ -85,10 +86,11 @@ class SOAP(ReplayCounting, BlockOptimizer):
     Factors, bases and moments are float32 (float64 for float64 parameters).
 
     The arithmetic is the reference's, op for op (its momentum round trip included:
-    [Note: SOAP momentum round trip] in _math/_soap.py), so one device gives the
+    ``soap_step_`` in vefsdp_optim/_math/_soap.py), so one device gives the
     reference's bits, and any sharding gives one device's. What differs is the work
-    around it: a matrix is rotated by ``mm`` without ``tensordot``'s wrapper ([Note: SOAP
-    rotations]) and plain parameters skip the exchange bookkeeping (``claim_params``).
+    around it: a matrix is rotated by ``mm`` without ``tensordot``'s wrapper (see
+    ``soap_project`` in vefsdp_optim/_math/_soap.py) and plain parameters skip the
+    exchange bookkeeping (``claim_params``).
 
     ``capturable=True`` ([Note: capturable steps] in _capturable.py): ``state["step"]``
     is a float32 0-d tensor on the parameter's device (an int otherwise, as the
@@ -131,7 +133,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         self._check_group(defaults)
         # id(param) -> compute layout of its last step, for whole parameters ([Note: SOAP state])
         self._last_compute: dict[int, Any] = {}
-        self._hp_cache: dict[int, tuple[tuple[Any, ...], SoapHparams]] = {}  # id(group) -> (values, hparams)
+        # id(group) -> (values, hparams)
+        self._hp_cache: dict[int, tuple[tuple[Any, ...], SoapHparams]] = {}
         self._host_steps = HostStepCounts()  # capturable states' step counts, on the host
         super().__init__(params, defaults)
 
@@ -151,7 +154,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
     def _check_group(cls, group: dict[str, Any]) -> None:
         cls._hparams(group)  # raises ValueError / TypeError naming the bad value
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and not (lr.numel() == 1 and float(lr) >= 0):  # a host read, once
+        # a host read, once
+        if isinstance(lr, torch.Tensor) and not (lr.numel() == 1 and float(lr) >= 0):
             raise ValueError(f"Invalid learning rate: {lr}")
         _check_bool("capturable", group["capturable"])
         m = group["max_precond_dim"]
@@ -169,7 +173,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         self._check_group(group)
 
     def geometry(self, shape: torch.Size, group: dict[str, Any]) -> SoapGeometry:
-        """How SOAP views a parameter of ``shape`` in ``group`` ([Note: SOAP geometry])."""
+        """How SOAP views a parameter of ``shape`` in ``group`` (see ``SoapGeometry`` in
+        vefsdp_optim/_math/_soap.py)."""
         return _geometry(tuple(shape), group["max_precond_dim"], group["merge_dims"],
                          group["precondition_1d"], group["data_format"])
 
@@ -185,11 +190,13 @@ class SOAP(ReplayCounting, BlockOptimizer):
         dims = [geo.work_shape[i] for i in geo.factor_dims]
         # two rotations and the outer products per step; a QR and two products per
         # factor every precondition_frequency steps
-        return n * (1 + 3 * sum(dims)) + sum(4.0 * d**3 for d in dims) / group["precondition_frequency"]
+        return n * (1 + 3 * sum(dims)) + sum(4.0 * d**3
+                                             for d in dims) / group["precondition_frequency"]
 
     # -- checkpoint ([Note: SOAP state]) ---------------------------------------------------
 
-    structural_keys = ("max_precond_dim", "merge_dims", "precondition_1d", "normalize_grads", "data_format")
+    structural_keys = ("max_precond_dim", "merge_dims", "precondition_1d", "normalize_grads",
+                       "data_format")
     plan_keys = ("precondition_frequency",)  # cost() reads it ([Note: step plan])
 
     def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int]:
@@ -224,7 +231,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
 
     # -- state and the update ---------------------------------------------------------------
 
-    def init_state(self, p: torch.Tensor, ctx: BlockContext, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, ctx: BlockContext,
+                   group: dict[str, Any]) -> dict[str, Any]:
         dtype = torch.promote_types(p.dtype, torch.float32)
         zeros = dict(dtype=dtype, device=p.device)
         step: int | torch.Tensor
@@ -244,7 +252,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         for i in geo.factor_dims:
             d = geo.work_shape[i]
             state[f"GG.{i}"] = torch.zeros(d, d, **zeros)  # (d, d)
-            state[f"Q.{i}"] = torch.zeros(d, d, **zeros)  # (d, d), eigenvectors as columns from step 1
+            # (d, d), eigenvectors as columns from step 1
+            state[f"Q.{i}"] = torch.zeros(d, d, **zeros)
         return state
 
     def claim_params(self, group: dict[str, Any]) -> list[Any]:
@@ -255,7 +264,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         checked: set[torch.device] = set()  # capturable: the devices checked this step
         for p in group["params"]:
             g = p.grad
-            if (g is None or type(p) not in _PLAIN or type(g) not in _PLAIN or g.is_sparse or p.is_meta
+            if (g is None or type(p) not in _PLAIN or type(g) not in _PLAIN or g.is_sparse
+                or p.is_meta
                     or p.is_complex() or not (p.is_contiguous() and g.is_contiguous())
                     or g.shape != p.shape):
                 rest.append(p)  # the loop skips it, steps it, or raises its error
@@ -270,7 +280,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
                 if ctx.length == 0:
                     continue
                 state.update(self.init_state(flat, ctx, group))
-            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)  # [Note: aligned gradients]
+            # ``aligned`` in vefsdp_optim/_step_loop.py
+            self.update_block(flat, aligned(g.view(-1)), state, ctx, group)
             if id(p) not in self._validated:
                 validate_state(self, p, group)
                 self._validated.add(id(p))
@@ -282,11 +293,11 @@ class SOAP(ReplayCounting, BlockOptimizer):
             last = self._last_compute.get(key)
             if last is not None and last != item.compute:
                 raise NotImplementedError(
-                    f"SOAP: a parameter of shape {tuple(item.view.shape)} would be updated on other "
-                    f"ranks than at its last step ({item.compute} instead of {last}), which lack its "
-                    "factors: a parameter of its param group stepped without a gradient and moved the "
-                    "owners ([Note: SOAP state]); give every parameter of a SOAP group a gradient at "
-                    "every step (zeros rather than None)")
+                    f"SOAP: a parameter of shape {tuple(item.view.shape)} would be "
+                    f"updated on other ranks than at its last step ({item.compute} instead of "
+                    f"{last}), which lack its factors: a parameter of its param group stepped "
+                    "without a gradient and moved the owners ([Note: SOAP state]); give every "
+                    "parameter of a SOAP group a gradient at every step (zeros rather than None)")
             self._last_compute[key] = item.compute
         return super().gather_inputs(item)
 
@@ -298,12 +309,13 @@ class SOAP(ReplayCounting, BlockOptimizer):
         m = state["exp_avg"]
         if not (group["normalize_grads"] or geo.has_factors):
             if m.numel() != ctx.length:
-                raise AssertionError(f"SOAP state holds {m.numel()} elements, the step gives {ctx.length}")
+                raise AssertionError(f"SOAP state holds {m.numel()} elements, the step gives "
+                                     f"{ctx.length}")
             geo = None  # elementwise: any slice
         elif ctx.start != 0 or ctx.length != m.numel() or m.shape != geo.work_shape:
-            raise AssertionError(f"SOAP got the slice [{ctx.start}, {ctx.start + ctx.length}) of a parameter "
-                                 f"of shape {tuple(ctx.shape)} that needs the whole tensor, with state "
-                                 f"of shape {tuple(m.shape)}")
+            raise AssertionError(f"SOAP got the slice [{ctx.start}, {ctx.start + ctx.length}) of "
+                                 f"a parameter of shape {tuple(ctx.shape)} that needs the whole "
+                                 f"tensor, with state of shape {tuple(m.shape)}")
         step: int | torch.Tensor
         if group["capturable"]:
             step = state["step"]
@@ -312,8 +324,8 @@ class SOAP(ReplayCounting, BlockOptimizer):
         else:
             step = host_step = state["step"] = state["step"] + 1
         if geo is None or not geo.has_factors:
-            soap_step_(p, g, SoapState(m, state["exp_avg_sq"], [], []), step, self._group_hparams(group), geo,
-                       host_step)
+            soap_step_(p, g, SoapState(m, state["exp_avg_sq"], [], []), step,
+                       self._group_hparams(group), geo, host_step)
             return
         dims = range(len(geo.work_shape))
         soap = SoapState(m, state["exp_avg_sq"], [state.get(f"GG.{i}") for i in dims],

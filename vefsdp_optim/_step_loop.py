@@ -4,7 +4,7 @@
 parameter with a gradient into a :class:`StepItem`, puts items into exchange buckets
 (:func:`make_buckets`), and moves the inputs of items whose compute layout differs from
 their storage layout with :func:`exchange`, one ``all_to_all`` per bucket and dtype
-(asynchronous: see [Note: owner rounds]).
+(asynchronous: see ``make_buckets``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from vefsdp_optim.comm._collectives import first_difference
 from vefsdp_optim.sharding import BoxShard, RaggedShard, Requirement
 
 __all__ = [
-    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent", "exchange",
+    "BlockContext", "StepItem", "StepEntry", "PendingExchange", "make_buckets", "check_consistent",
+    "exchange",
     "gc_paused", "aligned", "pin_owners",
 ]
 
@@ -34,15 +35,16 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, as it was after.
 
     [Note: no collection during a step]
-    A step holds ~15 short-lived Python objects per parameter (views, items, entries,
-    argument lists) until its end, all freed by reference counting then. With the
-    collector on, every 700 of them start a young-generation collection, whose survivors
-    (the step's still-live objects) are promoted, so that every few steps a full
-    collection walks every object of the process (~0.3 s with torch imported and 1,000
-    parameters). torch's foreach step frees its temporaries as it goes and does not pay
-    this. So the step runs with the collector off, as torch.distributed.checkpoint's
-    state-dict functions do; the objects it frees by reference counting never reach a
-    collection. Measured in docs/performance.md.
+    A step holds about 15 short-lived Python objects per parameter until its end: views,
+    items, entries, argument lists. Reference counting frees them all then. With the
+    collector on, every 700 of them start a young-generation collection. Its survivors
+    are the step's still-live objects, and they are promoted. So every few steps a full
+    collection walks every object of the process. That takes ~0.3 s with torch imported
+    and 1,000 parameters. torch's foreach step frees its temporaries as it goes and does
+    not pay this. So the step runs with the collector off, as
+    torch.distributed.checkpoint's state-dict functions do. The objects it frees by
+    reference counting never reach a collection. BlockOptimizer.step runs inside this
+    context. Measured in docs/performance.md.
     """
     if not gc.isenabled():
         yield
@@ -102,25 +104,12 @@ class StepItem:
         return BlockContext(self.view.shape, start, length, rank, layout.world_size)
 
 
-# [Note: owner rounds]
-# Items computed whole on an owner rank (Muon's matrices on FSDP2 row shards) are not
-# exchanged in one bucket: the step loop would then wait for every input before the
-# first Newton-Schulz and send every result back after the last. Instead they form
-# rounds: each owner's items in decreasing cost (the order LPT gave them), and round j
-# holds the j-th item of every owner, so every rank has about the same work in every
-# round. Rounds below ``min_round_numel`` elements are merged with the next (a
-# collective costs a fixed latency). The step loop launches round k+1's inputs before
-# it computes round k and waits for round k's results only after computing round k+1,
-# so both exchanges run under Newton-Schulz; only the first send and the last return
-# are exposed. The bucket sequence is a pure function of the items, owners and costs,
-# which every rank shares ([Note: consistent steps]), so the collectives match.
-
-
 def _owner(it: StepItem) -> int | None:
     """The rank that computes ``it`` whole, or None when it is not an owner item."""
     if not it.moves or not it.requirement.needs_whole:
         return None
-    ext = it.compute.extents  # ends nondecreasing: the first rank ending past 0 holds the first element
+    # ends nondecreasing: the first rank ending past 0 holds the first element
+    ext = it.compute.extents
     r = bisect.bisect_right(ext, 0, key=_end)
     return r if r < len(ext) else None
 
@@ -129,10 +118,23 @@ def _end(extent: tuple[int, int]) -> int:
     return extent[0] + extent[1]
 
 
-def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int = 0) -> list[list[StepItem]]:
+def make_buckets(items: list[StepItem], bucket_numel: int,
+                 min_round_numel: int = 0) -> list[list[StepItem]]:
     """Exchange buckets: items of one param group, process group, dtype and device, at
     most ``bucket_numel`` elements each (one oversized item gets a bucket alone); owner
-    items in balanced rounds after the rest ([Note: owner rounds])."""
+    items in balanced rounds after the rest.
+
+    Items computed whole on an owner rank (Muon's matrices on FSDP2 row shards) are not
+    exchanged in one bucket: the step loop would then wait for every input before the
+    first Newton-Schulz and send every result back after the last. Instead they form
+    rounds: each owner's items in decreasing cost (the order LPT gave them), and round j
+    holds the j-th item of every owner, so every rank has about the same work in every
+    round. Rounds below ``min_round_numel`` elements are merged with the next (a
+    collective costs a fixed latency). The step loop launches round k+1's inputs before it
+    computes round k and waits for round k's results only after computing round k+1, so
+    both exchanges run under Newton-Schulz; only the first send and the last return are
+    exposed. The bucket sequence is a pure function of the items, owners and costs, which
+    every rank shares ([Note: consistent steps]), so the collectives match."""
     buckets: list[list[StepItem]] = []
     open_: dict[tuple, list[StepItem]] = {}
     sizes: dict[tuple, int] = {}
@@ -165,29 +167,29 @@ def make_buckets(items: list[StepItem], bucket_numel: int, min_round_numel: int 
     return buckets
 
 
-# [Note: consistent steps]
-# An exchange needs every rank of its process group to step the same parameters with
-# the same layouts: a rank that skips a parameter (its .grad is None there only) would
-# leave the all_to_all waiting forever. A check costs a collective and a host sync to
-# read it, so a steady-state step checks nothing. The check runs on the first step
-# after something that every rank does alike changed what a step exchanges:
-# construction, replan(), load_state_dict, add_param_group, or a change of the step's
-# structure (per parameter: its position, identity, process group, storage and compute
-# layouts; a re-plan by another optimizer, an edited structural key or param list),
-# which each rank sees in its own copy. A change of which parameters have gradients is
-# not a trigger: a rank sees only its own gradients, so a check it entered alone would
-# be the hang it guards against. Gradients that differ between ranks are then a user
-# error that may hang, as a torch collective called differently on two ranks does;
-# TORCH_DISTRIBUTED_DEBUG=DETAIL or VEFSDP_OPTIM_DEBUG=1 (``_debug.DEBUG``) checks every step.
-# The check: each process group that exchanges anything compares, on the parameters'
-# device, one fingerprint per rank of (position, has a gradient, shape, storage and
-# compute layouts) in one all-reduce of two int64 ([Note: agreement in O(1) bytes] in
-# comm/_collectives.py); only on a mismatch do four more collectives of O(P + W) int64
-# (comm's first_difference) name the first parameter and the ranks that differ. Which
-# process groups check depends only on the layouts, never on gradients, so on a step
-# every rank checks, the check cannot hang. BlockOptimizer keeps the structure it last
-# checked, and compares it only when it rebuilds its step plan ([Note: step plan]),
-# which every such change causes.
+# [Note: consistent steps] An exchange needs every rank of its process group to step the
+# same parameters with the same layouts. A rank that skips a parameter, because its .grad
+# is None there only, would leave the all_to_all waiting forever. A check costs a
+# collective and a host sync to read it, so a steady-state step checks nothing. The check
+# runs on the first step after something changed what a step exchanges that every rank
+# does alike and sees in its own copy. That is construction, replan(), load_state_dict(),
+# add_param_group(), or a change of the step's structure. The structure is, per
+# parameter, its position, identity, process group, storage and compute layouts. A
+# re-plan by another optimizer, an edited structural key or an edited param list changes
+# it. A change of which parameters have gradients is not a trigger. A rank sees only its
+# own gradients, so a check it entered alone would be the hang it guards against.
+# Gradients that differ between ranks are then a user error that may hang, as a torch
+# collective called differently on two ranks does. TORCH_DISTRIBUTED_DEBUG=DETAIL or
+# VEFSDP_OPTIM_DEBUG=1 (``_debug.DEBUG``) checks every step. In the check, each process
+# group that exchanges anything compares one fingerprint per rank, on the parameters'
+# device, of each parameter's position, whether it has a gradient, shape, storage and
+# compute layouts. That takes one all-reduce of two int64 (see ``same_on_all_ranks`` in
+# comm/_collectives.py). Only on a mismatch do four more collectives of O(P + W) int64,
+# comm's first_difference, name the first parameter and the ranks that differ. Which
+# process groups check depends only on the layouts, never on gradients. So on a step
+# every rank checks, and the check cannot hang. BlockOptimizer keeps the structure it
+# last checked and compares it only when it rebuilds its step plan ([Note: step plan]).
+# Every such change causes that rebuild.
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:
@@ -219,24 +221,26 @@ def check_consistent(entries: list[StepEntry]) -> None:
         # ints only: hash(None) and str hashes differ between processes
         keys = [hash((e.position, e.shape, _layout_key(e.layout),
                       _layout_key(e.compute) if e.compute is not None else ())) for e in es]
-        if same_on_all_ranks(hash(tuple(keys)), process_group, es[0].device):  # [Note: agreement in O(1) bytes]
+        if same_on_all_ranks(hash(tuple(keys)), process_group, es[0].device):
             continue
         # the first parameter and the ranks that differ, in O(P + W) int64 per rank: a
         # gather of every rank's layouts would be O(P x W) objects of W extents each
-        at, differ, with_grad = first_difference(keys, [e.compute is not None for e in es], process_group,
-                                                 es[0].device)
+        at, differ, with_grad = first_difference(keys, [e.compute is not None for e in es],
+                                                 process_group, es[0].device)
         if at < 0:
-            diff = f"ranks {differ} step another number of parameters in this process group than rank 0"
+            diff = (f"ranks {differ} step another number of parameters in this process "
+                    "group than rank 0")
         else:
             e = es[at]
             without = [r for r in range(process_group.size()) if r not in set(with_grad)]
             what = f"param group {e.position[0]} parameter {e.position[1]} (shape {e.shape})"
-            diff = (f"{what}: a gradient on ranks {with_grad}, none on ranks {without}" if with_grad and without
+            diff = (f"{what}: a gradient on ranks {with_grad}, none on ranks {without}"
+                    if with_grad and without
                     else f"{what}: layouts differ between ranks: ranks {differ} differ from rank 0")
         raise ValueError(
-            f"ranks disagree on what this optimizer step updates, so its exchange would hang: {diff} (the "
-            "first difference). Every rank must step the same parameters: set .grad to None (or zero it) "
-            "on every rank alike")
+            "ranks disagree on what this optimizer step updates, so its exchange would hang: "
+            f"{diff} (the first difference). Every rank must step the same parameters: set .grad "
+            "to None (or zero it) on every rank alike")
 
 
 def _layout_key(layout: RaggedShard | BoxShard) -> tuple[int, int]:
@@ -247,7 +251,8 @@ def _layout_key(layout: RaggedShard | BoxShard) -> tuple[int, int]:
 
 
 def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forward: bool,
-             moving: list[int] | None = None, routes: dict[tuple, list] | None = None) -> PendingExchange:
+             moving: list[int] | None = None,
+             routes: dict[tuple, list] | None = None) -> PendingExchange:
     """Send each moving item's ``tensors`` from its storage layout to its compute layout
     (``forward``) or back, in one ``all_to_all`` per dtype; returns at once. ``moving``:
     the indices of the items that move, where the caller knows them; ``routes``: a cache
@@ -277,12 +282,14 @@ def exchange(bucket: list[StepItem], tensors: list[list[torch.Tensor]], *, forwa
         for k, t in enumerate(sends):
             by_dtype.setdefault(t.dtype, []).append(k)
         process_group = bucket[0].view.process_group
-        groups = [(Route([src[k] for k in ks], [dst[k] for k in ks], process_group), ks, [where[k] for k in ks])
+        groups = [(Route([src[k] for k in ks], [dst[k] for k in ks], process_group), ks,
+                   [where[k] for k in ks])
                   for ks in by_dtype.values()]  # one all_to_all per dtype (usually one)
         if routes is not None:
             routes[key] = groups
     for route, ks, where in groups:
-        handle = route.launch(sends if len(ks) == len(sends) else [sends[k] for k in ks], async_op=True)
+        handle = route.launch(sends if len(ks) == len(sends) else [sends[k] for k in ks],
+                              async_op=True)
         pending.handles.append((handle, where))
     return pending
 
@@ -303,15 +310,16 @@ class PendingExchange:
 
 
 # [Note: owners stay]
-# The rank that computes a whole tensor (its owner) is chosen by balancing the whole
-# tensors that step together ([Note: owner assignment]), so it would move when that
-# set changes: a parameter of the param group without a gradient, one added later.
-# State kept by the owner (SOAP's factors and eigenbases, [Note: SOAP state]) would
-# then be missing where the tensor is computed. So a parameter keeps the owner of
-# its first step for as long as its storage layout stays the same (a re-plan or a
-# load at another world size chooses again); only parameters new to the step are
-# balanced. Every rank pins the same owners: they follow from the same layouts and
-# costs in the same order.
+# The rank that computes a whole tensor is its owner. Owners are chosen by balancing the
+# whole tensors that step together (see ``assign_owners`` in comm/_owners.py). So an
+# owner would move when that set changes, as when a parameter of the param group has no
+# gradient or one is added later. State kept by the owner, such as SOAP's factors and
+# eigenbases ([Note: SOAP state]), would then be missing where the tensor is computed. So
+# a parameter keeps the owner of its first step for as long as its storage layout stays
+# the same. A re-plan, or a load at another world size, chooses again. Only parameters
+# new to the step are balanced. Every rank pins the same owners, because they follow from
+# the same layouts and costs in the same order. ``pin_owners`` keeps them in ``pinned``,
+# by parameter, with the storage layout they were chosen for.
 def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]], float],
                owner_cache: dict[tuple, tuple[int, ...]],
                pinned: dict[int, tuple[RaggedShard | BoxShard, int]]) -> None:
@@ -342,17 +350,15 @@ def pin_owners(items: list[StepItem], cost: Callable[[torch.Size, dict[str, Any]
             it.compute = RaggedShard.whole(it.view.layout.numel, it.view.layout.world_size, owner)
 
 
-# [Note: aligned gradients]
 # CPU BLAS and vectorized reductions pick their kernels by the address of their operands:
 # the same matrix product or norm of a gradient that starts 4 bytes past a 64-byte
-# boundary rounds differently from one in a fresh allocation (measured: Shampoo's result
-# moves by ~3e-6 and SOAP's, through its eigenbases, by ~3e-2 on a 7 x 5 matrix after
-# four steps). fully_shard's gradients are views into one flat buffer at any offset, and
-# an exchange delivers slices of a receive buffer, while one device's gradient is a
-# tensor of its own, 64-byte aligned by torch's allocators. So the update of a block sees
-# its gradient at an aligned address, copied there when it is not (a copy of the
-# gradient per step and parameter where the store put it off the boundary; never on a
-# fresh tensor), and every layout gives the bits of one device.
+# boundary rounds differently from one in a fresh allocation (figures in
+# docs/decisions.md). fully_shard's gradients are views into one flat buffer at any
+# offset, and an exchange delivers slices of a receive buffer, while one device's
+# gradient is a tensor of its own, 64-byte aligned by torch's allocators. So the update
+# of a block sees its gradient at an aligned address, copied there when it is not (a copy
+# of the gradient per step and parameter where the store put it off the boundary; never
+# on a fresh tensor), and every layout gives the bits of one device.
 # The check reads the view's offset into its storage, not its address: storages start
 # aligned, and metadata is all a fake tensor (FakeTensorMode, torch.compile) has.
 _ALIGN = 64  # bytes: torch's CPU allocator alignment (CUDA's caching allocator: 512)

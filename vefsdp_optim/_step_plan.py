@@ -17,59 +17,62 @@ from vefsdp_optim.comm._views import step_grad_view
 from ._fsdp import ShardedParameter, replaced_by_fully_shard
 from ._step_loop import StepEntry, StepItem
 
-__all__ = ["GroupPlan", "StepPlan", "group_values", "identity", "param_key", "same_identity", "view_key"]
+__all__ = ["GroupPlan", "StepPlan", "group_values", "identity", "param_key", "same_identity",
+           "view_key"]
 
 _TENSOR = torch.Tensor
 
 # [Note: step plan]
-# A step derives from each parameter its view, requirement and compute layout, from the
-# parameters with gradients its step items, owners ([Note: owners stay]), consistency
-# entries ([Note: consistent steps]), exchange buckets and the items each bucket moves
-# ([Note: owner rounds]). All of it is a function of host facts that a steady-state
-# training loop does not change, so it is built at the first step and reused; a step
-# then reads, per parameter, only its key and its gradient. A GroupPlan is rebuilt when
-# any of its inputs differs from what it was built from:
-#   - the param group (by identity) or a value of its plan keys (structural_keys and
-#     plan_keys: what requirement() and cost() read);
+# A step derives from each parameter its view, requirement and compute layout. From the
+# parameters with gradients it derives its step items, owners ([Note: owners stay]),
+# consistency entries ([Note: consistent steps]), exchange buckets and the items each
+# bucket moves (``make_buckets`` in _step_loop.py). All of it is a function of host
+# facts that a steady-state training loop does not change. So it is built at the first
+# step and reused. A step then reads, per parameter, only its key and its gradient.
+# A GroupPlan is rebuilt when any of its inputs differs from what it was built from:
+#   - the param group, by identity, or a value of its plan keys. These are
+#     structural_keys and plan_keys, what requirement() and cost() read.
 #   - the parameters claim_params() leaves to the loop, by identity and order;
 #   - per parameter, which of them have a gradient;
-#   - per plain tensor, its data_ptr, shape and contiguity (a `.data` swap or a new
-#     storage; the plan's view keeps the old storage alive, so a new one cannot reuse its
-#     address); per other kind (DTensor, fully_shard), its view's storage, offset,
-#     layout, process group and shape, from a fresh view each step;
-# and dropped whole by replan(), add_param_group() and load_state_dict(). A gradient is
+#   - per plain tensor, its data_ptr, shape and contiguity. A `.data` swap or a new
+#     storage changes them. The plan's view keeps the old storage alive, so a new one
+#     cannot reuse its address.
+#   - per other kind, DTensor or fully_shard, its view's storage, offset, layout,
+#     process group and shape, from a fresh view each step. ``identity`` skips that
+#     fresh view where the parameter's objects are unchanged.
+# replan(), add_param_group() and load_state_dict() drop the plan whole. A gradient is
 # read afresh every step and must match its parameter's layout, or the rebuild raises
-# the same error as a first step; the items let go of their gradients when the step ends
-# (the plan keeps no gradient alive between steps: after zero_grad() the last step's are
-# freed, as with torch.optim). No key reads a device value: a step stays free of host
-# syncs. A fresh view of a DTensor or a fully_shard parameter is skipped where its
-# identity is unchanged ([Note: step plan identities]).
+# the same error as a first step. The items let go of their gradients when the step
+# ends, so the plan keeps no gradient alive between steps. After zero_grad() the last
+# step's gradients are freed, as with torch.optim. No key reads a device value, so a
+# step stays free of host syncs.
 
-# [Note: step plan identities]
-# A DTensor's or a ShardedParameter's view is a pure function of a few objects: its local
-# tensor (with that tensor's address, shape and dtype) and its DTensorSpec (mesh,
-# placements, shape) or its layout, process group and rank. The plan keeps those objects
-# (the objects, not their ids: an id is never reused while the plan holds it) and a step
-# compares them by identity, ~1 us a parameter, where a fresh view and its key cost
-# ~10-15 us on a CPU (two per parameter: the parameter's and its gradient's). Where any
-# differs, the step takes the fresh view and its key as before and, where the key still
-# matches, keeps the new identity. A gradient likewise skips its fresh view when it is a
-# DTensor on the spec object of the last gradient accepted for its parameter (FSDP2
-# builds all gradients of a parameter on one spec object) with its parameter's local
-# shape, contiguous and outside autograd, or a ShardedParameter on its parameter's
-# layout, process group and rank (fully_shard's gradients): exactly the cases where the
-# fresh view would give the same layout and a local tensor of the same elements.
 
 _DT, _SP = 0, 1  # identity kinds
 
 
 def identity(t: Any) -> tuple | None:
-    """The identity of a DTensor or a ShardedParameter ([Note: step plan identities]);
-    None for other kinds (subclasses included: they may view themselves otherwise)."""
+    """The identity of a DTensor or a ShardedParameter; None for other kinds (subclasses
+    included: they may view themselves otherwise).
+
+    A DTensor's or a ShardedParameter's view is a pure function of a few objects: its
+    local tensor (with that tensor's address, shape and dtype) and its DTensorSpec (mesh,
+    placements, shape) or its layout, process group and rank. The plan keeps those objects
+    (the objects, not their ids: an id is never reused while the plan holds it) and a step
+    compares them by identity, much cheaper than a fresh view and its key (figures in
+    docs/decisions.md; two per parameter: the parameter's and its gradient's). Where any
+    differs, the step takes the fresh view and its key as before and, where the key still
+    matches, keeps the new identity. A gradient likewise skips its fresh view when it is a
+    DTensor on the spec object of the last gradient accepted for its parameter (FSDP2
+    builds all gradients of a parameter on one spec object) with its parameter's local
+    shape, contiguous and outside autograd, or a ShardedParameter on its parameter's
+    layout, process group and rank (fully_shard's gradients): exactly the cases where the
+    fresh view would give the same layout and a local tensor of the same elements."""
     kind = type(t)
     if kind is ShardedParameter:
         local = t._local
-        return (_SP, local, address(local), local.shape, local.dtype, t._layout, t._process_group, t._rank)
+        return (_SP, local, address(local), local.shape, local.dtype, t._layout, t._process_group,
+                t._rank)
     if kind is DTensor:
         local = dtensor_local(t)
         return (_DT, local, address(local), local.shape, local.dtype, dtensor_spec(t))
@@ -125,7 +128,7 @@ class GroupPlan:
     entries: list[StepEntry]  # [Note: consistent steps]
     structure: list[tuple]  # [Note: consistent steps]
     # per row: identity() of a DTensor or ShardedParameter, else None; and the spec of the
-    # last DTensor gradient accepted ([Note: step plan identities])
+    # last DTensor gradient accepted (see ``identity``)
     idents: list[tuple | None] = field(init=False)
     grad_specs: list[Any] = field(init=False)
 
@@ -147,11 +150,13 @@ class GroupPlan:
                 ptr, shape = key
                 if p.data_ptr() != ptr or p.shape != shape or not p.is_contiguous():
                     return False
-                if item is not None and type(g) is _TENSOR and g.shape == shape and g.is_contiguous():
-                    item.grad = g if len(shape) == 1 else g.ravel()  # a view: contiguous (sparse is not)
+                if (item is not None and type(g) is _TENSOR and g.shape == shape
+                        and g.is_contiguous()):
+                    # a view: contiguous (sparse is not)
+                    item.grad = g if len(shape) == 1 else g.ravel()
                     continue
             elif (ident := idents[i]) is not None and same_identity(p, ident):
-                if item is not None and g is not None:  # [Note: step plan identities]
+                if item is not None and g is not None:  # ``identity``
                     if ident[0] == _SP:
                         if (type(g) is ShardedParameter and g._layout is ident[5]
                                 and g._process_group is ident[6] and g._rank == ident[7]):

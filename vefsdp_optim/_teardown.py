@@ -1,13 +1,15 @@
 """Ending a rank without the gloo teardown race.
 
-[Note: gloo teardown] torch's gloo worker threads release finished collectives on
-their own thread and may take the GIL while the interpreter finalizes; CPython then
-ends that thread with pthread_exit and the process aborts ("terminate called without an
-active exception"). destroy_process_group() cannot join them while FSDP2's DeviceMesh or
-DTensor's caches still hold the group. A rank that is done therefore waits for every
-collective, destroys its process group and leaves without interpreter finalization.
-The investigation (backtrace, thread counts, a pure-torch reproduction) is
-tools/STRESS.md; tests/test_gloo_teardown.py checks the trigger.
+[Note: gloo teardown]
+torch's gloo worker threads release finished collectives on their own thread. They may
+take the GIL while the interpreter finalizes. CPython then ends that thread with
+pthread_exit and the process aborts ("terminate called without an active exception").
+destroy_process_group() cannot join them while FSDP2's DeviceMesh or DTensor's caches
+still hold the group. So a rank that is done waits for every collective, destroys its
+process group and leaves without interpreter finalization. The investigation, with the
+backtrace, thread counts and a pure-torch reproduction, is tools/STRESS.md.
+tests/test_gloo_teardown.py checks the trigger. ``exit_rank`` below does this: a barrier,
+``destroy_process_group()``, a flush of stdout and stderr, then ``os._exit``.
 """
 
 from __future__ import annotations

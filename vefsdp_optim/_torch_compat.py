@@ -1,6 +1,6 @@
 """Every private torch name the library uses, and the torch versions it was checked on.
 
-[Note: torch range] The library supports exactly the torch releases it is tested on:
+The library supports exactly the torch releases it is tested on:
 ``TORCH_RANGE`` (the pin in pyproject.toml), tested at its lowest and highest release
 (``TESTED``; ``make test`` runs the suite on both). What torch does not promise to keep,
 underscore names, lives here and nowhere else (tests/test_torch_compat.py resolves every
@@ -57,15 +57,19 @@ __all__ = [
     "StridedShard", "dtensor_local", "dtensor_spec", "mesh_flatten", "mesh_concatenate",
     "device_dtype_check_for_fused", "to_scalar",
     "tree_flatten", "tree_map", "tree_unflatten", "FakeTensor",
-    "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM", "foreach_copy_",
-    "foreach_lerp_", "foreach_add_", "foreach_add", "foreach_neg", "foreach_mul_", "foreach_addcmul_",
+    "make_wrapper_subclass", "op_schema", "tensordot", "ATEN_TO_COPY", "ATEN_FOREACH_NORM",
+    "foreach_copy_",
+    "foreach_lerp_", "foreach_add_", "foreach_add", "foreach_neg", "foreach_mul_",
+    "foreach_addcmul_",
     "foreach_maximum_", "foreach_sqrt", "foreach_div_", "foreach_addcdiv_",
-    "storage_id", "storage_use_count", "tensor_version", "view_base", "unsafe_preserve_version_counter",
+    "storage_id", "storage_use_count", "tensor_version", "view_base",
+    "unsafe_preserve_version_counter",
     "unsafe_set_version_counter", "queue_autograd_callback",
     "module_parameters", "module_buffers", "module_apply",
     "SINCE", "ALL_GATHER_NAME", "REDUCE_SCATTER_NAME", "all_gather_single", "reduce_scatter_single",
     "DataParallelMeshDims",
-    "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened", "fsdp1_flat_param",
+    "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened",
+    "fsdp1_flat_param",
     "host_scratch",
 ]
 
@@ -94,7 +98,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # DTensor and DeviceMesh (comm._views, _fsdp._fully_shard)
     "torch.distributed.tensor.placement_types._StridedShard": CHECKED,
     "torch.distributed.tensor.DTensor._local_tensor": CHECKED,
-    # the step plan's identity of a DTensor (_step_plan, [Note: step plan identities])
+    # the step plan's identity of a DTensor (_step_plan, ``identity`` in vefsdp_optim/_step_plan.py)
     "torch.distributed.tensor.DTensor._spec": CHECKED,
     "torch.distributed.device_mesh.DeviceMesh._flatten": CHECKED,
     "torch.distributed.device_mesh.DeviceMesh._concatenate": CHECKED,
@@ -132,7 +136,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # 8-bit Adam's step counts (_adam8bit): one add for a bucket's tensors, as torch.optim's
     "torch._foreach_add_": CHECKED,
     # torch.optim's multi-tensor Adam, op for op, with the step counts read once
-    # (_math._adam, [Note: host step counts read once])
+    # (_math._adam, ``_multi_tensor_adam_host_steps_`` in vefsdp_optim/_math/_adam.py)
     "torch._foreach_add": CHECKED,
     "torch._foreach_neg": CHECKED,
     "torch._foreach_mul_": CHECKED,
@@ -146,7 +150,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._subclasses.fake_tensor.FakeTensor": ("2.11.0", "2.13.0", "2.15.0"),
     # constants the library computes on the host (8-bit Adam's quantizer tables) are
     # computed on real tensors under FakeTensorMode too, then given to the mode as fakes
-    # (_math._quant8, [Note: host constants under FakeTensorMode])
+    # (_math._quant8, ``TableQuantizer`` in vefsdp_optim/_math/_quant8.py)
     "torch._subclasses.fake_tensor.unset_fake_temporarily": CHECKED,
     "torch._C._get_dispatch_mode": CHECKED,
     "torch._C._TorchDispatchModeKey.FAKE": CHECKED,
@@ -164,10 +168,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.distributed._tools.mem_tracker.MemTracker": CHECKED,
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker": CHECKED,
     "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats": CHECKED,
-    # FSDP1's flattened parameters, refused by the block optimizers (_flattened.py, [Note:
-    # flattened parameters]): the mark FSDP1 sets on what it flattened, its FlatParameter
-    # and what that records of the parameters it holds (instance attributes, declared on
-    # the class)
+    # FSDP1's flattened parameters, refused by the block optimizers (_flattened.py,
+    # vefsdp_optim/_flattened.py): the mark FSDP1 sets on what it flattened, its
+    # FlatParameter and what that records of the parameters it holds (instance
+    # attributes, declared on the class)
     "torch.distributed.fsdp._common_utils._is_fsdp_flattened": CHECKED,
     "torch.distributed.fsdp._flat_param.FlatParameter": CHECKED,
     "torch.distributed.fsdp._flat_param.FlatParameter._shapes": CHECKED,
@@ -212,7 +216,7 @@ foreach_addcdiv_ = torch._foreach_addcdiv_
 
 def host_constants() -> Any:
     """A context in which factories make real host tensors even under FakeTensorMode
-    ([Note: host constants under FakeTensorMode] in _math/_quant8.py)."""
+    (see ``TableQuantizer`` in vefsdp_optim/_math/_quant8.py)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
@@ -276,7 +280,8 @@ def global_peak_memory_tracker(fsdp2_root: Any = None, optimizer: Any = None) ->
                     self._peak_mem_snap[dev] = deepcopy(snap)
 
     GlobalPeakTracker._update_peak_stats.__wrapped__ = replaced  # type: ignore[attr-defined]
-    return GlobalPeakTracker(fsdp2_root, optimizer) if fsdp2_root is not None else GlobalPeakTracker()
+    return (GlobalPeakTracker(fsdp2_root, optimizer) if fsdp2_root is not None
+            else GlobalPeakTracker())
 
 
 def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
@@ -355,7 +360,8 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
-def unsafe_set_version_counter(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+def unsafe_set_version_counter(tensors: tuple[torch.Tensor, ...],
+                               versions: tuple[int, ...]) -> None:
     torch._C._autograd._unsafe_set_version_counter(tensors, versions)
 
 
@@ -379,9 +385,11 @@ def module_apply(cls: type, m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return super(cls, m)._apply(*args, **kwargs)
 
 
-# [Note: torch range]: torch.distributed's flat collectives, the new names where torch has
-# them (the old ones warn there); tests wrap getattr(dist, ALL_GATHER_NAME) to count calls
-ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+# The torch range (module docstring): torch.distributed's flat collectives, the new names
+# where torch has them (the old ones warn there); tests wrap getattr(dist, ALL_GATHER_NAME)
+# to count calls
+ALL_GATHER_NAME = ("all_gather_single" if hasattr(dist, "all_gather_single")
+                   else "all_gather_into_tensor")
 REDUCE_SCATTER_NAME = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
                    else "reduce_scatter_tensor")
 
@@ -414,7 +422,8 @@ def require_data_parallel_mesh_dims(what: str) -> type:
     return DataParallelMeshDims
 
 
-def fsdp1_flat_param(p: torch.Tensor) -> tuple[tuple[torch.Size, ...] | None, tuple[str, ...]] | None:
+def fsdp1_flat_param(p: torch.Tensor) -> tuple[tuple[torch.Size, ...] | None, tuple[str,
+                                                                                    ...]] | None:
     """For FSDP1's FlatParameter: the shapes of the parameters it holds and its whole
     (unsharded, unpadded) flat size, the same on every rank (None while FSDP1 has not
     recorded them), and their names; None for any other tensor."""

@@ -1,15 +1,14 @@
 """Hugging Face ``transformers.Trainer`` for a model sharded before the Trainer sees it.
 
 Accelerate shards a model itself only where its FSDP plugin is active, and on CPU ranks
-(gloo) it ignores the plugin and wraps the model in DDP ([Note: Trainer on a sharded
-model]). A model sharded by FSDP2's ``fully_shard`` or ours before the Trainer is the
-path that works on every device: ``vefsdp_optim.hf.Trainer`` takes such a model, keeps
-Accelerate from wrapping it again, and saves and resumes it the way a sharded model
-needs: the weights gathered once for ``save_pretrained`` (every rank joins, rank 0
-writes), and the model and optimizer state as one distributed checkpoint of each rank's
-shards (``vefsdp_optim.save``), loadable at another world size.
+(gloo) it ignores the plugin and wraps the model in DDP (see below). A model sharded by
+FSDP2's ``fully_shard`` or ours before the Trainer is the path that works on every
+device: ``vefsdp_optim.hf.Trainer`` takes such a model, keeps Accelerate from wrapping
+it again, and saves and resumes it the way a sharded model needs: the weights gathered
+once for ``save_pretrained`` (every rank joins, rank 0 writes), and the model and
+optimizer state as one distributed checkpoint of each rank's shards
+(``vefsdp_optim.save``), loadable at another world size.
 
-[Note: Trainer on a sharded model]
 ``transformers.Trainer``'s own paths assume an unsharded model on every rank where no
 FSDP plugin is set: ``save_model`` calls ``state_dict()`` on rank 0 alone (a collective
 the other ranks never join: a hang), and the optimizer state it saves is rank 0's shard
@@ -78,28 +77,32 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
         if model is None or not is_sharded(model):
-            raise ValueError("vefsdp_optim.hf.Trainer takes a model sharded by fully_shard (FSDP2's or "
-                             "vefsdp_optim's) before the Trainer; got "
+            raise ValueError("vefsdp_optim.hf.Trainer takes a model sharded by fully_shard "
+                             "(FSDP2's or vefsdp_optim's) before the Trainer; got "
                              f"{'no model' if model is None else type(model).__name__ + ' with no sharded module'}"
                              ": shard it first, or use transformers.Trainer")
         training = kwargs.get("args", args[0] if args else None)
         asked = [what for what, on in (
             ("TrainingArguments.fsdp", bool(getattr(training, "fsdp", None))),
             ("TrainingArguments.deepspeed", bool(getattr(training, "deepspeed", None))),
-            ("ACCELERATE_USE_FSDP", os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")),
-            ("ACCELERATE_USE_DEEPSPEED", os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")),
+            ("ACCELERATE_USE_FSDP",
+             os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")),
+            ("ACCELERATE_USE_DEEPSPEED",
+             os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")),
         ) if on]
         if asked:  # on CPU ranks Accelerate would ignore them without a word
-            raise ValueError(f"the model is sharded already, but {', '.join(asked)} asks Accelerate to shard it "
-                             "again: leave fsdp / fsdp_config and deepspeed out of the TrainingArguments and the "
-                             "accelerate config for vefsdp_optim.hf.Trainer")
+            raise ValueError(f"the model is sharded already, but {', '.join(asked)} asks "
+                             "Accelerate to shard it again: leave fsdp / fsdp_config and deepspeed "
+                             "out of the TrainingArguments and the accelerate config for "
+                             "vefsdp_optim.hf.Trainer")
         # Accelerate's own guard against preparing a model twice: it would wrap the sharded
         # model in DDP (CPU ranks) or refuse its DTensors
         model._is_accelerate_prepared = True
         super().__init__(model, *args, **kwargs)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            raise ValueError("the model is sharded already: leave fsdp / fsdp_config and deepspeed out of the "
-                             "TrainingArguments (and the accelerate config) for vefsdp_optim.hf.Trainer")
+            raise ValueError("the model is sharded already: leave fsdp / fsdp_config and "
+                             "deepspeed out of the TrainingArguments (and the accelerate config) "
+                             "for vefsdp_optim.hf.Trainer")
 
     # -- what the Trainer's checkpoints hold --------------------------------------------------
 
@@ -128,7 +131,8 @@ class Trainer(transformers.Trainer):
             else:
                 from safetensors.torch import save_file
 
-                save_file(full, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+                save_file(full, os.path.join(output_dir, "model.safetensors"),
+                          metadata={"format": "pt"})
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
@@ -142,13 +146,15 @@ class Trainer(transformers.Trainer):
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: nn.Module | None = None) -> None:
         # the weights are loaded with the optimizer's state (_load_optimizer_and_scheduler):
         # here only check that the checkpoint is one this Trainer wrote
         where = os.path.join(resume_from_checkpoint, SHARDED_CHECKPOINT)
         if not os.path.isdir(where):
             raise ValueError(f"{resume_from_checkpoint!r} has no {SHARDED_CHECKPOINT!r} folder: "
-                             "vefsdp_optim.hf.Trainer resumes from checkpoints it saved (save_only_model=False)")
+                             "vefsdp_optim.hf.Trainer resumes from checkpoints it saved "
+                             "(save_only_model=False)")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -167,4 +173,5 @@ class Trainer(transformers.Trainer):
         set_optimizer_state_dict(self.model, self._inner_optimizer(), state["optim"])
         path = os.path.join(checkpoint, _SCHEDULER)
         if self.lr_scheduler is not None and os.path.isfile(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu",
+                                                         weights_only=True))

@@ -1,21 +1,20 @@
 """The commit protocol of vefsdp_optim.save: which copy of a checkpoint is newest,
 which files are ours, and whether they are intact.
 
-[Note: generations and markers]
 Every directory save() writes carries a marker file, ``.vefsdp-checkpoint.json``:
 ``{"format": "vefsdp-checkpoint", "generation": g, "state": "writing" | "complete",
 "files": {name: {"size": n, "sha256": hex}}}``. Rank 0 writes it with state "writing"
-into ``path.tmp-<tag>`` *before* any data, and rewrites it (write aside, rename) with
-state "complete" and every file's checksum once all ranks have written (each rank
-hashes the files it wrote, right after writing them, and rank 0 gathers what they
-found: no rank hashes another's data, [Note: checksums by their writers]); only then is
-the previous copy moved to ``path.old-<tag>``, the new one renamed to ``path``, and the
-old one removed. The generation is one more than the newest complete copy found, so
-load() takes the complete copy with the largest generation among ``path``,
-``path.old-*`` and ``path.tmp-*`` and warns when that is not ``path``. Leftovers
-(siblings with our marker, in any state) are removed by the next successful save, and
-only the files the protocol writes (DCP's ``.metadata`` and ``__*.distcp``, the marker)
-are deleted: a directory with anything else in it is left in place.
+into ``path.tmp-<tag>`` *before* any data. Once all ranks have written, it rewrites it
+(write aside, rename) with state "complete" and every file's checksum. Each rank hashes
+the files it wrote, right after writing them, and rank 0 gathers what they found, so no
+rank hashes another's data (see ``_writer`` in _save_load.py). Only then is the previous
+copy moved to ``path.old-<tag>``, the new one renamed to ``path``, and the old one
+removed. The generation is one more than the newest complete copy found, so load() takes
+the complete copy with the largest generation among ``path``, ``path.old-*`` and
+``path.tmp-*`` and warns when that is not ``path``. Leftovers (siblings with our marker,
+in any state) are removed by the next successful save, and only the files the protocol
+writes (DCP's ``.metadata`` and ``__*.distcp``, the marker) are deleted: a directory
+with anything else in it is left in place.
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ def read_marker(directory: str) -> dict[str, Any] | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or type(data.get("generation")) is not int:
+    if (not isinstance(data, dict) or data.get("format") != FORMAT
+            or type(data.get("generation")) is not int):
         return None
     return data
 
@@ -71,7 +71,8 @@ def describe(directory: str, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def describe_files(directory: str, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+def describe_files(directory: str,
+                   known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Size and checksum of every file DCP wrote into ``directory``: those in ``known``
     (described by the ranks that wrote them) as they are, the rest (the metadata) read
     here."""
@@ -101,7 +102,8 @@ def leftovers(path: str, keep: str) -> list[str]:
     parent, base = os.path.split(path)
     return [os.path.join(parent, n) for n in _listdir(parent or ".")
             if n.startswith((base + ".tmp-", base + ".old-")) and os.path.join(parent, n) != keep
-            and os.path.isdir(os.path.join(parent, n)) and read_marker(os.path.join(parent, n)) is not None]
+            and os.path.isdir(os.path.join(parent, n))
+            and read_marker(os.path.join(parent, n)) is not None]
 
 
 def remove_ours(directory: str) -> None:

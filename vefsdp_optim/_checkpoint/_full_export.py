@@ -55,7 +55,8 @@ def _assemble(parts: list[Any]) -> Any:
     return parts[0][1]
 
 
-def _gather_to_rank0(entries: dict[tuple, Any], process_group: dist.ProcessGroup | None) -> dict[tuple, Any] | None:
+def _gather_to_rank0(entries: dict[tuple, Any],
+                     process_group: dist.ProcessGroup | None) -> dict[tuple, Any] | None:
     """Assemble {key: full value} on rank 0 from every rank's pieces (None elsewhere)."""
     rank = _rank(process_group)
     mine = {k: _pieces(v, rank) for k, v in entries.items()}
@@ -105,7 +106,8 @@ def export_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         return
     out: dict[str, Any] = {"model": {}}
     if groups is not None:
-        out["optim"] = {"state": {name: {} for g in groups for name in g["params"]}, "param_groups": groups}
+        out["optim"] = {"state": {name: {} for g in groups for name in g["params"]},
+                        "param_groups": groups}
     for key, v in full.items():
         if key[0] == "model":
             out["model"][key[1]] = v
@@ -132,7 +134,8 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         raise
     except Exception as e:  # noqa: BLE001 - a refused global, a truncated zip, ...
         raise ValueError(f"{where!r} cannot be imported: torch.load(weights_only=True) refused it "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                         f"({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
         raise ValueError(f"{where!r} is not a full export (no 'model' entry)")
     saved = data["model"]
@@ -148,9 +151,9 @@ def import_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                   ("not tensors:", bad)) if items]
         raise ValueError(f"{where!r} does not match the model: " + "; ".join(parts))
     if optimizer is not None:
-        # [Note: import validates, then writes] the optimizer's load_state_dict checks
-        # class, groups and every state entry before it changes anything; it runs before
-        # the model's weights are written, so a refused import leaves both untouched.
+        # The optimizer's load_state_dict checks class, groups and every state entry
+        # before it changes anything; it runs before the model's weights are written, so a
+        # refused import leaves both untouched.
         if not isinstance(data.get("optim"), Mapping):
             raise ValueError(f"{where!r} has no optimizer state ('optim' entry)")
         optimizer.load_state_dict(data["optim"])

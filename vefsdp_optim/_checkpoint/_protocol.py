@@ -29,7 +29,8 @@ class CheckpointedOptimizer(Protocol):
 
     def requirement(self, shape: torch.Size, group: dict[str, Any]) -> Requirement: ...
 
-    def checkpoint_spec(self, shape: torch.Size, group: dict[str, Any]) -> dict[str, str | int] | None: ...
+    def checkpoint_spec(self, shape: torch.Size,
+                        group: dict[str, Any]) -> dict[str, str | int] | None: ...
 
     def checkpoint_layout(self, p: torch.Tensor, view: ShardedView,
                           group: dict[str, Any]) -> RaggedShard | BoxShard | None:
@@ -39,15 +40,15 @@ class CheckpointedOptimizer(Protocol):
     def export_extra_state(self, state: dict[str, Any], view: ShardedView, layout: Any,
                            group: dict[str, Any]) -> dict[str, Any]: ...
 
-    def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView, layout: Any,
-                           group: dict[str, Any], name: object) -> None: ...
+    def import_extra_state(self, state: dict[str, Any], saved: dict[str, Any], view: ShardedView,
+                           layout: Any, group: dict[str, Any], name: object) -> None: ...
 
     def materialize_state(self, params: Iterable[torch.Tensor]) -> None:
         """Create the state of ``params`` with the optimizer's own code, changing no
-        parameter ([Note: state created alike on every rank]); collective."""
+        parameter (see ``_to_create`` in vefsdp_optim/_checkpoint/_format.py); collective."""
 
     def forget_state(self, p: torch.Tensor) -> None:
-        """Empty ``p``'s state ([Note: no state saved, none loaded])."""
+        """Empty ``p``'s state (see ``load_state`` in vefsdp_optim/_checkpoint/_format.py)."""
 
     def pin_owner(self, p: torch.Tensor, layout: RaggedShard | BoxShard, rank: int) -> None:
         """The rank of ``p``'s ``layout`` that computes its whole tensor from now on

@@ -3,8 +3,8 @@
 Two pieces, used by :func:`vefsdp_optim.load`:
 
 - :func:`read_dcp_metadata`: the ``.metadata`` file of a DCP checkpoint, unpickled with
-  an allowlist of the classes DCP metadata is made of ([Note: restricted metadata]),
-  then type-checked, then confined ([Note: confined storage]).
+  an allowlist of the classes DCP metadata is made of (see ``_Unpickler``),
+  then type-checked, then confined (see ``_confine``).
 - :class:`SafeReader`: torch's ``FileSystemReader`` reading its metadata that way.
 
 Every other unpickling on the load path goes through ``torch.load(weights_only=True)``,
@@ -37,16 +37,15 @@ from ._commit import sha256
 
 __all__ = ["read_dcp_metadata", "SafeReader", "MetadataRefused"]
 
-# [Note: restricted metadata]
 # DCP's FileSystemReader reads ``.metadata`` with a plain ``pickle.load``: a crafted file
 # runs any code at load time (torch treats DCP as trusted-environment only). We unpickle
 # it as torch/_weights_only_unpickler.py does a weights file: ``find_class`` answers only
 # the globals below, every other one raises before any REDUCE/BUILD runs, and
 # ``persistent_load`` is refused. The allowlist is what torch's writers put there: the
-# metadata dataclasses, torch.Size / dtypes / layouts / memory formats / devices,
-# pathlib paths (older writers record ``checkpoint_id`` as a PosixPath) and plain
-# containers. Calling an allowed class only builds data. After unpickling, the result
-# is type-checked field by field, so a well-formed pickle of the wrong shape is refused
+# metadata dataclasses, torch.Size, dtypes, layouts, memory formats, devices, pathlib
+# paths (older writers record ``checkpoint_id`` as a PosixPath) and plain containers.
+# Calling an allowed class only builds data. After unpickling, the result is
+# type-checked field by field, so a well-formed pickle of the wrong shape is refused
 # with a ValueError too, never a late AttributeError.
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
@@ -87,8 +86,9 @@ class _Unpickler(pickle.Unpickler):
             return _ALLOWED[(module, name)]
         except KeyError:
             raise MetadataRefused(
-                f"checkpoint {self._where!r} metadata references {module}.{name}, which is not allowed; "
-                "vefsdp_optim.load only reads DCP metadata (see README, Trust)") from None
+                f"checkpoint {self._where!r} metadata references {module}.{name}, which is "
+                "not allowed; vefsdp_optim.load only reads DCP metadata (see "
+                "README, Trust)") from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise MetadataRefused(f"checkpoint {self._where!r} metadata holds a persistent id {pid!r}, "
@@ -121,8 +121,8 @@ def _chunks_inside(entry: _md.TensorStorageMetadata) -> bool:
             return False
         if ndim and set(map(type, itertools.chain.from_iterable(field))) != {int}:
             return False
-    for dim, o, s in zip(entry.size, zip(*map(_OFFSETS, chunks), strict=True), zip(*map(_SIZES, chunks), strict=True),
-                         strict=True):
+    for dim, o, s in zip(entry.size, zip(*map(_OFFSETS, chunks), strict=True),
+                         zip(*map(_SIZES, chunks), strict=True), strict=True):
         if min(o) < 0 or min(s) < 0 or max(map(operator.add, o, s)) > dim:
             return False
     return True
@@ -145,8 +145,10 @@ def _storage_typed(sdata: dict) -> bool:
     for field in (list(map(_OFFSET, infos)), list(map(_LENGTH, infos))):
         if set(map(type, field)) != {int} or min(field) < 0:
             return False
-    for td in {id(t): t for t in (getattr(i, "transform_descriptors", None) for i in infos)}.values():
-        if td is not None and not (isinstance(td, (list, tuple)) and all(isinstance(t, str) for t in td)):
+    for td in {id(t): t
+               for t in (getattr(i, "transform_descriptors", None) for i in infos)}.values():
+        if td is not None and not (isinstance(td, (list, tuple))
+                                   and all(isinstance(t, str) for t in td)):
             return False
     return True
 
@@ -178,7 +180,8 @@ def _check_each_storage_entry(sdata: dict, where: str) -> None:
             raise _bad(where, f"storage entry of {idx.fqn} is {info!r}, expected a relative path, "
                               "offset >= 0 and length >= 0")
         td = getattr(info, "transform_descriptors", None)
-        if td is not None and not (isinstance(td, (list, tuple)) and all(isinstance(t, str) for t in td)):
+        if td is not None and not (isinstance(td, (list, tuple))
+                                   and all(isinstance(t, str) for t in td)):
             raise _bad(where, f"storage entry of {idx.fqn} has transforms {td!r}")
 
 
@@ -195,7 +198,8 @@ def _check_types(md: object, where: str) -> _md.Metadata:
         if isinstance(entry, _md.TensorStorageMetadata):
             _check_size(entry.size, where, f"{fqn}.size")
             props = entry.properties
-            if not isinstance(props, _md.TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            if not isinstance(props, _md.TensorProperties) or not isinstance(props.dtype,
+                                                                             torch.dtype):
                 raise _bad(where, f"{fqn} has no tensor properties with a dtype")
             if not isinstance(entry.chunks, list):
                 raise _bad(where, f"{fqn}.chunks is not a list")
@@ -214,17 +218,6 @@ def _check_types(md: object, where: str) -> _md.Metadata:
         _check_each_storage_entry(sdata, where)
     return md
 
-
-# [Note: confined storage]
-# Every storage entry names a file by ``relative_path``. Before the first byte of data
-# is read (read_metadata runs before DCP plans any read), each one must be a plain
-# relative path with no ``..`` component that, with every symlink resolved, lies inside
-# the checkpoint directory, and be a regular file (no FIFO, no device); its
-# ``offset + length`` must fit in the file. A tensor entry's length must also fit the
-# chunk it claims to hold (elements x element size, plus torch.save's few-KiB framing),
-# and every chunk lies inside its tensor, whose size load() has already compared with
-# the target state dict: a crafted file can make load read and allocate no more than
-# that target needs.
 
 _FRAMING = 64 << 10  # torch.save's zip framing of one tensor: ~1.5 KiB, alignment included
 
@@ -278,7 +271,7 @@ _INDEX_OFFSET = operator.attrgetter("offset")
 
 def _file_size(rel: str, real_root: str, where: str) -> int:
     """The size of the data file ``rel``, after checking that it is a plain relative path
-    to a regular file inside the checkpoint ([Note: confined storage])."""
+    to a regular file inside the checkpoint (see ``_confine``)."""
     parts = rel.replace("\\", "/").split("/")
     if (not rel or "\0" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
             or any(p in ("", ".", "..") for p in parts)):
@@ -298,6 +291,17 @@ def _file_size(rel: str, real_root: str, where: str) -> int:
 
 
 def _confine(md: _md.Metadata, root: str, where: str) -> None:
+    """Refuse a storage entry outside the checkpoint or past its bounds.
+
+    Every storage entry names a file by ``relative_path``. Before the first byte of data
+    is read (read_metadata runs before DCP plans any read), each one must be a plain
+    relative path with no ``..`` component that, with every symlink resolved, lies inside
+    the checkpoint directory, and be a regular file (no FIFO, no device). Its ``offset +
+    length`` must fit in the file. A tensor entry's length must also fit the chunk it
+    claims to hold (elements x element size, plus torch.save's few-KiB framing), and every
+    chunk lies inside its tensor, whose size load() has already compared with the target
+    state dict. So a crafted file can make load read and allocate no more than that target
+    needs."""
     if not _confined(md, root, where):
         _confine_each_entry(md, root, where)
 
@@ -324,8 +328,8 @@ def _confine_each_entry(md: _md.Metadata, root: str, where: str) -> None:
             bound = largest if idx.offset is None else by_offset.get(tuple(idx.offset), _FRAMING)
             if info.length > bound:
                 raise MetadataRefused(
-                    f"checkpoint {where!r}: the entry of {idx.fqn} claims {info.length} bytes, more than its "
-                    f"chunk needs ({bound} at most)")
+                    f"checkpoint {where!r}: the entry of {idx.fqn} claims {info.length} bytes, "
+                    f"more than its chunk needs ({bound} at most)")
 
 
 def read_dcp_metadata(root: str, filename: str = ".metadata") -> _md.Metadata:
@@ -361,7 +365,7 @@ class SafeReader(FileSystemReader):
     load() and dcp.load() both ask for it). With ``files`` (name -> {"size", "sha256"},
     from save()'s marker), each file is checked before its first read: its size always,
     its checksum when ``verify``, by one reader only: the one the coordinator's global
-    plan gives it to ([Note: checksums by their writers] in _save_load.py). The names in
+    plan gives it to (see ``_writer`` in vefsdp_optim/_checkpoint/_save_load.py). The names in
     ``checked`` (the metadata, which rank 0 checked for every rank) are not hashed again."""
 
     def __init__(self, path: str | os.PathLike, *, files: dict[str, Any] | None = None,
@@ -441,5 +445,5 @@ def load_bytes_safely(value: io.BytesIO, where: str, fqn: str) -> Any:
         raise ValueError(f"checkpoint {where!r} entry {fqn!r} is not plain data, refused by "
                          f"torch.load(weights_only=True): {e}") from None
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"checkpoint {where!r} entry {fqn!r} cannot be read (truncated or corrupt): "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(f"checkpoint {where!r} entry {fqn!r} cannot be read (truncated "
+                         f"or corrupt): {type(e).__name__}: {e}") from None

@@ -1,10 +1,10 @@
 """Checkpoints: DCP save/load, written aside then renamed.
 
 The sharded state itself needs nothing from here: fully_shard parameters and the
-optimizers' state_dict() speak DCP's protocol (see [Note: ragged slices as DCP boxes]
+optimizers' state_dict() speak DCP's protocol (see ``flat_range_boxes`` in sharding/_box.py
 and [Note: world-size-free optimizer state]), so ``torch.distributed.checkpoint`` and
 its ``state_dict`` helpers save and reshard them at any world size. These helpers add
-the safety of [Note: write aside, then rename] (with the commit protocol of
+the safety of writing aside, then renaming (see ``save``; with the commit protocol of
 ``_commit.py``) and a load that is safe on untrusted files (``_safe_load.py``); the
 unsharded export is ``_full_export.py``.
 """
@@ -27,14 +27,6 @@ from ._safe_load import MetadataRefused, SafeReader, load_bytes_safely
 
 __all__ = ["save", "load"]
 
-# [Note: write aside, then rename]
-# save() writes the checkpoint into ``path + ".tmp-<tag>"`` (one tag, chosen by rank 0),
-# waits for every rank, records checksums and a generation in the copy's marker, and
-# only then rank 0 moves the previous checkpoint aside (``path + ".old-<tag>"``),
-# renames the new one to ``path`` and removes the old one. A save stopped at any point
-# leaves a complete copy that load() finds (the newest, by generation), and the next
-# successful save removes what it left. See [Note: generations and markers] in
-# _commit.py for which files are ours and are ever deleted.
 
 # Fault injection for tests: called with the phase name on every rank.
 _fault_hook: Callable[[str], None] | None = None
@@ -72,11 +64,19 @@ def _check_path(path: object) -> str:
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
          process_group: dist.ProcessGroup | None = None, overwrite: bool = True) -> None:
     """``dcp.save(state_dict)`` to the directory ``path``, atomically: an interrupted
-    save leaves the newest complete checkpoint loadable ([Note: write aside, then
-    rename]). Writes only its own files: ``path`` must be new, an empty directory or a
-    checkpoint this function wrote (replaced when ``overwrite``, the default; refused
-    otherwise); an existing file or a directory holding anything else raises
-    ValueError naming it. Collective over ``process_group`` (the default process group when None)."""
+    save leaves the newest complete checkpoint loadable (see below). Writes only its own
+    files: ``path`` must be new, an empty directory or a checkpoint this function wrote
+    (replaced when ``overwrite``, the default; refused otherwise); an existing file or a
+    directory holding anything else raises ValueError naming it. Collective over
+    ``process_group`` (the default process group when None).
+
+    Write aside, then rename: save() writes the checkpoint into ``path + ".tmp-<tag>"``
+    (one tag, chosen by rank 0), waits for every rank, records checksums and a generation
+    in the copy's marker, and only then rank 0 moves the previous checkpoint aside
+    (``path + ".old-<tag>"``), renames the new one to ``path`` and removes the old one. A
+    save stopped at any point leaves a complete copy that load() finds (the newest, by
+    generation), and the next successful save removes what it left. The docstring of
+    _commit.py says which files are ours and are ever deleted."""
     import torch.distributed.checkpoint as dcp
 
     path = _check_path(path).rstrip(os.sep)
@@ -111,7 +111,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
                   "files": _commit.describe_files(tmp, known=written)})),
         ("move_old", lambda: os.path.isdir(path) and os.rename(path, old)),
         ("move_new", lambda: os.rename(tmp, path)),
-        ("clean", lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
+        ("clean",
+         lambda: [_commit.remove_ours(d) for d in [old, *_commit.leftovers(path, keep=path)]
                             if os.path.isdir(d)]),
     )
     failed = ""
@@ -124,25 +125,28 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *,
                 failed = f"{phase}: {type(e).__name__}: {e}"
     failed = _broadcast_str(failed, process_group)
     if failed:
-        raise OSError(f"save to {path!r} failed while committing ({failed}); the newest complete copy "
-                      "is still loadable and the next save removes what this one left")
+        raise OSError(f"save to {path!r} failed while committing ({failed}); the newest "
+                      "complete copy is still loadable and the next save removes what "
+                      "this one left")
 
 
 def _begin(path: str, overwrite: bool) -> str:
     """Rank 0: refuse a path that is not ours, create the new copy with its "writing"
     marker; returns "<tag>:<generation>"."""
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"save: {path!r} is an existing file, not a checkpoint directory; vefsdp_optim.save "
-                         "never replaces a file it did not write: remove it or save to another path")
+        raise ValueError(f"save: {path!r} is an existing file, not a checkpoint directory; "
+                         "vefsdp_optim.save never replaces a file it did not write: remove it or "
+                         "save to another path")
     if os.path.isdir(path):
         mine = _commit.read_marker(path)
         if mine is None and os.listdir(path):
-            raise ValueError(f"save: {path!r} is a non-empty directory that is not a vefsdp_optim checkpoint "
-                             f"(no {_commit.MARKER}); save into a new or empty directory (overwrite=True only "
-                             "replaces a vefsdp_optim checkpoint, never other files)")
+            raise ValueError(f"save: {path!r} is a non-empty directory that is not a "
+                             f"vefsdp_optim checkpoint (no {_commit.MARKER}); save into a new or "
+                             "empty directory (overwrite=True only replaces a vefsdp_optim "
+                             "checkpoint, never other files)")
         if mine is not None and not overwrite:
-            raise ValueError(f"save: {path!r} already holds a checkpoint (generation {mine['generation']}); "
-                             "pass overwrite=True to replace it")
+            raise ValueError(f"save: {path!r} already holds a checkpoint (generation "
+                             f"{mine['generation']}); pass overwrite=True to replace it")
     found = _commit.copies(path)
     gen = (found[0][0] if found else 0) + 1
     tag = uuid.uuid4().hex
@@ -152,22 +156,19 @@ def _begin(path: str, overwrite: bool) -> str:
     return f"{tag}:{gen}"
 
 
-# [Note: checksums by their writers]
-# A checkpoint's marker records every file's size and sha256. Each rank hashes the
-# data files it wrote itself, right after DCP wrote them (from the page cache), and rank
-# 0 gathers these descriptions (one small object per rank, to rank 0 only) and hashes
-# only what it wrote and the metadata: the hashing is spread as the writing is, and no
-# rank waits on another's beyond the save's own end. On load, the coordinator gives each
-# file that the read plans touch to exactly one of its readers (the least loaded by
-# bytes), and only that reader hashes it (SafeReader.prepare_global_plan); rank 0 alone
-# hashes the metadata, before the other ranks read it.
-
-
 def _writer(path: str) -> Any:
     """torch's FileSystemWriter, recording no path of this machine in the metadata
     (``storage_meta.checkpoint_id`` would hold the absolute temporary directory), and
-    describing the files this rank wrote in ``written`` ([Note: checksums by their
-    writers])."""
+    describing the files this rank wrote in ``written``.
+
+    A checkpoint's marker records every file's size and sha256. Each rank hashes the data
+    files it wrote itself, right after DCP wrote them (from the page cache), and rank 0
+    gathers these descriptions (one small object per rank, to rank 0 only) and hashes only
+    what it wrote and the metadata: the hashing is spread as the writing is, and no rank
+    waits on another's beyond the save's own end. On load, the coordinator gives each file
+    that the read plans touch to exactly one of its readers (the least loaded by bytes),
+    and only that reader hashes it (SafeReader.prepare_global_plan); rank 0 alone hashes
+    the metadata, before the other ranks read it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -189,7 +190,7 @@ def _writer(path: str) -> Any:
 def _gather_written(written: dict[str, dict[str, Any]],
                     process_group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
     """Rank 0 of ``process_group``: every rank's descriptions of the files it wrote,
-    merged ([Note: checksums by their writers]); the other ranks: their own."""
+    merged (see ``_writer``); the other ranks: their own."""
     if not (dist.is_available() and dist.is_initialized()):
         return written
     dst = dist.get_global_rank(process_group, 0) if process_group is not None else 0
@@ -206,7 +207,7 @@ def _gather_written(written: dict[str, dict[str, Any]],
 
 def _resolve(path: str) -> tuple[str, str]:
     """The directory to load for the checkpoint ``path`` and, when that is not ``path``
-    itself, the warning to give ([Note: generations and markers])."""
+    itself, the warning to give (see vefsdp_optim/_checkpoint/_commit.py)."""
     found = _commit.copies(path)
     if found:
         gen, where = found[0]
@@ -214,8 +215,8 @@ def _resolve(path: str) -> tuple[str, str]:
             return path, ""
         here = _commit.read_marker(path) if os.path.isdir(path) else None
         state = "missing" if here is None else f"at generation {here['generation']}"
-        return where, (f"checkpoint {path!r}: loading generation {gen} from {where!r}, left complete by an "
-                       f"interrupted save; {path!r} is {state}")
+        return where, (f"checkpoint {path!r}: loading generation {gen} from {where!r}, left "
+                       f"complete by an interrupted save; {path!r} is {state}")
     if os.path.isdir(path):
         return path, ""  # a DCP checkpoint not written by save(): no marker, no checksums
     raise FileNotFoundError(f"no checkpoint at {path!r}")
@@ -226,14 +227,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     """``dcp.load`` of the checkpoint at ``path`` into ``state_dict`` (in place), after
     checking that the checkpoint has every key of ``state_dict`` with the same shape;
     raises ValueError listing what differs. Safe on a checkpoint you did not write (see
-    the README's Trust section): the metadata is unpickled with an allowlist ([Note:
-    restricted metadata]), every data file must lie inside ``path`` and hold what the
-    metadata claims ([Note: confined storage]), non-tensor entries are unpickled with
+    the README's Trust section): the metadata is unpickled with an allowlist (see
+    ``_Unpickler`` in vefsdp_optim/_checkpoint/_safe_load.py), every data file must lie
+    inside ``path`` and hold what the metadata claims (see ``_confine`` in
+    vefsdp_optim/_checkpoint/_safe_load.py), non-tensor entries are unpickled with
     ``torch.load(weights_only=True)``; a refusal is a ValueError naming the checkpoint,
-    raised before any data is read. Loads the newest complete copy (warning when it
-    is one an interrupted save left) and, unless ``verify=False``, checks every file it
-    reads against the checksum save() recorded (ValueError naming the file). Then call ``set_model_state_dict`` /
-    ``set_optimizer_state_dict`` (or ``load_state_dict``) as usual."""
+    raised before any data is read. Loads the newest complete copy (warning when it is
+    one an interrupted save left) and, unless ``verify=False``, checks every file it
+    reads against the checksum save() recorded (ValueError naming the file). Then call
+    ``set_model_state_dict`` / ``set_optimizer_state_dict`` (or ``load_state_dict``) as
+    usual."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -256,7 +259,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     path, warning = choice.split("\0")
     if warning:
         warnings.warn(warning, stacklevel=2)
-    if reader is None:  # rank 0 checked the metadata file ([Note: checksums by their writers])
+    if reader is None:  # rank 0 checked the metadata file (see ``_writer``)
         marker = _commit.read_marker(path)
         reader = SafeReader(path, files=marker.get("files") if marker else None, verify=verify,
                             checked=(".metadata",))
@@ -268,7 +271,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
     shapes = []
     for k, v in flat.items():
         md = saved.get(k)
-        if isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != v.shape:
+        if (isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata)
+                and md.size != v.shape):
             shapes.append(f"{k}: checkpoint {tuple(md.size)}, here {tuple(v.shape)}")
     if missing or shapes:
         extra = sorted(k for k in saved if k not in flat)
@@ -281,7 +285,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
             lines.append(f"shapes differ: {_few(shapes)}")
         raise ValueError(f"checkpoint {path!r} does not match the state dict; " + "; ".join(lines))
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(path), process_group=process_group)
+        dcp.load(state_dict, storage_reader=reader, planner=_weights_only_planner(path),
+                 process_group=process_group)
     except dcp.api.CheckpointException as e:  # a BaseException: surface our ValueError
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, ValueError)]
         if refused:
@@ -289,25 +294,22 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *,
         raise
 
 
-# [Note: stateless parameters in a checkpoint]
-# A parameter that had no optimizer state when the checkpoint was written (never
-# stepped yet) has no entry in it, while the fresh optimizer's state dict asks for one:
-# get_optimizer_state_dict first steps with zero gradients (DCP's _init_optim_state),
-# which gives every parameter state. Plain dcp.load then fails with "Missing key", for
-# torch.optim as for ours. load() instead empties such an entry, in place, when the
-# checkpoint holds the same optimizer's param groups (so it was saved, and only this
-# parameter's state is absent) and lacks every key of the entry; a partly missing entry
-# is still an error. The optimizer's load_state_dict then leaves that parameter without
-# state ([Note: no state saved, none loaded] in _format.py). Both of torch's
-# optimizer state dict forms are recognized: nested ({"state": {fqn: {key: value}},
-# "param_groups": [...]}) and flattened ({"state.<fqn>.<key>": value,
-# "param_groups.<fqn>.<key>": value}).
+def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any],
+                             mapping: dict[str, Any], saved: Mapping[str, Any]) -> bool:
+    """Empty the optimizer state entries of ``state_dict`` that the checkpoint lacks wholly;
+    True when any was emptied.
 
-
-def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any], mapping: dict[str, Any],
-                             saved: Mapping[str, Any]) -> bool:
-    """Empty the optimizer state entries of ``state_dict`` that the checkpoint lacks wholly
-    ([Note: stateless parameters in a checkpoint]); True when any was emptied."""
+    A parameter that had no optimizer state when the checkpoint was written (never
+    stepped yet) has no entry in it, while the fresh optimizer's state dict asks for one:
+    get_optimizer_state_dict first steps with zero gradients (DCP's _init_optim_state),
+    which gives every parameter state. Plain dcp.load then fails with "Missing key", for
+    torch.optim as for ours. load() instead empties such an entry, in place, when the
+    checkpoint holds the same optimizer's param groups (so it was saved, and only this
+    parameter's state is absent) and lacks every key of the entry; a partly missing entry
+    is still an error. The optimizer's load_state_dict then leaves that parameter without
+    state (``load_state`` in _format.py). Both of torch's optimizer state dict forms are
+    recognized: nested ({"state": {fqn: {key: value}}, "param_groups": [...]}) and
+    flattened ({"state.<fqn>.<key>": value, "param_groups.<fqn>.<key>": value})."""
     entries: dict[tuple, list[str]] = {}  # (container path, entry key) -> flat keys
     names: dict[int, set[str]] = {}  # id(flattened optimizer dict) -> its parameter names
     for key in flat:
@@ -316,7 +318,8 @@ def _empty_stateless_entries(state_dict: dict[str, Any], flat: dict[str, Any], m
             if part == "state" and i + 1 < len(path) and _is_optim_dict(_get(state_dict, path[:i])):
                 entries.setdefault((tuple(path[:i]), "state", path[i + 1]), []).append(key)
                 break
-            fqn = _flat_fqn(_get(state_dict, path[:i]), part, names) if isinstance(part, str) else None
+            fqn = _flat_fqn(_get(state_dict,
+                                 path[:i]), part, names) if isinstance(part, str) else None
             if fqn is not None:  # flattened form: "state.<fqn>.<state key>"
                 entries.setdefault((tuple(path[:i]), f"state.{fqn}"), []).append(key)
                 break

@@ -35,7 +35,7 @@ from ._placement import (
 from ._sharded_tensor import ShardedParameter
 from ._state import FSDPState, ParamOutsideUse
 
-if TYPE_CHECKING:  # torch >= 2.12 ([Note: torch range])
+if TYPE_CHECKING:  # torch >= 2.12 (see vefsdp_optim/_torch_compat.py)
     from torch.distributed.fsdp import DataParallelMeshDims
 
 __all__ = ["fully_shard", "FSDPModule", "FSDPState", "replaced_by_fully_shard"]
@@ -67,32 +67,30 @@ def fully_shard(
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s own parameters (not those of fully_shard'd descendants).
 
-    ``module`` may be a list of modules (FSDP2's form): their parameters form one shard group
-    that communicates together; it is gathered at the first of them to run forward and
-    resharded when all have. ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D
-    (replicate, shard) HSDP mesh; default: every rank of the default process group on the current
-    device type. ``shard_placement_fn``: FSDP2's per-parameter placement; ``None``,
-    ``Shard(0)`` and ``Shard(d)`` for a dim d of the parameter (torchtitan's ``Shard(1)``
-    experts) are all stored as this library's layout (a RaggedShard of the flattened
-    parameter, cut where the optimizers' blocks allow; [Note: shard placements]); a
-    ``ShardPlacementResult`` shards its parameter over its own mesh (1-D, or HSDP's
-    (replicate, shard)): the call then has one shard group per mesh ([Note: shard groups of
-    one call]); any other placement raises NotImplementedError. Expert parallelism:
-    experts as DTensors on an ``ep`` mesh and either torchtitan's one call per block (a
-    ``ShardPlacementResult`` on ``edp_mesh`` for the experts) or two calls,
-    ``fully_shard(experts, mesh=edp_mesh)``, then the block over ``dp``.
+    ``module`` may be a list of modules (FSDP2's form): their parameters form one shard group that
+    communicates together; it is gathered at the first of them to run forward and resharded when
+    all have. ``mesh``: a 1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) HSDP mesh;
+    default: every rank of the default process group on the current device type.
+    ``shard_placement_fn``: FSDP2's per-parameter placement; ``None``, ``Shard(0)`` and
+    ``Shard(d)`` for a dim d of the parameter (torchtitan's ``Shard(1)`` experts) are all stored
+    as this library's layout (a RaggedShard of the flattened parameter, cut where the optimizers'
+    blocks allow; ``_check_placement`` in vefsdp_optim/_fsdp/_placement.py); a
+    ``ShardPlacementResult`` shards its parameter over its own mesh (1-D, or HSDP's (replicate,
+    shard)): the call then has one shard group per mesh (see ``_by_mesh``); any other placement
+    raises NotImplementedError. Expert parallelism: experts as DTensors on an ``ep`` mesh and
+    either torchtitan's one call per block (a ``ShardPlacementResult`` on ``edp_mesh`` for the
+    experts) or two calls, ``fully_shard(experts, mesh=edp_mesh)``, then the block over ``dp``.
     ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy`` (the sharded
-    parameters, gradients and optimizer step on the CPU: [Note: CPU offload] in
-    _store.py). ``ignored_params``: left out of the shard group, as FSDP2.
+    parameters, gradients and optimizer step on the CPU: ``DtypeStore`` in
+    vefsdp_optim/_fsdp/_store.py). ``ignored_params``: left out of the shard group, as FSDP2.
     ``dp_mesh_dims``: FSDP2's names of the data-parallel dims of a larger SPMD ``mesh``
-    (``shard=`` and optionally ``replicate=``); the shard group shards over that submesh
-    (torch >= 2.12, which has ``DataParallelMeshDims``; on 2.11 NotImplementedError).
-    Parameters are plain tensors or DTensors of tensor parallelism on a 1-D tp mesh
-    (``parallelize_module`` first): each is sharded by its TP-local tensor over ``mesh``,
-    model code sees DTensors on the tp mesh, the optimizers see the global tensor
-    ([Note: fully_shard over tensor parallel]).
-    Returns ``module``, each of whose classes now also derives from :class:`FSDPModule`
-    (an instance of torch's ``FSDPModule``).
+    (``shard=`` and optionally ``replicate=``); the shard group shards over that submesh (torch >=
+    2.12, which has ``DataParallelMeshDims``; on 2.11 NotImplementedError). Parameters are plain
+    tensors or DTensors of tensor parallelism on a 1-D tp mesh (``parallelize_module`` first):
+    each is sharded by its TP-local tensor over ``mesh``, model code sees DTensors on the tp mesh,
+    the optimizers see the global tensor (see ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py).
+    Returns ``module``, each of whose classes now also derives from :class:`FSDPModule` (an
+    instance of torch's ``FSDPModule``).
     """
     modules = _check_modules(module)
     reshard_after_forward = _check_reshard(reshard_after_forward)
@@ -105,7 +103,7 @@ def fully_shard(
     offload, pin_memory = _check_offload(offload_policy)
     collected = _collect(modules, set(map(id, ignored_params or ())))
     shard_groups = []
-    # [Note: shard groups of one call]
+    # one shard group per mesh (see _by_mesh below)
     for group_mesh, group in _by_mesh(collected, shard_placement_fn, mesh):
         data = _shard_data(group, group_mesh, device)
         shard, replicate = _process_groups(group_mesh)
@@ -140,10 +138,12 @@ def _check_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     """``module`` as a non-empty list of modules not yet fully_shard'd, or raise."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard needs a module or a non-empty list of modules, got an empty list")
+        raise ValueError("fully_shard needs a module or a non-empty list of modules, got "
+                         "an empty list")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+            raise TypeError("fully_shard expects an nn.Module or a list of them, got "
+                            f"{type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
     return modules
@@ -172,7 +172,7 @@ def _shard_data(group: list[_Collected], mesh: DeviceMesh,
                 device: torch.device) -> dict[str, torch.Tensor]:
     """fqn -> the local data a shard group over ``mesh`` starts from, on ``device``: a
     DTensor's TP-local tensor, whose ManagedParam takes its TensorParallel spec and local
-    shape ([Note: fully_shard over tensor parallel])."""
+    shape (see ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py)."""
     data = {}
     for c in group:
         # meta parameters (large models built under torch.device("meta")) give their
@@ -199,7 +199,7 @@ def _bind_outside_use(state: FSDPState, collected: list[_Collected]) -> None:
 
 def _record_replaced(state: FSDPState, collected: list[_Collected]) -> None:
     """The replaced Parameters, by id, for ``replaced_by_fully_shard``, the nested-tie check
-    of an enclosing call and [Note: tied parameters across shard groups]."""
+    of an enclosing call and ``_tie_error``."""
     state.originals.update({id(c.original): c.original for c in collected})
     _REPLACED.update({id(c.original): c.original for c in collected})
     for c in collected:
@@ -220,15 +220,14 @@ def _install(m: nn.Module, state: FSDPState) -> None:
     m._vefsdp_state = state
 
 
-# [Note: shard groups of one call]
 # A shard group communicates over one (shard, replicate) pair of process groups, so one
 # fully_shard call whose shard_placement_fn puts parameters on several meshes (FSDP2's
 # ``ShardPlacementResult``: torchtitan's MoE block, experts over ``efsdp`` and the rest
 # over ``dp``, in one call) gets one ShardGroup per distinct mesh, as FSDP2 gets one
-# FSDPParamGroup per process group. Meshes are told apart by value ([Note: meshes by
-# value]): equal meshes built twice share a group. The groups are ordered by their first
-# parameter in the module's parameter order, the same on every rank, and every hook
-# walks them in that order (each launches its all-gathers, then waits for each), so
+# FSDPParamGroup per process group. Meshes are told apart by value (``mesh_key`` in
+# _param.py): equal meshes built twice share a group. The groups are ordered by their
+# first parameter in the module's parameter order, the same on every rank, and every
+# hook walks them in that order (each launches its all-gathers, then waits for each), so
 # the collectives of each process group are issued in the same order on all of its
 # ranks. They share the call's module hooks, reshard policy and mixed precision and
 # enter and leave forward and backward together; each keeps its own stores, plan,
@@ -236,11 +235,10 @@ def _install(m: nn.Module, state: FSDPState) -> None:
 # the block over ``dp``, shard the same way with one group each.
 
 
-
 def _by_mesh(params: list[_Collected], fn: Callable[[nn.Parameter], object] | None,
              mesh: DeviceMesh) -> list[tuple[DeviceMesh, list[_Collected]]]:
     """The parameters grouped by the mesh ``fn`` gives each (this call's mesh by default),
-    in order of first parameter ([Note: shard groups of one call])."""
+    in order of first parameter (see the comment above)."""
     groups: dict[tuple, tuple[DeviceMesh, list[_Collected]]] = {}
     for c in params:
         own = mesh if fn is None else _check_placement(fn(c.original), c.mp, mesh)
@@ -249,12 +247,14 @@ def _by_mesh(params: list[_Collected], fn: Callable[[nn.Parameter], object] | No
 
 
 def _check_offload(policy: object) -> tuple[bool, bool]:
-    """(offload, pin_memory) of an ``offload_policy`` ([Note: CPU offload] in _store.py)."""
+    """(offload, pin_memory) of an ``offload_policy`` (see ``DtypeStore`` in
+    vefsdp_optim/_fsdp/_store.py)."""
     if policy is None or type(policy) is OffloadPolicy:
         return False, False
     if isinstance(policy, CPUOffloadPolicy):
         return True, bool(policy.pin_memory)
-    raise TypeError(f"offload_policy must be an OffloadPolicy or a CPUOffloadPolicy, got {type(policy).__name__}")
+    raise TypeError("offload_policy must be an OffloadPolicy or a CPUOffloadPolicy, got "
+                    f"{type(policy).__name__}")
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -265,20 +265,20 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 module_buffers(sub)[name] = b.to(device)
 
 
-# [Note: tied parameters across shard groups]
 # A Parameter held by two modules that two sibling fully_shard calls shard (an embedding
 # tied to the output head in another group) would become two sharded parameters, each
 # trained on its own half of the gradient: FSDP2 does this silently (3 parameters become
 # 4). The second call finds the module still holding the original Parameter that the
 # first call replaced, and raises before any collective, naming both modules and the fix
-# (one shard group for both). Every rank sees the same module structure, so all raise alike.
+# (one shard group for both). Every rank sees the same module structure, so all raise
+# alike.
 
 
 def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
                named: list[tuple[str, nn.Module]]) -> ValueError:
     """The error for ``sub.attr`` (at ``mname`` in this call), a Parameter an earlier call
     replaced: both modules by their paths in this call's module ``m`` where it holds both
-    (the root call), else by class ([Note: tied parameters across shard groups])."""
+    (the root call), else by class (see the comment above)."""
     def where(path: str, m: nn.Module, a: str) -> str:
         cls = type(m)
         if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:  # the user's class
@@ -286,16 +286,18 @@ def _tie_error(mname: str, sub: nn.Module, attr: str, p: nn.Parameter,
         return f"{path}.{a} ({cls.__name__}.{a})" if path else f"{cls.__name__}.{a}"
 
     paths = {id(m): n.rstrip(".") for n, m in reversed(named)}  # the first path of each module
-    others = [(m, a) for m, a in ((ref(), a) for ref, a in _REPLACED_IN.get(id(p), [])) if m is not None]
+    others = [(m, a) for m, a in ((ref(), a) for ref, a in _REPLACED_IN.get(id(p), []))
+              if m is not None]
     there = " and ".join(where(paths.get(id(m), ""), m, a) for m, a in others) or "a parameter"
     known = [paths[id(m)] for m, _ in others if paths.get(id(m))]
-    pair = f"; here fully_shard([m.{known[0]}, m.{mname}]), then fully_shard(m)" if mname and known else ""
+    pair = (f"; here fully_shard([m.{known[0]}, m.{mname}]), then fully_shard(m)" if mname and known
+            else "")
     return ValueError(
         f"fully_shard: parameter {where(mname, sub, attr)} is the same Parameter as {there}, which "
         "another fully_shard call has already sharded: the tied weight (e.g. an embedding and its "
-        "output head) would be untied, each copy trained apart. Shard both modules in one shard group, "
-        f"one call with a list (fully_shard([embed_module, head_module]){pair}), or apply "
-        "fully_shard to their lowest common ancestor only")
+        "output head) would be untied, each copy trained apart. Shard both modules in one "
+        "shard group, one call with a list (fully_shard([embed_module, "
+        f"head_module]){pair}), or apply fully_shard to their lowest common ancestor only")
 
 
 def _collect(modules: list[nn.Module],
@@ -318,13 +320,14 @@ def _collect(modules: list[nn.Module],
         for attr, p in list(module_parameters(sub).items()):
             if p is None or id(p) in ignored:
                 continue
-            if replaced_by_fully_shard(p):  # [Note: tied parameters across shard groups]
+            if replaced_by_fully_shard(p):  # ``_tie_error``
                 raise _tie_error(mname, sub, attr, p, named)
             if isinstance(p, ShardedParameter):
                 raise ValueError(
-                    f"parameter {mname + '.' if mname else ''}{attr} is shared with a module already "
-                    "managed by a nested fully_shard; tied parameters must be managed by one shard group: "
-                    "apply fully_shard to their lowest common ancestor only")
+                    f"parameter {mname + '.' if mname else ''}{attr} is shared with a "
+                    "module already managed by a nested fully_shard; tied parameters must be "
+                    "managed by one shard group: apply fully_shard to their lowest common "
+                    "ancestor only")
             fqn = f"{mname}.{attr}" if mname else attr
             mp = managed.get(id(p))
             if mp is None:
@@ -341,6 +344,6 @@ def _collect(modules: list[nn.Module],
             if orig.get(id(c.original)) is c.original:
                 raise ValueError(
                     f"parameter {c.mp.fqn} is shared with a nested fully_shard'd module; tied "
-                    "parameters must be managed by one shard group: apply fully_shard to their lowest "
-                    "common ancestor only")
+                    "parameters must be managed by one shard group: apply fully_shard to "
+                    "their lowest common ancestor only")
     return order

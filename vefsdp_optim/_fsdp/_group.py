@@ -8,9 +8,9 @@ installs call into :class:`ShardGroup`: unshard before forward and backward, res
 after, one reduce-scatter when the shard group's gradients are complete. Where the
 shard group is in its step is two explicit states (``GatherState``, ``GradState`` in
 _lifecycle.py), which only the shard group changes; its stores hold no reference to it
-([Note: store and shard group] in _settings.py). The optimizers see each store through a
+(see ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py). The optimizers see each store through a
 :class:`StoreBinding` (the ``FlatStore`` of [Note: flat store contract]). See
-[Note: grads into the buffer] in _param.py.
+``ManagedParam`` in vefsdp_optim/_fsdp/_param.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_shard_group_consistent(signature: list, shard_process_group: dist.Proc
     """Raise ValueError on every rank unless all ranks hold the same shard group signature.
 
     One ``same_on_all_ranks`` per process group before the first collective on the
-    shard group's buffers (two int64 per rank: [Note: agreement in O(1) bytes]), on
+    shard group's buffers (two int64 per rank: ``same_on_all_ranks`` in comm/_collectives.py), on
     ``device``: dtypes, plans and frozen flags that differ (or a module with parameters
     on some ranks only) raise instead of hanging or mixing buffers; only then are the
     signatures gathered, to name the ranks.
@@ -57,16 +57,17 @@ def check_shard_group_consistent(signature: list, shard_process_group: dist.Proc
         bad = [r for r, sig in enumerate(gathered) if sig != gathered[0]]
         if bad:
             raise ValueError(
-                f"fully_shard: ranks {bad} of a process group of {process_group.size()} hold parameters "
-                f"different from rank 0's (dtype, plan fingerprint, requires_grad per store): "
-                f"{gathered[bad[0]]} vs {gathered[0]}; every rank must shard the same module structure")
+                f"fully_shard: ranks {bad} of a process group of {process_group.size()} "
+                "hold parameters different from rank 0's (dtype, plan fingerprint, requires_grad "
+                f"per store): {gathered[bad[0]]} vs {gathered[0]}; every rank must shard the same "
+                "module structure")
 
 
 class StoreBinding:
     """The ``FlatStore`` ([Note: flat store contract]) a sharded parameter is bound to: one
-    store of a shard group. The data questions go to the store; a re-plan goes to the
-    shard group, which owns the lifecycle transition it needs ([Note: store and shard
-    group] in _store.py)."""
+    store of a shard group. The data questions go to the store; a re-plan goes to the shard
+    group, which owns the lifecycle transition it needs (see ``StoreSettings`` in
+    vefsdp_optim/_fsdp/_settings.py)."""
 
     __slots__ = ("shard_group", "store", "__weakref__")  # optimizers cache per store, weakly
 
@@ -101,14 +102,16 @@ class ShardGroup:
 
     def __init__(self, params: list[ManagedParam], *, shard_process_group: dist.ProcessGroup,
                  replicate_process_group: dist.ProcessGroup | None, device: torch.device,
-                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor], offload: bool = False,
-                 pin_memory: bool = False) -> None:
+                 mp_policy: MixedPrecisionPolicy, data: dict[str, torch.Tensor],
+                 offload: bool = False, pin_memory: bool = False) -> None:
         replicate = (replicate_process_group if replicate_process_group is not None
                      and replicate_process_group.size() > 1 else None)
-        #: fixed at construction, and given to every store ([Note: store and shard group])
+        #: fixed at construction, and given to every store (see ``StoreSettings`` in
+        #: vefsdp_optim/_fsdp/_settings.py)
         self.settings = StoreSettings(
             shard_process_group, shard_process_group.size(), shard_process_group.rank(), replicate,
-            replicate.size() if replicate is not None else 1, device, mp_policy, offload, offload and pin_memory)
+            replicate.size() if replicate is not None else 1, device, mp_policy, offload,
+            offload and pin_memory)
         self.params = params
         by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
         for p in params:
@@ -121,15 +124,15 @@ class ShardGroup:
                 p.sharded.bind_store(binding)
         check_shard_group_consistent(self.signature(), shard_process_group, replicate, device)
         self.requires_gradient_sync = True
-        # [Note: gradient reduction policy] FSDP2's knobs (FSDPModule.set_*): by default the
-        # gradients are averaged over every data-parallel rank (the backend's AVG where it
-        # has one, else SUM and one division). With a gradient_divide_factor f, or with
-        # force_sum_reduction, every collective is a SUM and the result is divided once by
-        # f (default: the number of data-parallel ranks), before HSDP's all-reduce: f = 1
-        # gives summed gradients, as frameworks that normalize the loss themselves expect.
-        # requires_all_reduce=False (HSDP) skips the replicate all-reduce; the partial
-        # result is kept and joins the next all-reduce. all_reduce_hook(t) runs on the
-        # reduced shard before it becomes the sharded .grad.
+        # FSDP2's knobs (FSDPModule.set_*): by default the gradients are averaged over
+        # every data-parallel rank (the backend's AVG where it has one, else SUM and one
+        # division). With a gradient_divide_factor f, or with force_sum_reduction, every
+        # collective is a SUM and the result is divided once by f (default: the number of
+        # data-parallel ranks), before HSDP's all-reduce: f = 1 gives summed gradients, as
+        # frameworks that normalize the loss themselves expect. requires_all_reduce=False
+        # (HSDP) skips the replicate all-reduce; the partial result is kept and joins the
+        # next all-reduce. all_reduce_hook(t) runs on the reduced shard before it becomes
+        # the sharded .grad.
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True
@@ -138,7 +141,8 @@ class ShardGroup:
         #: [Note: lazy gradient buffer]: True (default) copies autograd's gradients into the
         #: buffer at the end of backward (FSDP2's memory); False adds into it in place
         self.grad_copy_in = True
-        #: [Note: unused parameters]: FSDPModule.set_reduce_scatter_unused_params
+        #: ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py:
+        #: FSDPModule.set_reduce_scatter_unused_params
         self.reduce_scatter_unused_params = False
         self.gather_state = GatherState.SHARDED
         self.grad_state = GradState.IDLE
@@ -146,7 +150,8 @@ class ShardGroup:
         # [Note: fully_shard streams]: the root's, given at its lazy init (before it: none)
         self.comm = CommContext(NO_STREAMS)
         self._side_alloc = False  # the gathered buffers were allocated on the copy-in stream
-        self._gather_event: Any = None  # the last all-gather on the side streams (it read compute.local)
+        # the last all-gather on the side streams (it read compute.local)
+        self._gather_event: Any = None
         self._reductions: list[tuple[DtypeStore, PendingReduce]] = []  # REDUCING: launched
         self._gathered_versions: tuple[int, ...] | None = None  # master versions at the last gather
         # called before a store allocates its gradient buffer: finishes completed reductions
@@ -154,14 +159,18 @@ class ShardGroup:
         self.before_grad_alloc: Callable[[], None] = lambda: None
 
     def grad_settings(self) -> GradSettings:
-        """The gradient knobs as they are now, for the stores ([Note: store and shard group])."""
-        return GradSettings(self.grad_copy_in, self.gradient_divide_factor, self.force_sum_reduction,
+        """The gradient knobs as they are now, for the stores (see ``StoreSettings`` in
+        vefsdp_optim/_fsdp/_settings.py)."""
+        return GradSettings(self.grad_copy_in, self.gradient_divide_factor,
+                            self.force_sum_reduction,
                             self.requires_all_reduce, self.all_reduce_hook, self.before_grad_alloc,
                             self.reduce_scatter_unused_params)
 
     def signature(self) -> list[tuple[str, str, tuple[bool, ...]]]:
-        """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every rank."""
-        return [(str(store.dtype), store.plan.fingerprint()[:16], tuple(p.requires_grad for p in store.params))
+        """Per store: (dtype, plan fingerprint, requires_grad per parameter); equal on every
+        rank."""
+        return [(str(store.dtype), store.plan.fingerprint()[:16],
+                 tuple(p.requires_grad for p in store.params))
                 for store in self.stores]
 
     def _versions(self) -> tuple[int, ...]:
@@ -286,7 +295,8 @@ class ShardGroup:
 
     def release_grads(self) -> None:
         """Give back the shard gradients' bytes where no ``.grad`` refers to them any more
-        ([Note: gradient memory]); the root calls it before each forward."""
+        (see ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py); the root calls
+        it before each forward."""
         if self.grad_state is GradState.IDLE:
             for store in self.stores:
                 store.release_grads()
@@ -308,11 +318,13 @@ class ShardGroup:
         raise AssertionError(f"{p.fqn} is not a parameter of this shard group")
 
     def reduce_grads(self) -> None:
-        """End of this shard group's backward: launch the reduction unless accumulating without sync.
+        """End of this shard group's backward: launch the reduction unless accumulating without
+        sync.
 
-        The reduce-scatters run asynchronously ([Note: async reduce-scatter]);
-        ``wait_reduce`` completes them (the next shard group's post-backward, the root's
-        final callback, or anything here that touches the gradients, whichever comes first).
+        The reduce-scatters run asynchronously (see ``StoreGrads.launch_reduce`` in
+        vefsdp_optim/_fsdp/_grads.py); ``wait_reduce`` completes them (the next shard group's
+        post-backward, the root's final callback, or anything here that touches the
+        gradients, whichever comes first).
         """
         if not self.requires_gradient_sync:
             grad_settings = self.grad_settings()
@@ -323,7 +335,9 @@ class ShardGroup:
         if self.grad_state is GradState.IDLE:
             return  # nothing accumulated since the last reduction
         grad_settings = self.grad_settings()
-        pending = [(store, store.launch_reduce(grad_settings, self.comm.streams, self.all_reduce_hook_stream))
+        pending = [(store,
+                    store.launch_reduce(grad_settings, self.comm.streams,
+                                        self.all_reduce_hook_stream))
                    for store in self.stores]
         self._reductions = [(store, pr) for store, pr in pending if pr is not None]
         self._set_grad(GradState.REDUCING if self._reductions else GradState.IDLE)
@@ -380,12 +394,13 @@ class ShardGroup:
         decision = plan_replan(store, units, store.state_holders())
         if decision.plan is None:
             return decision.report
-        if self.settings.offload and self.settings.device.type != "cpu" and self.settings.world_size > 1:
+        if (self.settings.offload and self.settings.device.type != "cpu"
+                and self.settings.world_size > 1):
             raise NotImplementedError(
-                f"fully_shard: CPUOffloadPolicy on a {self.settings.device.type} mesh with an optimizer that "
-                "re-plans the shards (whole blocks or matrices on one rank: 8-bit Adam, Shampoo, SOAP, Muon, "
-                "NorMuon) is not supported (the move would send host shards through the mesh's backend); "
-                "use AdamW, or no offload")
+                f"fully_shard: CPUOffloadPolicy on a {self.settings.device.type} mesh with an "
+                "optimizer that re-plans the shards (whole blocks or matrices on one rank: 8-bit "
+                "Adam, Shampoo, SOAP, Muon, NorMuon) is not supported (the move would send host "
+                "shards through the mesh's backend); use AdamW, or no offload")
         if self.grad_state is GradState.ACCUMULATING:
             raise RuntimeError(
                 "re-plan during a gradient accumulation without sync (unreduced gradients in the "

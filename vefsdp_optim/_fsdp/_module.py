@@ -90,7 +90,8 @@ class FSDPModule(_TorchFSDPModule):
         the root's final callback, last or not, so the flag changes nothing here."""
         _check_bool("is_last_backward", is_last_backward)
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
         """Off: backward accumulates unreduced gradients; the next synced backward reduces
         (FSDP1's ``no_sync``). Controls reduce-scatter and HSDP's all-reduce together."""
         _check_bool("requires_gradient_sync", requires_gradient_sync)
@@ -100,7 +101,8 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: off skips the replicate all-reduce (the reduce-scatter still runs); the
-        partial result joins the next all-reduce ([Note: gradient reduction policy])."""
+        partial result joins the next all-reduce (see ``ShardGroup`` in
+        vefsdp_optim/_fsdp/_group.py)."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for shard_group in self._shard_groups(recurse):
             shard_group.requires_all_reduce = requires_all_reduce
@@ -120,7 +122,8 @@ class FSDPModule(_TorchFSDPModule):
         for s in self._states(recurse):
             s.reshard_after_forward = reshard_after_forward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
         """Off: keep the unsharded parameters after backward (e.g. between microbatches)."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for s in self._states(recurse):
@@ -157,9 +160,11 @@ class FSDPModule(_TorchFSDPModule):
         if stream is not None:
             check_stream(stream)
         groups = self._shard_groups()
-        if stream is not None and any(g.settings.replicate_process_group is not None for g in groups):
-            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D mesh): "
-                             "the hook runs on the all-reduce stream after the all-reduce; pass stream=None")
+        if stream is not None and any(g.settings.replicate_process_group is not None
+                                      for g in groups):
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP "
+                             "(a 2-D mesh): the hook runs on the all-reduce stream after the "
+                             "all-reduce; pass stream=None")
         for shard_group in groups:
             shard_group.all_reduce_hook = hook
             shard_group.all_reduce_hook_stream = stream
@@ -182,7 +187,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging them over the
-        data-parallel ranks ([Note: gradient reduction policy]); 1.0 gives sums."""
+        data-parallel ranks (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py); 1.0 gives sums."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
         for shard_group in self._shard_groups():
@@ -200,15 +205,18 @@ class FSDPModule(_TorchFSDPModule):
         reduction keeps ``.grad`` None, so every rank of a shard group must use it or none
         must. True: every parameter that requires grad gets its reduced gradient, zero
         where no rank used it (conditional control flow, mixture of experts), as FSDP2's
-        option and DDP's ``find_unused_parameters``. See [Note: unused parameters]."""
+        option and DDP's ``find_unused_parameters``. See ``StoreGrads`` in
+        vefsdp_optim/_fsdp/_grads.py."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for shard_group in self._shard_groups(recurse):
             shard_group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
         """Accepted: fully_shard's reduce-scatter input is the store's own gradient buffer
         (no copy-in buffer), at most one shard group's in flight."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+        if (isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int)
+                or max_input_buffers < 1):
             raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
 
     def set_separate_reduce_scatter_group(self, *args: object, **kwargs: object) -> None:
@@ -226,7 +234,8 @@ class FSDPModule(_TorchFSDPModule):
                                   "collectives use the stores' own buffers, with no staging copies")
 
     def set_symm_mem_for_comm(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError("set_symm_mem_for_comm is not supported by vefsdp_optim.fully_shard")
+        raise NotImplementedError("set_symm_mem_for_comm is not supported by "
+                                  "vefsdp_optim.fully_shard")
 
     def _get_fsdp_state(self) -> object:
         raise NotImplementedError(
@@ -252,12 +261,13 @@ class FSDPModule(_TorchFSDPModule):
                 module_parameters(m)[a] = p
         fn = args[0] if args else kwargs.get("fn")
         for _, _, p in slots[:1]:
-            probe = fn(torch.empty(0, dtype=dtypes[id(p)], device=p.device)) if callable(fn) else None
+            probe = fn(torch.empty(0, dtype=dtypes[id(p)],
+                                   device=p.device)) if callable(fn) else None
             if isinstance(probe, torch.Tensor) and probe.dtype != dtypes[id(p)]:
                 raise NotImplementedError(
-                    f"changing the dtype of fully_shard'd parameters ({dtypes[id(p)]} -> {probe.dtype}) "
-                    "is not supported; shard the module in the dtype you want, or use "
-                    "MixedPrecisionPolicy(param_dtype=...)")
+                    f"changing the dtype of fully_shard'd parameters ({dtypes[id(p)]} -> "
+                    f"{probe.dtype}) is not supported; shard the module in the dtype you "
+                    "want, or use MixedPrecisionPolicy(param_dtype=...)")
         return out
 
 

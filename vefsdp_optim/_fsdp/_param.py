@@ -5,7 +5,7 @@ nn.Parameter, the object the optimizer holds) is registered on the module outsid
 forward/backward; its local data is ``master.local_view(fqn)``. The *unsharded* one is
 a plain leaf nn.Parameter aliasing ``compute.full_view(fqn)``, registered during
 forward; its ``.grad`` is pre-set to ``grad_full_view(fqn)`` so that autograd
-accumulates straight into the gradient buffer ([Note: grads into the buffer]).
+accumulates straight into the gradient buffer (see ``ManagedParam``).
 """
 
 from __future__ import annotations
@@ -26,19 +26,7 @@ from ._sharded_tensor import ShardedParameter
 
 __all__ = ["ManagedParam", "TensorParallel", "mesh_key"]
 
-# [Note: meshes by value]
-# Two DeviceMesh objects are the same mesh when they have the same device type, the same
-# ranks in the same arrangement and the same dim names: torchtitan and users distribute
-# each expert weight with its own ``mesh["ep"]`` slice, a new object every time, and
-# those must be one tp mesh to a shard group. So the library compares meshes by
-# ``mesh_key``, never by ``id``. ``DeviceMesh.__eq__`` (torch 2.11-2.15) is not used: it
-# also compares the root mesh's rank map, the creating thread and (2.15) the rank-order
-# flag, so the ``ep`` slices of two equal root meshes built apart would differ. What the
-# library derives from a mesh depends only on the key: each rank's coordinate (hence
-# its DTensor box) and, through the names, the dp x tp process group, which torch
-# caches per flattened name on the root mesh (equal slices of one root share it).
 
-# [Note: fully_shard over tensor parallel]
 # A parameter that tensor parallelism made a DTensor on a 1-D ``tp`` mesh is managed by
 # its TP-local tensor: the plan, the buffers and the collectives over dp see that local
 # tensor only (its shape is ``ManagedParam.shape``), so the all-gather and the
@@ -65,7 +53,8 @@ class TensorParallel:
     shape: torch.Size  # global shape
     stride: tuple[int, ...]  # global (contiguous) stride
     boxes: BoxShard | None  # the TP boxes over the tp ranks; None: replicated over tp
-    flat_process_group: ProcessGroup | None  # dp-shard x tp, flattened (rank = dp_rank * tp + tp_rank)
+    # dp-shard x tp, flattened (rank = dp_rank * tp + tp_rank)
+    flat_process_group: ProcessGroup | None
     tp_rank: int
 
     def dtensor(self, local: torch.Tensor) -> torch.Tensor:
@@ -100,17 +89,18 @@ def _dp_tp_layout(tp_boxes: BoxShard, runs: tuple[RaggedShard, ...]) -> BoxShard
     W = 8,192)."""
     return BoxShard.runs_in_boxes(tp_boxes, runs)
 
-# [Note: grads into the buffer]
-# AccumulateGrad adds into an existing ``.grad`` in place when grad mode is off (the
-# normal backward), so a leaf whose .grad is a view of the W*m gradient buffer gets its
-# gradient summed there: no per-parameter gradient tensor, no copy into a flat
-# reduce-scatter input. The unsharded parameter object is made once and survives
-# free/alloc of the global buffer (its storage is resized, not replaced).
-
 
 def mesh_key(mesh: Any) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[str, ...] | None]:
-    """A DeviceMesh by value: device type, shape, ranks (row-major) and dim names
-    ([Note: meshes by value])."""
+    """A DeviceMesh by value: device type, shape, ranks (row-major) and dim names.
+
+    Two DeviceMesh objects are the same mesh when they have the same device type, the same
+    ranks in the same arrangement and the same dim names: torchtitan and users distribute
+    each expert weight with its own ``mesh["ep"]`` slice, a new object every time, and
+    those must be one tp mesh to a shard group. So the library compares meshes by this
+    key, never by ``id`` nor by ``DeviceMesh.__eq__`` (why not: docs/decisions.md). What the
+    library derives from a mesh depends only on the key: each rank's coordinate (hence its
+    DTensor box) and, through the names, the dp x tp process group, which torch caches per
+    flattened name on the root mesh (equal slices of one root share it)."""
     with host_constants():  # the mesh's rank tensor is a real host tensor, under FakeTensorMode too
         ranks = mesh.mesh
         flat = tuple(ranks.reshape(-1).tolist())
@@ -118,6 +108,11 @@ def mesh_key(mesh: Any) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[st
             tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None)
 
 
+# AccumulateGrad adds into an existing ``.grad`` in place when grad mode is off (the
+# normal backward), so a leaf whose .grad is a view of the W*m gradient buffer gets its
+# gradient summed there: no per-parameter gradient tensor, no copy into a flat
+# reduce-scatter input. The unsharded parameter object is made once and survives
+# free/alloc of the global buffer (its storage is resized, not replaced).
 class ManagedParam:
     """Bookkeeping for one parameter object (possibly registered under several names)."""
 
@@ -127,7 +122,7 @@ class ManagedParam:
     requires_grad: bool
     sharded: nn.Parameter  # ShardedParameter; local data: master.local_view(fqn)
     unsharded: nn.Parameter | None  # 0-d params are planned as (1,) and viewed back
-    tp: TensorParallel | None  # [Note: fully_shard over tensor parallel]; shape is then TP-local
+    tp: TensorParallel | None  # ``TensorParallel``; shape is then TP-local
     # hook on the unsharded face's gradient, before AccumulateGrad ([Note: use outside forward])
     on_unsharded_grad: Callable[[torch.Tensor], None] | None
 
@@ -148,10 +143,13 @@ class ManagedParam:
         if tp is None or tp.boxes is None:
             return layout, process_group, rank, (tp.shape if tp is not None else self.shape)
         if runs is None:
-            raise AssertionError(f"{self.fqn}: a tensor-parallel parameter needs every tp coordinate's layout")
-        return (tp.sharded_layout(runs), tp.flat_process_group, rank * tp.boxes.world_size + tp.tp_rank, tp.shape)
+            raise AssertionError(f"{self.fqn}: a tensor-parallel parameter needs every tp "
+                                 "coordinate's layout")
+        return (tp.sharded_layout(runs), tp.flat_process_group,
+                rank * tp.boxes.world_size + tp.tp_rank, tp.shape)
 
-    def make_sharded(self, local: torch.Tensor, layout: RaggedShard, process_group: ProcessGroup | None,
+    def make_sharded(self, local: torch.Tensor, layout: RaggedShard,
+                     process_group: ProcessGroup | None,
                      rank: int, runs: list[RaggedShard] | None = None) -> None:
         """Create the sharded Parameter over ``local``; its shard group binds it to its
         store's ``FlatStore`` (``StoreBinding``)."""

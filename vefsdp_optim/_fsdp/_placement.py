@@ -22,22 +22,6 @@ from vefsdp_optim.comm import dtensor_boxes
 
 from ._param import ManagedParam, TensorParallel
 
-# [Note: shard placements]
-# FSDP2's ``shard_placement_fn`` picks the dim its even chunks cut (``Shard(0)``, or
-# ``Shard(1)``, which torchtitan gives experts fewer than edp x ep ranks so that dim 0 is
-# not padded). This library stores every parameter as a RaggedShard of its flattened
-# (TP-local) tensor, cut where the optimizers' blocks allow, so no placement changes the
-# storage: ``Shard(d)`` for any dim d of the parameter is accepted and means "sharded
-# over this call's mesh", as ``Shard(0)`` and ``None`` do. What FSDP2's dim-1 chunks buy
-# (no padding of a short dim 0) the ragged cut already has. A rank's slice is then not
-# FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
-# is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
-# the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
-# (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` also
-# names a mesh: the parameter is sharded over that one (torchtitan's experts on
-# ``efsdp``, the rest of the block on ``dp``), [Note: shard groups of one call]. Any other
-# placement (Replicate, _StridedShard) raises NotImplementedError naming it.
-
 
 def _default_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
@@ -66,7 +50,8 @@ def _dp_submesh(mesh: DeviceMesh, dims: object, modules: list[nn.Module]) -> Dev
         raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is given")
     for n in (*dims.shard_names, *dims.replicate_names):
         if n not in names:
-            raise ValueError(f"dp_mesh_dims names mesh dim {n!r}, not in mesh.mesh_dim_names {names}")
+            raise ValueError(f"dp_mesh_dims names mesh dim {n!r}, not in "
+                             f"mesh.mesh_dim_names {names}")
     if not dims.shard_names:
         raise NotImplementedError(
             f"dp_mesh_dims={dims} replicates without sharding (DDP); vefsdp_optim's fully_shard "
@@ -87,7 +72,8 @@ def _process_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGr
         return mesh.get_group(0), None
     if mesh.ndim == 2:
         return mesh.get_group(1), mesh.get_group(0)
-    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {mesh}")
+    raise ValueError("mesh must be 1-D (shard) or 2-D (replicate, shard), got "
+                     f"{mesh.ndim}-D {mesh}")
 
 
 def _result_mesh(result: object, name: str, mesh: DeviceMesh) -> DeviceMesh:
@@ -96,27 +82,46 @@ def _result_mesh(result: object, name: str, mesh: DeviceMesh) -> DeviceMesh:
     info = result.mesh_info  # type: ignore[attr-defined]
     other = getattr(info, "mesh", None)
     if not isinstance(other, DeviceMesh):
-        raise TypeError(f"{name}: its mesh_info must carry a DeviceMesh (FSDP2's FSDPMeshInfo), got {info!r}")
+        raise TypeError(f"{name}: its mesh_info must carry a DeviceMesh (FSDP2's FSDPMeshInfo), "
+                        f"got {info!r}")
     if getattr(info, "dp_mesh_dims", None) is not None:
         raise NotImplementedError(
-            f"{name}: mesh_info with dp_mesh_dims (a full SPMD mesh) is not supported per parameter; "
-            "give the data-parallel submesh itself (FSDPMeshInfo(mesh=edp_mesh, shard_mesh_dim=0))")
+            f"{name}: mesh_info with dp_mesh_dims (a full SPMD mesh) is not supported "
+            "per parameter; give the data-parallel submesh itself (FSDPMeshInfo(mesh=edp_mesh, "
+            "shard_mesh_dim=0))")
     dims = (getattr(info, "replicate_mesh_dim", None), getattr(info, "shard_mesh_dim", None))
     if dims not in ((None, 0), (0, 1)) or other.ndim != (1 if dims[0] is None else 2):
         raise NotImplementedError(
-            f"{name}: (replicate, shard) mesh dims {dims} of a {other.ndim}-D mesh {other}; accepted: a 1-D "
-            "mesh with shard_mesh_dim=0, or a 2-D HSDP mesh with replicate_mesh_dim=0, shard_mesh_dim=1")
+            f"{name}: (replicate, shard) mesh dims {dims} of a {other.ndim}-D mesh {other}; "
+            "accepted: a 1-D mesh with shard_mesh_dim=0, or a 2-D HSDP mesh with "
+            "replicate_mesh_dim=0, shard_mesh_dim=1")
     if other.device_type != mesh.device_type:
-        raise ValueError(f"{name}: its mesh is on {other.device_type!r}, this call's mesh {mesh} on "
-                         f"{mesh.device_type!r}; every mesh of one call must be on one device type")
+        raise ValueError(f"{name}: its mesh is on {other.device_type!r}, this call's "
+                         f"mesh {mesh} on {mesh.device_type!r}; every mesh of one call must be on "
+                         "one device type")
     return other
 
 
 def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mp`` is sharded over, for ``placement`` from shard_placement_fn, or raise
-    ([Note: shard placements])."""
+    """The mesh ``mp`` is sharded over, for ``placement`` from shard_placement_fn, or raise.
+
+    FSDP2's ``shard_placement_fn`` picks the dim its even chunks cut (``Shard(0)``, or
+    ``Shard(1)``, which torchtitan gives experts fewer than edp x ep ranks so that dim 0 is
+    not padded). This library stores every parameter as a RaggedShard of its flattened
+    (TP-local) tensor, cut where the optimizers' blocks allow, so no placement changes the
+    storage: ``Shard(d)`` for any dim d of the parameter is accepted and means "sharded
+    over this call's mesh", as ``Shard(0)`` and ``None`` do. What FSDP2's dim-1 chunks buy
+    (no padding of a short dim 0) the ragged cut already has. A rank's slice is then not
+    FSDP2's chunk, for Shard(0) as for Shard(1); what a user sees through the public faces
+    is the same: the global shape, ``full_tensor()``, the state dict and the DCP boxes of
+    the global tensor, so a checkpoint moves between FSDP2's Shard(1) and this layout
+    (tests/test_expert_parallel.py). FSDP2's per-parameter ``ShardPlacementResult`` also
+    names a mesh: the parameter is sharded over that one (torchtitan's experts on
+    ``efsdp``, the rest of the block on ``dp``; ``_by_mesh`` in _fully_shard.py). Any
+    other placement (Replicate, _StridedShard) raises NotImplementedError naming it."""
     name = f"shard_placement_fn gave {placement!r} for parameter {mp.fqn}"
-    if placement is not None and hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
+    if placement is not None and hasattr(placement, "mesh_info") and hasattr(placement,
+                                                                             "placement"):
         mesh = _result_mesh(placement, name, mesh)  # FSDP2's ShardPlacementResult
         placement = placement.placement
     if placement is None:
@@ -128,25 +133,27 @@ def _check_placement(placement: object, mp: ManagedParam, mesh: DeviceMesh) -> D
             "torch's fully_shard for other placements")
     ndim = max(len(mp.shape), 1)
     if not -ndim <= placement.dim < ndim:
-        raise ValueError(f"{name}: dim {placement.dim} is out of range for its shape {tuple(mp.shape)} "
-                         f"(expected -{ndim} <= dim < {ndim})")
+        raise ValueError(f"{name}: dim {placement.dim} is out of range for its shape "
+                         f"{tuple(mp.shape)} (expected -{ndim} <= dim < {ndim})")
     return mesh
 
 
 def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorParallel:
     """The TensorParallel spec of a DTensor parameter that fully_shard shards over the
-    data-parallel ``mesh`` ([Note: fully_shard over tensor parallel])."""
+    data-parallel ``mesh`` (see ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py)."""
     tp_mesh = p.device_mesh
     if tp_mesh.ndim != 1:
         raise NotImplementedError(
             f"parameter {mp.fqn} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}; vefsdp_optim's "
-            "fully_shard composes with tensor parallelism on a 1-D tp mesh (parallelize_module(..., "
-            "mesh['tp'])); shard DTensors of other meshes with torch's fully_shard")
+            "fully_shard composes with tensor parallelism on a 1-D tp mesh "
+            "(parallelize_module(..., mesh['tp'])); shard DTensors of other meshes with "
+            "torch's fully_shard")
     shard_mesh = mesh if mesh.ndim == 1 else _shard_dim(mesh, mp.fqn)
     if tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names and \
             tp_mesh.mesh_dim_names[0] == shard_mesh.mesh_dim_names[0]:
-        raise ValueError(f"parameter {mp.fqn} is a DTensor on the mesh dim {tp_mesh.mesh_dim_names[0]!r} "
-                         "that fully_shard shards over; pass the data-parallel mesh (mesh['dp'])")
+        raise ValueError(f"parameter {mp.fqn} is a DTensor on the mesh dim "
+                         f"{tp_mesh.mesh_dim_names[0]!r} that fully_shard shards over; pass the "
+                         "data-parallel mesh (mesh['dp'])")
     boxes, axes = dtensor_boxes(tp_mesh, tuple(p.placements), tuple(p.shape))
     if not axes:  # replicated over tp: sharded over dp alone, like a plain parameter
         return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), None, None, 0)
@@ -155,12 +162,14 @@ def _tensor_parallel(mp: ManagedParam, p: DTensor, mesh: DeviceMesh) -> TensorPa
         flat = tp_mesh.get_group(0)
     else:
         if not (tp_mesh.mesh_dim_names and shard_mesh.mesh_dim_names):
-            raise ValueError(f"parameter {mp.fqn}: fully_shard over tensor parallel needs named meshes "
-                             "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to form the dp x tp process group")
+            raise ValueError(f"parameter {mp.fqn}: fully_shard over tensor parallel needs "
+                             "named meshes (init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) to "
+                             "form the dp x tp process group")
         flat = mesh_flatten(mesh_concatenate([shard_mesh, tp_mesh])).get_group(0)
     want = shard_mesh.get_local_rank(0) * tp_mesh.size() + tp_rank
     if dist.get_rank(flat) != want:
-        raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp process group, expected {want}")
+        raise AssertionError(f"rank {dist.get_rank(flat)} in the dp x tp process group, "
+                             f"expected {want}")
     return TensorParallel(tp_mesh, tuple(p.placements), p.shape, p.stride(), boxes, flat, tp_rank)
 
 

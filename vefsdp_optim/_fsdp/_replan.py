@@ -2,11 +2,11 @@
 
 A re-plan (the ``FlatStore`` protocol's ``replan``, [Note: flat store contract]) reaches
 the store's shard group (``StoreBinding`` in _group.py), which calls two functions of
-this file around the lifecycle transition it owns ([Note: store and shard group]):
-:func:`plan_replan` redoes the plan with the new units when the padding stays
-acceptable (pure: every rank takes the same decision), and :func:`move_store` moves the
-data into the new layout with one all-gather of the old buffer and re-points the same
-Parameter objects.
+this file around the lifecycle transition it owns (see ``StoreSettings`` in
+vefsdp_optim/_fsdp/_settings.py): :func:`plan_replan` redoes the plan with the new units
+when the padding stays acceptable (pure: every rank takes the same decision), and
+:func:`move_store` moves the data into the new layout with one all-gather of the old
+buffer and re-points the same Parameter objects.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _acceptable(new: BufferPlan, old: BufferPlan) -> bool:
     return new.padding <= max(new.total_numel // 100, old.padding + old.world_size * old.align)
 
 
-def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[BufferPlan, dict[str, int], list[tuple[str, int]]]:
+def _plan_for(store: DtypeStore,
+              wanted: dict[str, int]) -> tuple[BufferPlan, dict[str, int], list[tuple[str, int]]]:
     """The plan with as many wanted units as the padding rule allows (largest dropped first)."""
     old = store.plan
     w = store.settings.world_size
@@ -45,7 +46,8 @@ def _plan_for(store: DtypeStore, wanted: dict[str, int]) -> tuple[BufferPlan, di
         plan = plan_buffer(store.specs(units), w, align=old.align)
         if _acceptable(plan, old) or not order:
             if not _acceptable(plan, old):
-                raise AssertionError(f"the old units gave an unacceptable plan: {plan.padding} vs {old.padding}")
+                raise AssertionError(f"the old units gave an unacceptable plan: {plan.padding} vs "
+                                     f"{old.padding}")
             return plan, units, refused
         name = order.pop(0)
         refused.append((name, wanted[name]))
@@ -71,18 +73,21 @@ def plan_replan(store: DtypeStore, units: Mapping[torch.Tensor, int],
     for t, u in units.items():
         name = names.get(id(t))
         if name is None:
-            raise AssertionError(f"a tensor of shape {tuple(t.shape)} is not a member of this store")
+            raise AssertionError(f"a tensor of shape {tuple(t.shape)} is not a member "
+                                 "of this store")
         if u != store.units.get(name, 1):
             wanted[name] = u
     if not wanted:
         return ReplanDecision(None, None, {})
     old = store.plan
-    if store.tensor_parallel:  # [Note: fully_shard over tensor parallel]: the exchange keeps them
-        return ReplanDecision(StoreReplan((), tuple(sorted(wanted.items())), old.padding, old.padding,
-                                          replanned=False), None, {})
+    # ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py: the exchange keeps them
+    if store.tensor_parallel:
+        return ReplanDecision(StoreReplan((), tuple(sorted(wanted.items())), old.padding,
+                                          old.padding, replanned=False), None, {})
     plan, new_units, refused = _plan_for(store, wanted)
     if plan.fingerprint() == old.fingerprint():
-        report = StoreReplan((), tuple(refused), old.padding, old.padding, replanned=False) if refused else None
+        report = (StoreReplan((), tuple(refused), old.padding, old.padding, replanned=False)
+                  if refused else None)
         return ReplanDecision(report, None, {})
     moved = [p for p in store.params if plan.layout(p.fqn) != old.layout(p.fqn)
              or plan.offsets[p.fqn] != old.offsets[p.fqn]]
@@ -92,7 +97,8 @@ def plan_replan(store: DtypeStore, units: Mapping[torch.Tensor, int],
             f"re-planning would move parameters {[p.fqn for p in moved][:8]} whose optimizer state "
             f"already exists in {busy}; that state would no longer match. Build every optimizer "
             "of a fully_shard model before the first step (each re-plans once, at construction)")
-    return ReplanDecision(StoreReplan(tuple(p.fqn for p in moved), tuple(refused), old.padding, plan.padding),
+    return ReplanDecision(StoreReplan(tuple(p.fqn for p in moved), tuple(refused), old.padding,
+                                      plan.padding),
                           plan, new_units)
 
 
@@ -113,7 +119,8 @@ def move_store(store: DtypeStore, units: dict[str, int], plan: BufferPlan) -> No
         old.free_global()
     new = store.master
     if grads:
-        store.grad_shard()  # its storage ([Note: gradient memory])
+        # its storage (see ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py)
+        store.grad_shard()
     for p in store.params:
         full = grads.get(p.fqn)
         if full is None:
@@ -129,7 +136,8 @@ def _check_same_grads(has_grad: list[bool], process_group: torch.distributed.Pro
                       device: torch.device) -> None:
     """Raise ValueError on every rank unless all ranks hold the same gradients: one
     ``same_on_all_ranks`` on the store's device (a CPU tensor has no backend on NCCL),
-    [Note: agreement in O(1) bytes]; the flags are gathered only to say who differs."""
+    ``same_on_all_ranks`` in comm/_collectives.py; the flags are gathered only to say
+    who differs."""
     key = "".join("1" if h else "0" for h in has_grad)
     if same_on_all_ranks(key, process_group, device):
         return
@@ -152,9 +160,11 @@ def _gather_grads(store: DtypeStore, has_grad: list[bool]) -> dict[str, torch.Te
     for p, h in zip(store.params, has_grad, strict=True):
         if h:
             view = old.local_grad_view(p.fqn)
-            local = p.sharded.grad.to_local() if isinstance(p.sharded.grad, ShardedParameter) else None
+            local = (p.sharded.grad.to_local() if isinstance(p.sharded.grad, ShardedParameter)
+                     else None)
             if local is None or local.numel() != view.numel():
-                raise AssertionError(f"{p.fqn}: .grad is not a ShardedParameter of the parameter's layout")
+                raise AssertionError(f"{p.fqn}: .grad is not a ShardedParameter of the "
+                                     "parameter's layout")
             a = view.storage_offset() - old.local_grad.storage_offset()
             flat[a:a + view.numel()] = local
     w = store.settings.world_size

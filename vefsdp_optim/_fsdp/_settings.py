@@ -16,16 +16,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["GradSettings", "StoreSettings"]
 
-# [Note: store and shard group]
 # As FSDP2's ``FSDPParam`` knows nothing of its ``FSDPParamGroup``, a DtypeStore holds no
 # reference to its shard group. What it needs arrives as values: the fixed settings
 # (process groups, device, mixed precision) once, at construction (:class:`StoreSettings`),
-# and the gradient knobs a user may change between steps ([Note: gradient reduction
-# policy], ``set_gradient_copy_in``) with every call that reads them
-# (:class:`GradSettings`). The shard group owns every lifecycle transition
-# (``GatherState``, ``GradState``): the store only moves data when told to, and a re-plan
-# reaches the store through the shard group (``StoreBinding`` in _group.py), which first
-# checks and changes the gather and gradient states.
+# and the gradient knobs a user may change between steps (``ShardGroup``'s in _group.py,
+# ``set_gradient_copy_in``) with every call that reads them (:class:`GradSettings`). The
+# shard group owns every lifecycle transition (``GatherState``, ``GradState``): the store
+# only moves data when told to, and a re-plan reaches the store through the shard group
+# (``StoreBinding`` in _group.py), which first checks and changes the gather and gradient
+# states.
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +38,9 @@ class StoreSettings:
     replicate_world_size: int  # 1 without a replicate process group
     device: torch.device
     mp_policy: MixedPrecisionPolicy
-    # CPUOffloadPolicy ([Note: CPU offload]): the master buffer (the sharded parameters,
-    # their gradients, the optimizer's data) on the CPU, pinned when ``device`` is an
-    # accelerator and the policy asks for it
+    # CPUOffloadPolicy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py): the
+    # master buffer (the sharded parameters, their gradients, the optimizer's data) on
+    # the CPU, pinned when ``device`` is an accelerator and the policy asks for it
     offload: bool = False
     pin_memory: bool = False
 
@@ -49,8 +48,9 @@ class StoreSettings:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"StoreSettings: rank {self.rank} of world size {self.world_size}")
         if (self.replicate_process_group is None) != (self.replicate_world_size == 1):
-            raise ValueError(f"StoreSettings: replicate world size {self.replicate_world_size} with "
-                             f"replicate process group {self.replicate_process_group}")
+            raise ValueError("StoreSettings: replicate world size "
+                             f"{self.replicate_world_size} with replicate process group "
+                             f"{self.replicate_process_group}")
         if self.pin_memory and not self.offload:
             raise ValueError("StoreSettings: pin_memory=True needs offload=True")
 
@@ -65,11 +65,11 @@ class StoreSettings:
         return self.offload and self.pin_memory and self.device.type != "cpu"
 
 
-
 @dataclass(frozen=True, slots=True)
 class GradSettings:
-    """A shard group's gradient knobs at one call ([Note: gradient reduction policy],
-    [Note: lazy gradient buffer]); the FSDPModule ``set_*`` methods change them."""
+    """A shard group's gradient knobs at one call (see ``ShardGroup`` in
+    vefsdp_optim/_fsdp/_group.py, [Note: lazy gradient buffer]); the FSDPModule
+    ``set_*`` methods change them."""
 
     copy_in: bool  # copy autograd's gradients into the buffer at the end of backward
     gradient_divide_factor: float | None
@@ -79,11 +79,12 @@ class GradSettings:
     # called before a store allocates its gradient buffer: finishes completed reductions
     # of earlier shard groups
     before_grad_alloc: Callable[[], None]
-    # [Note: unused parameters]: True gives a parameter unused since the last reduction
-    # its reduced (zero where no rank used it) gradient, as FSDP2's option of that name
+    # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py: True gives a parameter unused
+    # since the last reduction its reduced (zero where no rank used it) gradient, as
+    # FSDP2's option of that name
     reduce_scatter_unused_params: bool = False
 
     @property
     def native_average(self) -> bool:
-        """Reduce with the default average ([Note: gradient reduction policy])."""
+        """Reduce with the default average (see ``ShardGroup`` in vefsdp_optim/_fsdp/_group.py)."""
         return self.gradient_divide_factor is None and not self.force_sum_reduction

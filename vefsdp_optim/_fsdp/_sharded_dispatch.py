@@ -26,32 +26,31 @@ __all__ = ["dispatch"]
 aten = torch.ops.aten
 
 # [Note: sharded dispatch]
-# A ShardedParameter holds one rank's contiguous slice of the flattened tensor, so an op
+# A ShardedParameter holds one rank's contiguous slice of the flattened tensor. So an op
 # runs on the slices only when each output element depends on the inputs at the same
-# flat element; anything else follows DTensor's "redistribute to Replicate, compute,
-# return a replicated result". Never a silently wrong local result. The rules:
-# 1. Local: pointwise ops (torch.Tag.pointwise), masked_fill, *_like / clone / copy_ /
-#    detach / _to_copy, their in-place, out= and _foreach_ forms, torch's fused optimizer
-#    kernels (_FUSED), and a boolean-mask index_put_ (Rprop) with a mask of the same
-#    layout. Sharded operands must share shape, layout and process group (else
-#    ValueError); a plain operand is broadcast to the global shape and this rank's slice
-#    taken (0-d tensors and scalars as they are): `param.add_(full_update)` works.
-# 2. Flat-order views (contiguous at offset 0 on the global shape: view, reshape,
-#    flatten, squeeze, unsqueeze, t of a vector): a ShardedParameter of the new shape
-#    over the same slice, a true view.
+# flat element. Anything else follows DTensor: redistribute to Replicate, compute, return
+# a replicated result. A local result is never silently wrong. The rules:
+# 1. Local: pointwise ops (torch.Tag.pointwise), masked_fill, *_like, clone, copy_,
+#    detach and _to_copy, with their in-place, out= and _foreach_ forms; torch's fused
+#    optimizer kernels (_FUSED); a boolean-mask index_put_ with a mask of the same
+#    layout, as Rprop uses. Sharded operands must share shape, layout and process group,
+#    else ValueError. A plain operand is broadcast to the global shape and this rank's
+#    slice taken, so `param.add_(full_update)` works. 0-d tensors and scalars stay as is.
+# 2. Flat-order views, contiguous at offset 0 on the global shape (view, reshape, flatten,
+#    squeeze, unsqueeze, t of a vector): a ShardedParameter of the new shape, same slice.
 # 3. new_zeros / new_ones / new_empty / new_full of another size: a plain tensor.
-# 4. Norms with no dim (linalg_vector_norm, _foreach_norm): partial sums of the slices
-#    (float32 for 16-bit inputs), one all_reduce per process group, a plain result equal
-#    on every rank, within rounding of one device's (as DTensor's).
-# 5. Everything else: gather every sharded operand (one collective each, in argument
-#    order, alike on every rank), run the op on plain tensors and return replicated
-#    results, bitwise one device's; a sharded operand the op writes gets its slice back.
-#    So a non-flat-order view (p.t(), p[1]) is a gathered copy: writes miss p.
-# 6. In-place random fills (uniform_, normal_, ...: nn.init): every rank draws the whole
-#    tensor from the same generator and keeps its slice, so meta-device initialization
-#    equals one device's when the ranks share a seed.
-# Refused with NotImplementedError naming the op: in-place shape changes (t_, resize_,
-# set_), other random ops, fused / foreach kernels handed a plain non-scalar tensor.
+# 4. Norms with no dim (linalg_vector_norm, _foreach_norm) all-reduce the slices' partial
+#    sums, in float32 for 16-bit inputs, once per process group. The plain result is
+#    equal on every rank, within rounding of one device's, as DTensor's.
+# 5. Everything else gathers every sharded operand, one collective each in argument
+#    order, alike on every rank. The op runs on plain tensors and returns replicated
+#    results, bitwise one device's. A sharded operand the op writes gets its slice back.
+#    So a non-flat-order view such as p.t() or p[1] is a gathered copy: writes miss p.
+# 6. In-place random fills (uniform_, normal_: nn.init) draw the whole tensor on every
+#    rank from one generator and keep the slice. With a seed shared by the ranks,
+#    meta-device initialization then equals one device's.
+# NotImplementedError, naming the op, refuses in-place shape changes (t_, resize_, set_),
+# other random ops, and fused or foreach kernels handed a plain non-scalar tensor.
 
 _RANDOM_FILLS = {
     aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.random_.default,
@@ -145,7 +144,8 @@ def _ref(cls: type, func: Any, flat: list) -> Any:
         if isinstance(a, cls):
             if ref is None:
                 ref = a
-            elif a._layout != ref._layout or a._process_group is not ref._process_group or a.shape != ref.shape:
+            elif (a._layout != ref._layout or a._process_group is not ref._process_group
+                      or a.shape != ref.shape):
                 raise ValueError(
                     f"{func}: sharded operands differ in shape or layout: {tuple(ref.shape)} "
                     f"{ref._layout} vs {tuple(a.shape)} {a._layout}")
@@ -164,12 +164,14 @@ def _pointwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         return NotImplemented  # a reduction to a Python value (aten.equal): on the full tensors
     flat, spec = tree_flatten((args, kwargs))
     ref = _ref(cls, func, flat)
-    names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = {a.name for a in op_schema(func).arguments
+             if a.alias_info is not None and a.alias_info.is_write}
     mutable = bool(names)
     if names - {"self"} and names != {"out"}:
         return NotImplemented  # several outputs written: rule 5 maps them back
     written = kwargs.get("out") if names == {"out"} else args[0] if mutable else None
-    plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() > 0]
+    plain = [a for a in flat
+             if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() > 0]
     if plain:
         try:
             shape = torch.broadcast_shapes(*(a.shape for a in flat if isinstance(a, torch.Tensor)))
@@ -218,9 +220,10 @@ def _fused(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
                 new_args[i][k] = t._local
             elif isinstance(t, torch.Tensor) and t.numel() > 1:
                 raise NotImplementedError(
-                    f"{func}: a plain tensor of shape {tuple(t.shape)} with a ShardedParameter's params, "
-                    "grads or states; supported: all of one parameter's tensors sharded with one layout "
-                    "(steps and scalars as 0-d / 1-element tensors), or all plain")
+                    f"{func}: a plain tensor of shape {tuple(t.shape)} with a "
+                    "ShardedParameter's params, grads or states; supported: all of one parameter's "
+                    "tensors sharded with one layout (steps and scalars as 0-d / 1-element "
+                    "tensors), or all plain")
     func(*new_args, **kwargs)
     return None
 
@@ -265,7 +268,8 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _flat_view(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     t = args[0]
-    if not isinstance(t, cls) or any(isinstance(a, cls) for a in tree_flatten((args[1:], kwargs))[0]):
+    if not isinstance(t, cls) or any(isinstance(a, cls)
+                                     for a in tree_flatten((args[1:], kwargs))[0]):
         return NotImplemented
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
     try:
@@ -329,7 +333,8 @@ def _norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
         process_group = t0._process_group if isinstance(t0, cls) else None
         parts = torch.stack([outs[i][1] for i in idx])
         if process_group is not None:
-            op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord_, dist.ReduceOp.SUM)
+            op = {math.inf: dist.ReduceOp.MAX,
+                  -math.inf: dist.ReduceOp.MIN}.get(ord_, dist.ReduceOp.SUM)
             dist.all_reduce(parts, op=op, group=process_group)
         for j, i in enumerate(idx):
             v = parts[j]
@@ -358,7 +363,8 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
             continue
         src = full[id(dst)]
         if src.shape != dst.shape:
-            raise NotImplementedError(f"ShardedParameter does not support {func} changing its shape")
+            raise NotImplementedError(f"ShardedParameter does not support {func} "
+                                      "changing its shape")
         dst._local.copy_(src.reshape(-1)[dst._layout.local_index(dst._rank, src.device)])
         back[id(src)] = dst
     return tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
@@ -366,12 +372,14 @@ def _gathered(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _written_positions(func: Any, args: tuple, kwargs: dict, spec: Any) -> list[int]:
     """Flat positions (in tree_flatten((args, kwargs)) order) of the tensors func writes."""
-    names = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
+    names = {a.name for a in op_schema(func).arguments
+             if a.alias_info is not None and a.alias_info.is_write}
     if not names:
         return []
     marks = []
     for j, a in enumerate(op_schema(func).arguments):
-        value = kwargs[a.name] if a.name in kwargs else args[j] if j < len(args) and not a.kwarg_only else None
+        value = (kwargs[a.name] if a.name in kwargs else args[j]
+                 if j < len(args) and not a.kwarg_only else None)
         marks.append((a.name, value))
     written = {id(t) for n, v in marks if n in names for t in tree_flatten(v)[0]}  # lists too
     flat, _ = tree_flatten((args, kwargs))

@@ -88,10 +88,11 @@ class ShardedParameter(torch.Tensor):
         shape = torch.Size(shape)
         if local.dim() != 1 or local.numel() != layout.local_numel(rank):
             raise ValueError(
-                f"local data must be 1-D with {layout.local_numel(rank)} elements for rank {rank} of "
-                f"layout {layout}, got shape {tuple(local.shape)}")
+                f"local data must be 1-D with {layout.local_numel(rank)} elements for "
+                f"rank {rank} of layout {layout}, got shape {tuple(local.shape)}")
         if math.prod(shape) != layout.numel:
-            raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has {layout.numel}")
+            raise ValueError(f"shape {tuple(shape)} has {math.prod(shape)} elements, layout has "
+                             f"{layout.numel}")
         t = make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
         t._local = local
@@ -130,16 +131,20 @@ class ShardedParameter(torch.Tensor):
         self._store = store
 
     def bind_outside_use(self, use: OutsideUse) -> None:
-        """Declare where this parameter's uses outside its module's forward go (fully_shard, once)."""
+        """Declare where this parameter's uses outside its module's forward go (fully_shard,
+        once)."""
         self._outside_use = use
 
-    def rebind_(self, local: torch.Tensor, layout: RaggedShard, process_group: dist.ProcessGroup | None,
-                rank: int) -> None:
+    def rebind_(self, local: torch.Tensor, layout: RaggedShard,
+                process_group: dist.ProcessGroup | None, rank: int) -> None:
         """Point this same object at new local data and layout (a re-plan)."""
-        if local.dim() != 1 or local.numel() != layout.local_numel(rank) or layout.numel != self.numel():
-            raise ValueError(f"local data of shape {tuple(local.shape)} is not rank {rank}'s slice of "
-                             f"layout {layout.extents} of a tensor of shape {tuple(self.shape)}")
-        self._local, self._layout, self._process_group, self._rank = local, layout, process_group, rank
+        if (local.dim() != 1 or local.numel() != layout.local_numel(rank)
+                or layout.numel != self.numel()):
+            raise ValueError(f"local data of shape {tuple(local.shape)} is not rank "
+                             f"{rank}'s slice of layout {layout.extents} of a tensor of shape "
+                             f"{tuple(self.shape)}")
+        self._local, self._layout, self._process_group, self._rank = (local, layout, process_group,
+                                                                      rank)
 
     def with_local(self, local: torch.Tensor) -> ShardedParameter:
         """A new ShardedParameter of this one's shape and layout over ``local`` (e.g. its
@@ -210,19 +215,20 @@ class ShardedParameter(torch.Tensor):
     def __sharded_view__(self) -> ShardedView:
         return ShardedView(
             local=self._local.detach() if self._local.requires_grad else self._local,
-            layout=self._layout, process_group=self._process_group, shape=self.shape, rank=self._rank)
+            layout=self._layout, process_group=self._process_group, shape=self.shape,
+            rank=self._rank)
 
     def _same(self, local: torch.Tensor) -> ShardedParameter:
         return ShardedParameter(local, self._layout, self._process_group, self.shape, self._rank)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, rank={self._rank}, "
-                f"layout={self._layout}, local={self._local!r})")
+        return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"rank={self._rank}, layout={self._layout}, local={self._local!r})")
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise NotImplementedError("ShardedParameter does not pickle; call full_tensor() first")
 
-    # -- torch.distributed.checkpoint protocol ([Note: ragged slices as DCP boxes]) -----
+    # -- torch.distributed.checkpoint protocol (see ``flat_range_boxes`` in sharding/_box.py) -----
 
     def _boxes(self) -> list[tuple[torch.Size, torch.Size, int]]:
         lay = self._layout

@@ -42,7 +42,7 @@ class _RootContext:
 
     def __init__(self, states: list[FSDPState], comm: CommContext) -> None:
         self.states = states
-        self.comm = comm  # streams, buffers awaiting their free, events ([Note: fully_shard streams])
+        self.comm = comm  # streams, buffers to free, events ([Note: fully_shard streams])
         self.callback_queued = False
         # shard groups in the order their forward ran with grad enabled (with repeats); the
         # backward of entry i prefetches entry i - 1 unless told otherwise (as FSDP2)
@@ -67,11 +67,11 @@ class FSDPState:
                  mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules  # one, or FSDP2's list of modules sharing its shard groups
         self.module = modules[0]
-        self.module_class = type(self.module).__name__  # the user's class: fully_shard then swaps it
+        self.module_class = type(self.module).__name__  # the user's class: fully_shard swaps it
         # one per mesh of this call's parameters, in the order of their first parameter
-        # ([Note: shard groups of one call] in _fully_shard.py); none without parameters
+        # (see ``_by_mesh`` in vefsdp_optim/_fsdp/_fully_shard.py); none without parameters
         self.shard_groups = shard_groups
-        self._not_run: set[int] = set()  # ids of the modules of this forward (a list of modules) yet to finish
+        self._not_run: set[int] = set()  # ids of this forward's modules (a list) yet to finish
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.ctx: _RootContext | None = None
@@ -81,9 +81,9 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
         self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
-        # [Note: repeated use] forward calls (grad enabled) since the last backward whose
-        # inputs carry a post-backward hook; the shard group is reduced when the last of them
-        # has run backward, or by the root's final callback when some call had no hook.
+        # Forward calls (grad enabled) since the last backward whose inputs carry a
+        # post-backward hook; the shard group is reduced when the last of them has run
+        # backward, or by the root's final callback when some call had no hook.
         self.uses = 0
         self.untracked = False  # a forward call with grad whose inputs need no grad
         # id -> original Parameter this shard group replaced (weak: tensors compare elementwise)
@@ -250,7 +250,7 @@ class FSDPState:
         return grad
 
     def _implicit_bwd_prefetch(self) -> list[FSDPState]:
-        """The shard group whose forward ran just before this one's last forward: next in backward."""
+        """The shard group whose forward ran just before this one's last: next in backward."""
         order = self.ctx.fwd_order if self.ctx is not None else []
         for i in range(len(order) - 1, 0, -1):
             if order[i] is self:
@@ -297,7 +297,7 @@ class FSDPState:
         return f"{self.module_class}.{mp.fqn}"
 
     def post_backward(self, final: bool = False) -> None:
-        """End of this module's backward: free, reduce-scatter ([Note: repeated use]).
+        """End of this module's backward: free, reduce-scatter (see ``FSDPState.uses``).
 
         From a use's post-backward hook (``final=False``) only the last outstanding use
         finishes the shard group; the root's final callback (``final=True``) finishes it always.
@@ -321,7 +321,7 @@ class FSDPState:
         if ctx is not None:
             wait_reductions(ctx)
         for g in self.shard_groups:  # this module's groups reduce together
-            g.reduce_grads()  # async ([Note: async reduce-scatter] in _grads.py)
+            g.reduce_grads()  # async (``StoreGrads.launch_reduce`` in _grads.py)
             if g.reducing:
                 if ctx is not None:
                     ctx.reducing.append(g)
@@ -330,27 +330,27 @@ class FSDPState:
 
 
 # [Note: use outside forward]
-# A shard group's backward starts at its module's outputs (pre-backward hooks) and ends at
-# its inputs or at the root's final callback; a gradient is reduced only if it reaches the
-# unsharded face in that window. The ways around the module's forward:
-#  - an op on the sharded face (``x @ child.weight.T`` in a parent's forward), which is
-#    this rank's slice there: the gradient goes to the sharded leaf, unreduced (this
-#    rank's full gradient or, for ops the slices compute locally, [Note: sharded
-#    dispatch], its slice of one, which no reduction can average). FSDP2 refuses that mix
-#    of DTensor and plain tensor; we raise at the first such gradient, naming the
-#    parameter (a hook on each sharded face). A parameter used nowhere gets no gradient,
-#    hence no error, as under FSDP2;
-#  - ``p.full_tensor()``, FSDP2's DTensor way: differentiable for a parameter that
-#    requires grad, under grad mode. A gathered copy (new storage, which no reshard
-#    frees) whose backward starts the shard group's backward and adds the gradient, in
-#    param_dtype, where autograd puts the unsharded face's. It counts as a forward without
-#    a post-backward hook ([Note: repeated use]): one reduction, by the final callback,
-#    averaged over the ranks (FSDP2 leaves each shard its own rank's gradient);
-#  - ``module.unshard()``, then the unsharded face, FSDP2's other way: a hook on that face
-#    starts the shard group's backward at its first gradient, before AccumulateGrad, as
-#    the module's pre-backward would, so the gradient is attached and reduced, not dropped.
-# Before any forward of the root (no root context) such a backward queues its own final
-# callback.
+# A shard group's backward starts at its module's outputs, in pre-backward hooks, and
+# ends at its inputs or at the root's final callback. A gradient is reduced only if it
+# reaches the unsharded face in that window. Three ways go around the module's forward.
+#  - An op on the sharded face, such as ``x @ child.weight.T`` in a parent's forward.
+#    The sharded face is this rank's slice, so the gradient goes to the sharded leaf,
+#    unreduced. It is this rank's full gradient, or, for ops the slices compute locally
+#    ([Note: sharded dispatch]), its slice of one, which no reduction can average.
+#    FSDP2 refuses that mix of DTensor and plain tensor. We raise at the first such
+#    gradient, naming the parameter, from a hook on each sharded face. A parameter used
+#    nowhere gets no gradient, hence no error, as under FSDP2.
+#  - ``p.full_tensor()``, FSDP2's DTensor way. It is differentiable for a parameter that
+#    requires grad, under grad mode. It gives a gathered copy in new storage, which no
+#    reshard frees. Its backward starts the shard group's backward and adds the gradient,
+#    in param_dtype, where autograd puts the unsharded face's. It counts as a forward
+#    without a post-backward hook (see ``FSDPState.uses``): one reduction, by the
+#    final callback, averaged over the ranks. FSDP2 leaves each shard its own rank's one.
+#  - ``module.unshard()``, then the unsharded face, FSDP2's other way. A hook on that
+#    face starts the shard group's backward at its first gradient, before
+#    AccumulateGrad, as the module's pre-backward would. So the gradient is attached and
+#    reduced, not dropped.
+# Before any forward of the root, with no root context, a backward queues its own final callback.
 
 
 class ParamOutsideUse:
@@ -371,7 +371,7 @@ class ParamOutsideUse:
 
     def forward(self) -> None:
         state, _ = self._both()
-        state.untracked = True  # reduced by the final callback ([Note: repeated use])
+        state.untracked = True  # reduced by the final callback (see ``FSDPState.uses``)
 
     def backward(self, grad: torch.Tensor) -> None:
         state, mp = self._both()

@@ -5,7 +5,8 @@ parameters' storage; the ``FlatStore`` of [Note: flat store contract]), plus, un
 mixed precision, a compute buffer in ``param_dtype`` (same plan; one cast of the local
 shard per all-gather) and a reduce buffer in ``reduce_dtype``. Its shard group
 (_group.py) drives it: all-gather, gradient attachment, reduce-scatter, re-plan. The
-store holds no reference to its shard group ([Note: store and shard group]).
+store holds no reference to its shard group (see ``StoreSettings`` in
+vefsdp_optim/_fsdp/_settings.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = ["DtypeStore", "PendingGather", "ALIGN"]
 
 ALIGN = 16
 
-# [Note: CPU offload]
 # CPUOffloadPolicy, as FSDP2's: the sharded parameters, their gradients, and so the
 # optimizer's step and state, live on the CPU (page-locked when the mesh is an
 # accelerator and the policy pins); the device holds only what the collectives and the
@@ -49,8 +49,8 @@ ALIGN = 16
 # (as FSDP2 on its offload events), which follows that store's last gather and so its
 # host-to-device copies: the optimizer then reads finished gradients and overwrites
 # shards that no copy still reads. A backward that reduces nothing (no sync) leaves the
-# host free. On a CPU mesh the same
-# buffers exist and the copies are CPU copies, with the bits of the run without offload.
+# host free. On a CPU mesh the same buffers exist and the copies are CPU copies, with
+# the bits of the run without offload.
 
 
 class DtypeStore(StoreGrads):
@@ -59,7 +59,7 @@ class DtypeStore(StoreGrads):
     Answers the data questions of the ``FlatStore`` protocol ([Note: flat store
     contract]) over the master buffer: members' local data are its segments, their
     reduced grads the same segments of ``master.local_grad``. Its shard group answers the
-    re-plan (``StoreBinding``, [Note: store and shard group]).
+    re-plan (``StoreBinding``, ``StoreSettings`` in vefsdp_optim/_fsdp/_settings.py).
     """
 
     plan: BufferPlan
@@ -82,7 +82,7 @@ class DtypeStore(StoreGrads):
         # ([Note: lazy gradient buffer])
         self._awaited_settings: GradSettings | None = None
         # fqns of the members this rank gave a gradient since the last reduction
-        # ([Note: unused parameters])
+        # (see ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py)
         self._used: set[str] = set()
         self.build(units, data, validate=validate)
 
@@ -102,14 +102,17 @@ class DtypeStore(StoreGrads):
         self.plan = plan if plan is not None else plan_buffer(self.specs(units), w, align=ALIGN)
         process_group = settings.process_group if w > 1 else None
         rank = settings.rank if process_group is not None else 0
-        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype, device=settings.host,
+        self.master = DistributedBuffer(self.plan, process_group, dtype=self.dtype,
+                                        device=settings.host,
                                         rank=settings.rank if process_group is None else None,
                                         validate=validate, pin_memory=settings.pinned)
         param_dtype = settings.mp_policy.param_dtype or self.dtype
         reduce_dtype = settings.mp_policy.reduce_dtype or param_dtype
-        # [Note: CPU offload]: the compute and reduce buffers live on the device, apart
-        self.compute = self.master if param_dtype == self.dtype and not settings.offload else DistributedBuffer(
-            self.plan, process_group, dtype=param_dtype, device=settings.device, validate=False)
+        # under CPU offload (the comment above ``DtypeStore``): the compute and reduce buffers
+        # live on the device, apart
+        self.compute = (self.master if param_dtype == self.dtype and not settings.offload
+                        else DistributedBuffer(self.plan, process_group, dtype=param_dtype,
+                                               device=settings.device, validate=False))
         if reduce_dtype == self.dtype and not settings.offload:
             self.reduce = self.master
         elif reduce_dtype == param_dtype:
@@ -129,11 +132,12 @@ class DtypeStore(StoreGrads):
             runs = tp_runs.get(p.fqn)
             if hasattr(p, "sharded"):
                 p.repoint(local, layout, process_group, rank, runs)
-            else:  # bound to its FlatStore by the shard group ([Note: store and shard group])
+            else:  # bound to its FlatStore by the shard group (``StoreSettings``, _settings.py)
                 p.make_sharded(local, layout, process_group, rank, runs=runs)
             p.unsharded = None
         self._segments = {id(p.sharded): self._segment_of(p) for p in self.params}
-        self._lazy = w > 1  # [Note: gradient memory], [Note: lazy gradient buffer]
+        # ``StoreGrads.release_grads`` in vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]
+        self._lazy = w > 1
         self._gbuf: torch.Tensor | None = None  # compute's W*m gradient buffer, once allocated
         self._awaiting = False  # a lazy buffer whose backward's first gradient has not arrived yet
         if self._lazy:
@@ -143,25 +147,28 @@ class DtypeStore(StoreGrads):
 
     @property
     def tensor_parallel(self) -> bool:
-        """Some member is sharded by tensor parallelism ([Note: fully_shard over tensor parallel])."""
+        """Some member is sharded by tensor parallelism (see ``TensorParallel`` in
+        vefsdp_optim/_fsdp/_param.py)."""
         return any(p.tp is not None and p.tp.boxes is not None for p in self.params)
 
     def _tp_runs(self, units: dict[str, int]) -> dict[str, list[RaggedShard]]:
         """Per tensor-parallel member: every tp coordinate's dp layout of its box, from the
-        plan that coordinate makes ([Note: fully_shard over tensor parallel])."""
+        plan that coordinate makes (see ``TensorParallel`` in vefsdp_optim/_fsdp/_param.py)."""
         tps = [p for p in self.params if p.tp is not None and p.tp.boxes is not None]
         if not tps:
             return {}
-        meshes = {mesh_key(p.tp.mesh) for p in tps}  # [Note: meshes by value]
+        meshes = {mesh_key(p.tp.mesh) for p in tps}  # ``mesh_key`` in vefsdp_optim/_fsdp/_param.py
         tp_world = tps[0].tp.boxes.world_size
         if len(meshes) > 1 or any(p.tp.boxes.world_size != tp_world for p in tps):
             raise NotImplementedError(
-                "fully_shard: the tensor-parallel parameters of one shard group must share one tp mesh "
-                f"(equal device type, ranks and dim names), got {len(meshes)}: "
+                "fully_shard: the tensor-parallel parameters of one shard group must share "
+                f"one tp mesh (equal device type, ranks and dim names), got {len(meshes)}: "
                 + "; ".join(f"{p.fqn} on {p.tp.mesh}" for p in tps))
         runs: dict[str, list[RaggedShard]] = {p.fqn: [] for p in tps}
         for j in range(tp_world):
-            specs = [TensorSpec(p.fqn, (p.tp.boxes.boxes[j].sizes if p.tp is not None and p.tp.boxes is not None
+            specs = [TensorSpec(p.fqn,
+                                (p.tp.boxes.boxes[j].sizes
+                                 if p.tp is not None and p.tp.boxes is not None
                                         else tuple(p.shape)) or (1,), units.get(p.fqn, 1))
                      for p in self.params]
             plan = plan_buffer(specs, self.settings.world_size, align=ALIGN)
@@ -197,8 +204,10 @@ class DtypeStore(StoreGrads):
         if flat.is_complex() or flat.is_sparse:
             return False
         if grad.untyped_storage().nbytes() < _nbytes(grad):
-            # released ([Note: gradient memory]): gradients set by hand are elsewhere, and a
-            # rank that holds no element of any member would read the missing bytes
+            # released (see ``StoreGrads.release_grads`` in
+            # vefsdp_optim/_fsdp/_grads.py): gradients set by hand are elsewhere,
+            # and a rank that holds no element of any member would read the missing
+            # bytes
             return False
         for p in self.params:
             sp = p.sharded
@@ -230,19 +239,19 @@ class DtypeStore(StoreGrads):
         compute = self.compute
         with streams.use(copy_in):
             compute.alloc_global()
-        # [Note: version counter] the unsharded params (saved for backward) alias the
-        # global buffer; re-gathering the same values must not bump their version (nor,
-        # where one rank holds everything, re-casting them: the cast writes the global
-        # buffer then), and gloo's async work writes the output from its own thread, so
-        # the version is restored after wait() too, as FSDP2 does around its copy-out.
+        # The unsharded params (saved for backward) alias the global buffer; re-gathering
+        # the same values must not bump their version (nor, where one rank holds
+        # everything, re-casting them: the cast writes the global buffer then), and gloo's
+        # async work writes the output from its own thread, so the version is restored
+        # after wait() too, as FSDP2 does around its copy-out.
         out = compute.global_buffer
         with unsafe_preserve_version_counter(out):
             version = tensor_version(out)
             with streams.use(copy_in):
                 if compute is not self.master:
-                    # the one cast (under offload: and host-to-device copy) per all-gather; non-blocking
-                    # from pageable memory too, as FSDP2 (the driver stages it before returning), so
-                    # the host never waits on the copy-in stream here
+                    # the one cast (under offload: and host-to-device copy) per all-gather;
+                    # non-blocking from pageable memory too, as FSDP2 (the driver stages it before
+                    # returning), so the host never waits on the copy-in stream here
                     with torch.no_grad():
                         compute.local.copy_(self.master.local, non_blocking=streams.active)
             streams.wait_stream(gather, copy_in)
@@ -252,7 +261,8 @@ class DtypeStore(StoreGrads):
         for p in self.params:
             if p.unsharded is None:
                 p.make_unsharded(compute.full_view(p.fqn))
-                if p.requires_grad:  # [Note: unused parameters], [Note: lazy gradient buffer]
+                # ``StoreGrads`` in vefsdp_optim/_fsdp/_grads.py, [Note: lazy gradient buffer]
+                if p.requires_grad:
                     p.unsharded.register_hook(functools.partial(self._on_grad, p.fqn))
         return None if work is None and event is None else PendingGather(work, event, out, version)
 
@@ -270,7 +280,7 @@ class PendingGather(NamedTuple):
     work: FlatWork | None
     event: Any  # recorded on the all-gather stream after the collective; None: none
     out: torch.Tensor  # 1-D, W * m: the gathered buffer
-    version: int  # its version before the collective ([Note: version counter])
+    version: int  # its version before the collective (see ``DtypeStore.unshard``)
 
     def wait(self, streams: Streams) -> None:
         """The current stream waits for the gather; the buffer's version is restored."""

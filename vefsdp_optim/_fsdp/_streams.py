@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Streams", "DeviceStreams", "NO_STREAMS", "CommContext", "streams_for", "set_streams_factory",
+__all__ = ["Streams", "DeviceStreams", "NO_STREAMS", "CommContext", "streams_for",
+           "set_streams_factory",
            "check_event", "check_stream", "streams_factory"]
 
 
@@ -30,28 +31,30 @@ class _Releasable(Protocol):
 
 
 # [Note: fully_shard streams]
-# On an accelerator, as FSDP2: the module's compute runs on the current stream; a
-# shard group's all-gather (the cast into param_dtype and the allocation of its W*m
-# buffer on the copy-in stream, the collective on the all-gather stream) and its
-# reduce-scatter (with the division, the cast into the master's dtype and the kept-
-# gradient sum), HSDP's all-reduce and the all-reduce hook each run on their own stream.
-#  - Producer and consumer: a tensor written on one stream is read on another only
-#    after the reader's stream waits on an event recorded after the write: the cast ->
-#    the all-gather (wait_stream); the gathered buffer -> compute (wait_unshard); the
-#    gradients -> the reduce-scatter (wait_stream); its output -> the all-reduce or hook
-#    stream -> compute (the post-reduce event, waited on in the root's final callback,
-#    before the optimizer reads .grad); the optimizer's writes -> the first all-gathers
-#    of the next forward (the root's pre-forward: the post-optim event, else the stream).
-#  - Freeing: a buffer is allocated on one stream (a gathered buffer on the copy-in
-#    stream; gradient buffers on the current stream), and the caching allocator hands
-#    its block to later work of that stream only. So its storage is resized to 0 only
-#    after that stream has waited on an event recorded after its last use on any other
-#    stream: no record_stream. A gathered buffer resharded by a hook stays allocated,
-#    with the event of its reshard, until the all-gather after next (``CommContext.free``):
-#    module i + 1's all-gather overlaps module i's compute, and at most two gathered
-#    buffers are in flight. A reduce-scatter's input is freed when the current stream
-#    has waited on its collective (the next shard group's post-backward).
-# On the CPU there are no streams and every buffer is freed when resharded, as before.
+# On an accelerator the module's compute runs on the current stream, as in FSDP2. Each
+# collective of a shard group runs on its own stream. The all-gather casts into
+# param_dtype and allocates its W*m buffer on the copy-in stream, then runs on the
+# all-gather stream. The reduce-scatter runs with the division, the cast into the
+# master's dtype and the kept-gradient sum. HSDP's all-reduce and the all-reduce hook
+# each have a stream too. Two rules keep this correct.
+#  - Producer and consumer. A tensor written on one stream is read on another only after
+#    the reader's stream waits on an event recorded after the write. The pairs are: the
+#    cast, then the all-gather (wait_stream); the gathered buffer, then compute
+#    (wait_unshard); the gradients, then the reduce-scatter (wait_stream); its output,
+#    then the all-reduce or hook stream, then compute. That last wait is the post-reduce
+#    event, waited on in the root's final callback before the optimizer reads .grad.
+#    The optimizer's writes come before the first all-gathers of the next forward, by
+#    the post-optim event or else the stream, in the root's pre-forward.
+#  - Freeing. A buffer is allocated on one stream: a gathered buffer on the copy-in
+#    stream, gradient buffers on the current stream. The caching allocator hands its
+#    block to later work of that stream only. So its storage is resized to 0 only after
+#    that stream has waited on an event recorded after its last use on any other stream,
+#    with no record_stream. A gathered buffer resharded by a hook stays allocated, with
+#    the event of its reshard, until the all-gather after next (``CommContext.free``).
+#    Module i + 1's all-gather overlaps module i's compute, and at most two gathered
+#    buffers are in flight. A reduce-scatter's input is freed when the current stream has
+#    waited on its collective, at the next shard group's post-backward.
+# On the CPU there are no streams, and every buffer is freed when resharded.
 
 
 class Streams:
@@ -79,7 +82,8 @@ class Streams:
         """Work issued on ``stream`` from now on runs after ``event``."""
 
     def wait_stream(self, consumer: Any, producer: Any) -> None:
-        """Work issued on ``consumer`` from now on runs after the work issued so far on ``producer``."""
+        """Work issued on ``consumer`` from now on runs after the work issued so far on
+        ``producer``."""
 
     def query(self, event: Any) -> bool:
         """Whether ``event`` has completed, asked without waiting (no event: True)."""
@@ -157,7 +161,8 @@ def streams_for(device: torch.device) -> Streams:
     return _factory(device)
 
 
-def set_streams_factory(factory: Callable[[torch.device], Streams] | None) -> Callable[[torch.device], Streams]:
+def set_streams_factory(
+        factory: Callable[[torch.device], Streams] | None) -> Callable[[torch.device], Streams]:
     """Replace how roots get their streams (None: the default); returns the previous
     factory. For tests, which inject a recording implementation on the CPU."""
     global _factory
@@ -167,13 +172,14 @@ def set_streams_factory(factory: Callable[[torch.device], Streams] | None) -> Ca
 
 def check_event(event: object) -> None:
     if not all(hasattr(event, a) for a in ("query", "synchronize", "record")):
-        raise TypeError(f"event must be a torch.Event (e.g. torch.cuda.Event, recorded after the optimizer "
-                        f"step), got {event!r}")
+        raise TypeError("event must be a torch.Event (e.g. torch.cuda.Event, recorded after "
+                        f"the optimizer step), got {event!r}")
 
 
 def check_stream(stream: object) -> None:
     if not all(hasattr(stream, a) for a in ("wait_event", "wait_stream", "record_event")):
-        raise TypeError(f"stream must be a torch.Stream (e.g. torch.cuda.Stream) or None, got {stream!r}")
+        raise TypeError("stream must be a torch.Stream (e.g. torch.cuda.Stream) or None, "
+                        f"got {stream!r}")
 
 
 class CommContext:
@@ -186,7 +192,7 @@ class CommContext:
         self.pending_free: list[tuple[_Releasable, Any]] = []
         # (post-reduce event, what to release once the current stream waited on it)
         # True where the host must wait for it too: an offloaded store's device-to-host
-        # copy ([Note: CPU offload] in _store.py)
+        # copy (see ``DtypeStore`` in vefsdp_optim/_fsdp/_store.py)
         self.post_reduce: list[tuple[Any, Callable[[], None], bool]] = []
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event
 

@@ -6,10 +6,11 @@ choice of which one runs. Each kernel gives the bits of the eager torch ops it r
                        torch operator ``quant8_adam_op.cpp``) and bfloat16 matrix
                        products (``bf16_matmul.cpp``), one library
     _native.py         its one build module (torch.utils.cpp_extension, cached on disk;
-                       [Note: fused 8-bit step]), and the CPU 8-bit step's entry
+                       vefsdp_optim/_kernels/_native.py), and the CPU 8-bit step's entry
     _quant8_triton.py  the 8-bit step as a Triton kernel (CUDA, or Triton's interpreter)
     _backend.py        which 8-bit step runs: ``VEFSDP_ADAM8BIT_BACKEND`` (``triton``,
-                       ``c``, ``eager``) or the best available ([Note: 8-bit Adam backends])
+                       ``c``, ``eager``) or the best available (see
+                       vefsdp_optim/_kernels/_backend.py)
     _bf16_matmul.py    ``addmm`` / ``mm_nt`` with torch's bits, on the C++ products where
                        they equal torch's here ([Note: fast bfloat16 addmm])
 

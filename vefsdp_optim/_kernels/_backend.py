@@ -1,17 +1,17 @@
 """Which implementation runs the 8-bit Adam step: the Triton kernel, the C++ kernel or
-the eager torch ops. All three give the same bits ([Note: 8-bit Adam op order]).
+the eager torch ops. All three give the same bits (see vefsdp_optim/_math/_adam8bit_step.py).
 
-[Note: 8-bit Adam backends]
-``VEFSDP_ADAM8BIT_BACKEND`` forces one: ``triton`` ([Note: Triton 8-bit step]; CUDA
-tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``c`` (the C++ kernel, [Note:
-fused 8-bit step]; CPU tensors) or ``eager``; a forced kernel that cannot run raises,
-naming why. Unset (or empty), the best available runs: Triton on CUDA, the C++ kernel on
-the CPU, else the eager ops, the choice logged once per device type (a warning with the
-reasons where a kernel was wanted and could not run). The optimizer's ``fused`` argument
-wins over the environment: ``False`` runs the eager ops, ``True`` requires a kernel (the
-forced one if the variable names a kernel, else the best one) and raises where none can
-run. This variable is the one switch: an unknown value raises ValueError naming the
-accepted ones, at the optimizer's construction and at each step.
+``VEFSDP_ADAM8BIT_BACKEND`` forces one: ``triton`` (see
+vefsdp_optim/_kernels/_quant8_triton.py; CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``), ``c`` (the C++ kernel, vefsdp_optim/_kernels/_native.py; CPU
+tensors) or ``eager``; a forced kernel that cannot run raises, naming why. Unset (or
+empty), the best available runs: Triton on CUDA, the C++ kernel on the CPU, else the
+eager ops, the choice logged once per device type (a warning with the reasons where a
+kernel was wanted and could not run). The optimizer's ``fused`` argument wins over the
+environment: ``False`` runs the eager ops, ``True`` requires a kernel (the forced one if
+the variable names a kernel, else the best one) and raises where none can run. This
+variable is the one switch: an unknown value raises ValueError naming the accepted ones,
+at the optimizer's construction and at each step.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def select_backend(device_type: str, block_size: int, max_k: int = 1,
                    fused: bool | None = None) -> str:
     """``"triton"``, ``"c"`` or ``"eager"`` for a step of tensors on ``device_type`` in
     blocks of ``block_size`` with code maps of at most ``max_k`` midpoints per bucket
-    (see [Note: 8-bit Adam backends]). Raises ValueError for a bad
+    (see the module docstring). Raises ValueError for a bad
     ``VEFSDP_ADAM8BIT_BACKEND``, RuntimeError where a required kernel cannot run."""
     if fused is False:
         return "eager"

@@ -1,28 +1,28 @@
 """``torch.addmm`` / ``torch.baddbmm`` and ``a @ b.mT`` of bfloat16 CPU matrices with
 torch's bits, fast where torch runs its reference loops.
 
-[Note: fast bfloat16 addmm] On a CPU that oneDNN cannot run bfloat16 products on (no
-AVX-512, no AMX: an AVX2 CPU such as AMD Zen 3), torch computes bfloat16 products with
-its own loops: ``addmm`` of two row-major matrices with a scalar reference loop (~1
-GFLOP/s, some 40x slower than its float32 products there), ``a @ b.T`` of two row-major
-matrices with a vectorized dot product per output (~10 GFLOP/s). Newton-Schulz is three
-such products per iteration (``X X^T``, then ``(b A + c A^2)`` and its product with
-``X``). ``csrc/bf16_matmul.cpp`` computes each loop's values in the same order with
-the same roundings ([Note: torch's bfloat16 reference matmul] and [Note: torch's
-bfloat16 dot-product matmul] there), laid out for the vector units (eight outputs of a
-row per vector for the first; a 3 x 3 tile of outputs sharing each load for the second),
-so its bits are torch's, at 20-40 GFLOP/s on that CPU.
+[Note: fast bfloat16 addmm]
+On a CPU where oneDNN cannot run bfloat16 products, torch computes them with its own
+loops. Such a CPU has no AVX-512 and no AMX, as AMD Zen 3. ``addmm`` of two row-major
+matrices then runs a scalar reference loop. ``a @ b.T`` of two row-major matrices runs
+a vectorized dot product per output. Both are far slower than torch's float32 products
+there, and Newton-Schulz makes three such products per iteration: ``X X^T``, then
+``(b A + c A^2)`` and its product with ``X``. ``csrc/bf16_matmul.cpp`` computes each
+loop's values in the same order with the same roundings, so its bits are torch's. It
+lays them out for the vector units: eight outputs of a row per vector for the first
+loop, a 3 x 3 tile of outputs that share each load for the second. The comments in
+that file give each loop's order; the speeds are in docs/decisions.md.
 
-Where they run: products of at least ``MIN_WORK`` multiply-adds, ``a`` and ``b``
-row-major (``contiguous``; other layouts take other torch loops, and keep them), every
-side at least 2 (torch has matrix-vector paths), CPU bfloat16, no autograd, not under
-torch.compile. And only where the kernel equals torch on this process's torch and CPU:
-on first use, both are run on a fixed set of probes (every ``k mod 4``; for the dot
-product every part of it: ``k`` mod 64 and mod 16; with and without ``c``, 2-D and
-batched, sizes on both sides of oneDNN's small-product threshold); any difference (a CPU
-where oneDNN takes bfloat16 products, a torch with other loops) turns that kernel off for
-the process, and torch's op runs, as it does where the library cannot be built.
-``VEFSDP_BF16_MATMUL=0`` turns both off.
+Where they run: products of at least ``MIN_WORK`` multiply-adds, with ``a`` and ``b``
+row-major (``contiguous``). Other layouts take other torch loops and keep them. Every
+side must be at least 2, since torch has matrix-vector paths. CPU bfloat16 only, with no
+autograd and not under torch.compile. And only where the kernel equals torch on this
+process's torch and CPU. On first use both are run on a fixed set of probes: every
+``k mod 4``; for the dot product, ``k`` mod 64 and mod 16; with and without ``c``; 2-D
+and batched; sizes on both sides of oneDNN's small-product threshold. Any difference
+turns that kernel off for the process, and torch's op runs, as it does where the
+library cannot be built. Such a difference comes from a CPU where oneDNN takes bfloat16
+products or a torch with other loops. ``VEFSDP_BF16_MATMUL=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ ENV_VAR = "VEFSDP_BF16_MATMUL"
 MIN_WORK = 1 << 15
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # kernel name -> its operator or None; "why:" + name -> why it is off
+# kernel name -> its operator or None; "why:" + name -> why it is off
+_state: dict[str, object] = {}
 
 
 def _differs(op_name: str, got: Tensor, want: Tensor, shape: str, how: str) -> str | None:
@@ -126,7 +127,8 @@ def _op(name: str):
                     try:
                         with torch.no_grad():
                             why = _PROBES[name](candidate)
-                    except RuntimeError as e:  # e.g. a build without AVX2 refuses the dot-product order
+                    # e.g. a build without AVX2 refuses the dot-product order
+                    except RuntimeError as e:
                         why = f"{name} cannot run here: {e}"
                     if why is None:
                         op = candidate
@@ -179,9 +181,11 @@ def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 
     bit for bit; the kernel of [Note: fast bfloat16 addmm] where it applies."""
     batched = a.dim() == 3
     if (_state.get("bf16_addmm_out_", _UNDECIDED) is not None  # off: decided once, checked first
-            and a.dim() in (2, 3) and b.dim() == a.dim() and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
+            and a.dim() in (2, 3) and b.dim() == a.dim()
+            and min(a.shape[-2], a.shape[-1], b.shape[-1]) >= 2
             and a.shape[-2] * a.shape[-1] * b.shape[-1] >= MIN_WORK
-            and c.shape == (*a.shape[:-1], b.shape[-1]) and (not batched or a.shape[0] == b.shape[0])
+            and c.shape == (*a.shape[:-1], b.shape[-1])
+            and (not batched or a.shape[0] == b.shape[0])
             and _plain(a, b, c)):
         op = _op("bf16_addmm_out_")
         if op is not None:

@@ -16,21 +16,19 @@ with the same bits, and the reason is logged once. CUDA tensors take the Triton 
 (``VEFSDP_ADAM8BIT_BACKEND``; ``eager``, or ``fused=False`` on the optimizer, turns the
 kernels off).
 
-[Note: fused 8-bit step]
 ``adam8bit_block_step_`` (``_math/_adam8bit_step.py``) is memory-bound: per element it reads the
-parameter, the gradient and two one-byte codes and writes the parameter and the codes
-(16 bytes), but the eager form runs ~15 tensor passes with float32 temporaries. The
-kernel does the whole step block by block and reads and writes the data once:
-dequantize both moments through the 256-value code maps, the Adam / AdamW update with
-the block's absmax in registers, and the requantization through the packed bucket table
-([Note: packed bucket table]; [Note: requantization by reciprocal], [Note: AVX2
-requantization by division] in ``quant8_adam.cpp``), one block behind the update so
-that the two overlap ([Note: requantization one block behind]), in a cache-resident
-scratch of ~4 * block_size floats. Runs of whole blocks go to torch's intra-op threads
-([Note: threads over blocks] in ``quant8_adam_op.cpp``), the same bits at any count.
+parameter, the gradient and two one-byte codes and writes the parameter and the codes (16 bytes),
+but the eager form runs ~15 tensor passes with float32 temporaries. The kernel does the whole
+step block by block and reads and writes the data once: dequantize both moments through the
+256-value code maps, the Adam / AdamW update with the block's absmax in registers, and the
+requantization through the packed bucket table (see ``_pack_buckets`` in
+vefsdp_optim/_math/_quant8.py; ``QPlan`` and the AVX2 ``qvec`` in ``quant8_adam.cpp``), one block
+behind the update so that the two overlap (``run_blocks`` there), in a cache-resident scratch of
+~4 * block_size floats. Runs of whole blocks go to torch's intra-op threads
+(``adam8bit_steps_cpu`` in ``quant8_adam_op.cpp``), the same bits at any count.
 
 The kernel computes exactly the float32 operations that the eager path runs as torch
-ops ([Note: 8-bit Adam op order] in ``_math/_adam8bit_step.py``), each one correctly rounded IEEE
+ops (see vefsdp_optim/_math/_adam8bit_step.py), each one correctly rounded IEEE
 add, sub, mul, div or sqrt, compiled with ``-ffp-contract=off`` and without fast-math:
 a vectorized and a scalar loop give the same bits, and so do the kernel and the eager
 fallback. Blocks never interact, so a run of whole blocks gives the bits of that part
@@ -67,7 +65,9 @@ _HEADERS = ("quant8_adam.h",)
 # instruction set chosen by -march=native changes the speed, never the bits
 _FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 _NATIVE = "-march=native"  # dropped if the compiler refuses it
-_OPENMP = "-fopenmp"  # at::parallel_for's threads ([Note: threads over blocks]); dropped if refused
+#: at::parallel_for's threads (see ``adam8bit_steps_cpu`` in csrc/quant8_adam_op.cpp); dropped if
+#: refused
+_OPENMP = "-fopenmp"
 
 _lock = threading.Lock()
 _kernel: Any = None  # the library's operators (torch.ops.<build name>) once built
@@ -100,7 +100,8 @@ def _cpu_id() -> str:
     loaded on another CPU sharing the cache directory)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags", "Features"))}))
+            return "".join(sorted({ln for ln in f
+                                   if ln.startswith(("model name", "flags", "Features"))}))
     except OSError:
         import platform
 
@@ -165,7 +166,8 @@ def _build() -> Any:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             try:
                 _compile(name, flags, tmp, cxx)
-            except Exception as e:  # noqa: BLE001 - retried without -march=native / OpenMP, then raised
+            # retried without -march=native / OpenMP, then raised
+            except Exception as e:  # noqa: BLE001
                 err = e
                 continue
             os.replace(os.path.join(tmp, f"{name}.so"), path)
@@ -208,10 +210,10 @@ def run_fused_steps_(
     vc: Sequence[Tensor], va: Sequence[Tensor], hp: Sequence[tuple[float, ...]],
     flags: Sequence[int], block_size: int, tables: tuple[Tensor, ...],
 ) -> None:
-    """Run the kernel in place on lists of contiguous CPU tensors, one entry per tensor
-    ([Note: one call for many tensors] in ``quant8_adam_op.cpp``): ``p``, ``g`` float32
-    (n,), ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),); ``hp``:
-    each tensor's ``adam8bit_hparams``; ``flags``: each tensor's bits (1 maximize, 2
+    """Run the kernel in place on lists of contiguous CPU tensors, one entry per tensor (see
+    ``adam8bit_steps_cpu`` in vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp): ``p``, ``g``
+    float32 (n,), ``mc``, ``vc`` uint8 (n,), ``ma``, ``va`` float32 (ceil(n / block_size),);
+    ``hp``: each tensor's ``adam8bit_hparams``; ``flags``: each tensor's bits (1 maximize, 2
     weight decay, 4 decoupled); ``tables``: the signed code, the unsigned code, and the
     ``packed`` tables of their ``TableQuantizer``. The caller checks them, and that
     ``fused_kernel()`` is not None (the operator checks them again)."""

@@ -1,43 +1,44 @@
 """The fused 8-bit Adam step as a Triton kernel (CUDA; on CPU tensors under Triton's
 interpreter, ``TRITON_INTERPRET=1``).
 
-[Note: Triton 8-bit step]
-The same step as the C++ kernel ([Note: fused 8-bit step] in ``_native.py``), in
-the same fixed sequence of correctly rounded float32 operations ([Note: 8-bit Adam op
-order] in ``_math/_quant8.py``), so the three backends give the same bits:
+The same step as the C++ kernel (see vefsdp_optim/_kernels/_native.py), in
+the same fixed sequence of correctly rounded float32 operations (see
+vefsdp_optim/_math/_adam8bit_step.py), so the three backends give the same
+bits:
 
 - a program takes ``ROWS`` whole quantization blocks as a ``(ROWS, BLOCK)`` tile
   (``BLOCK``: the block size rounded up to a power of two, the padding masked off; about
   2048 elements a program, as bitsandbytes' 8-bit kernels take 8 blocks of 256), so
   blocks of 1 or 7 elements do not waste a program each; a block never spans programs;
 - dequantize both moments through the 256-value code maps (a gather and one multiply),
-  the Adam / AdamW update, a non-finite moment stored as 0 ([Note: non-finite moments]),
-  the block's absmax as the max of ``|x|``'s bits (the C++ kernel's), then
-  requantization by the packed bucket table ([Note: packed bucket table]), so each code is
-  ``searchsorted``'s, as the eager path's;
+  the Adam / AdamW update, a non-finite moment stored as 0 (see
+  ``TableQuantizer.__call__`` in vefsdp_optim/_math/_quant8.py), the block's absmax as
+  the max of ``|x|``'s bits (the C++ kernel's), then requantization by the packed
+  bucket table (see ``_pack_buckets`` in vefsdp_optim/_math/_quant8.py), so each code
+  is ``searchsorted``'s, as the eager path's;
 - every multiply and add stays apart: the kernel is compiled with
   ``enable_fp_fusion=False`` (no contraction into FMA; ptxas runs with ``--fmad=false``);
   division and square root are ``tl.div_rn`` and ``tl.sqrt_rn`` (IEEE round to nearest;
   Triton's ``/`` and ``tl.sqrt`` on fp32 are approximate on NVIDIA GPUs). The interpreter
   runs each op as one numpy float32 op, which is IEEE's too.
 
-[Note: one launch for many tensors]
 ``run_triton_steps_`` steps a list of tensors in one launch, as the C++ operator takes
-them in one call ([Note: one call for many tensors] in ``csrc/quant8_adam_op.cpp``): on a GPU
-a launch costs ~5-10 us of host time and an idle tail, which a bucket of many small
-tensors would pay once each. The blocks of all the tensors are numbered one after the
-other; program ``j`` takes joint blocks ``[j * ROWS, (j + 1) * ROWS)``, and each row finds
-its tensor by a binary search (``LOG_T`` steps) in the table of first joint blocks, then
-its tensors' addresses in a table of ``data_ptr``s (6 x T int64, cast to pointers). A tile
-may hold the last blocks of one tensor and the first of the next; each block is still its
-own tensor's, with its tensor's numel masking the tail, so the bits are those of one
-launch per tensor. The scalars (the step's ``hp``, the flags) are the launch's: tensors
-with different step counts take one launch each (the capturable launch reads each
-tensor's coefficients from a device table: [Note: coefficients on the device]). The
-tables live on the tensors' device, built once per list of addresses and numels (a
-small cache, the oldest dropped) and copied from pinned memory without a host sync (the
-pinned copy kept with them, which a copy captured in a CUDA graph reads at each replay);
-a steady-state step, whose tensors keep their storage, reuses them and copies nothing.
+them in one call (``adam8bit_steps_cpu`` in ``csrc/quant8_adam_op.cpp``): on a GPU a
+launch costs host time and an idle tail (figures in docs/decisions.md), which a bucket
+of many small tensors would pay once each. The blocks of all the tensors are numbered
+one after the other; program ``j`` takes joint blocks ``[j * ROWS, (j + 1) * ROWS)``,
+and each row finds its tensor by a binary search (``LOG_T`` steps) in the table of first
+joint blocks, then its tensors' addresses in a table of ``data_ptr``s (6 x T int64, cast
+to pointers). A tile may hold the last blocks of one tensor and the first of the next;
+each block is still its own tensor's, with its tensor's numel masking the tail, so the
+bits are those of one launch per tensor. The scalars (the step's ``hp``, the flags) are
+the launch's: tensors with different step counts take one launch each (the capturable
+launch reads each tensor's coefficients from a device table, see
+``_adam8bit_step_kernel``). The tables live on the tensors' device, built once per list
+of addresses and numels (a small cache, the oldest dropped) and copied from pinned
+memory without a host sync (the pinned copy kept with them, which a copy captured in a
+CUDA graph reads at each replay); a steady-state step, whose tensors keep their storage,
+reuses them and copies nothing.
 
 Blocks of more than ``MAX_BLOCK`` elements do not fit a tile; ``triton_unavailable_reason``
 says so and those tensors take another backend. The kernel is wrapped by ``triton.jit``
@@ -123,12 +124,34 @@ def _block(block_size: int) -> int:
     return 1 << max(0, block_size - 1).bit_length()  # next power of two
 
 
-def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, hp_ptr, T, nb,
-                          bs, c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, FLT_MAX,
+# A capturable step ([Note: capturable steps]) keeps each tensor's step count on the
+# device, so its 8 coefficients are computed there (``adam8bit_device_hparams``: an
+# (n, 8) float32 table, one row per tensor) and a CUDA graph replays them fresh; host
+# scalars in the launch would be frozen at capture. With ``HP_ON_DEVICE`` each row of the
+# tile loads its tensor's row of that table (its ``t``, found by the search) in place of
+# the scalar arguments (then unused), and the step runs the same float32 ops in the same
+# order on the same values: the bits of the host-scalar launch given the same float32
+# coefficients, and of the eager capturable step given the same table. As the
+# coefficients are per tensor, every tensor of one (flags) group takes one launch
+# whatever its step count.
+#
+# A row's addresses and numel are loaded from the tables, so the compiler knows nothing of
+# their alignment and steps each element alone with scalar loads and stores, where a
+# tensor's own launch, whose arguments Triton specializes, vectorizes (figures in
+# docs/decisions.md). Where every address of the launch is a multiple of 16 bytes, every
+# numel of 16 elements (checked on the host when the table is built) and the block size
+# of 16, every block starts 16-byte aligned and its mask is constant over runs of 16
+# elements: ``ALIGNED`` says so to the compiler (``tl.multiple_of`` /
+# ``tl.max_contiguous`` on the addresses), and the loads and stores of whole rows
+# vectorize (tests/test_adam8bit_triton.py reads the PTX). The arithmetic, so the bits,
+# are the same either way.
+def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, utab_ptr, hp_ptr, T,
+                          nb, bs, c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, FLT_MAX,
                           MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr, ROWS: tl.constexpr,
                           BLOCK: tl.constexpr, OFF64: tl.constexpr, LOG_T: tl.constexpr,
                           ALIGNED: tl.constexpr, HP_ON_DEVICE: tl.constexpr):
-    # [Note: one launch for many tensors]: ``rows`` are block numbers over all the tensors
+    # one launch for many tensors (module docstring): ``rows`` are block numbers over all the
+    # tensors
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,) joint block numbers
     row_ok = rows < nb
     t = rows * 0  # each row's tensor (not tl.zeros_like: a jit function, see below)
@@ -137,14 +160,15 @@ def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, 
         take = (cand < T) & (tl.load(starts + cand, mask=cand < T, other=0) <= rows)
         t = tl.where(take, cand, t)
     n = tl.load(numels + t)  # (ROWS,) int64: the row's tensor's elements
-    if HP_ON_DEVICE:  # [Note: coefficients on the device]: each row its tensor's 8, as (ROWS, 1)
+    if HP_ON_DEVICE:  # the comment above this kernel: each row its tensor's 8, as (ROWS, 1)
         hrow = hp_ptr + t * 8
         c_wd = tl.load(hrow)[:, None]
         wd = tl.load(hrow + 1)[:, None]
         w1 = tl.load(hrow + 2)[:, None]
         beta2 = tl.load(hrow + 3)[:, None]
         w2 = tl.load(hrow + 4)[:, None]
-        bc2 = tl.broadcast_to(tl.load(hrow + 5)[:, None], (ROWS, BLOCK))  # div_rn does not broadcast
+        # div_rn does not broadcast
+        bc2 = tl.broadcast_to(tl.load(hrow + 5)[:, None], (ROWS, BLOCK))
         eps = tl.load(hrow + 6)[:, None]
         neg_step = tl.load(hrow + 7)[:, None]
     rows = rows - tl.load(starts + t)  # block index within its tensor
@@ -152,7 +176,7 @@ def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, 
     g_ptr = tl.load(ptrs + T + t)
     mc_ptr = tl.load(ptrs + 2 * T + t)
     vc_ptr = tl.load(ptrs + 4 * T + t)
-    if ALIGNED:  # [Note: aligned tables]
+    if ALIGNED:  # the comment above this kernel
         n = tl.multiple_of(n, 16)
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
@@ -210,7 +234,7 @@ def _adam8bit_step_kernel(ptrs, starts, numels, scode_ptr, ucode_ptr, stab_ptr, 
                    tl.standard._elementwise_max)
     amax_m = um.to(tl.float32, bitcast=True)  # (ROWS,)
     amax_v = uv.to(tl.float32, bitcast=True)
-    # codes: [Note: packed bucket table]
+    # codes: ``_pack_buckets`` in vefsdp_optim/_math/_quant8.py
     u = tl.div_rn(m, tl.where(amax_m > 0.0, amax_m, 1.0)[:, None]).to(tl.uint32, bitcast=True)
     e = tl.load(stab_ptr + (u >> 16).to(tl.int32), mask=mask, other=0).to(tl.uint32, bitcast=True)
     up = tl.where((u >> 31) != 0, (u & 0xFFFF) < (e & 0xFFFF), (u & 0xFFFF) > (e & 0xFFFF))
@@ -250,7 +274,7 @@ def run_triton_steps_(
 ) -> None:
     """The Triton kernel in place, with ``run_fused_steps_``'s arguments (lists of
     contiguous tensors on one device; ``tables`` on that device too): one launch for all
-    the tensors of one ``(hp, flags)`` ([Note: one launch for many tensors]), so one a
+    the tensors of one ``(hp, flags)`` (see the module docstring), so one a
     bucket where its tensors share their step. The caller checks that
     ``triton_unavailable_reason`` is None."""
     runs: dict[tuple[tuple[float, ...], int], list[int]] = {}
@@ -258,8 +282,8 @@ def run_triton_steps_(
         if p[i].numel():
             runs.setdefault((tuple(h), f), []).append(i)
     for (h, f), idx in runs.items():
-        _launch([(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx], h, tables[0], f, block_size,
-                tables, on_device=False)
+        _launch([(p[i], g[i], mc[i], ma[i], vc[i], va[i]) for i in idx], h, tables[0], f,
+                block_size, tables, on_device=False)
 
 
 def run_triton_capturable_steps_(
@@ -267,26 +291,26 @@ def run_triton_capturable_steps_(
     vc: Sequence[Tensor], va: Sequence[Tensor], hp: Tensor, flags: int, block_size: int,
     tables: tuple[Tensor, ...],
 ) -> None:
-    """:func:`run_triton_steps_` with the coefficients on the device ([Note: coefficients
-    on the device]): ``hp`` a contiguous ``(len(p), 8)`` float32 tensor on the tensors'
-    device (``adam8bit_device_hparams``'s rows, one per tensor), ``flags`` those of every
-    tensor, every tensor non-empty. One launch for all of them, whatever their steps; no
-    value is read back, and after the first call with these tensors no host tensor goes
-    in (the address tables are cached)."""
+    """:func:`run_triton_steps_` with the coefficients on the device (see
+    ``_adam8bit_step_kernel``): ``hp`` a contiguous ``(len(p), 8)`` float32 tensor on the
+    tensors' device (``adam8bit_device_hparams``'s rows, one per tensor), ``flags`` those
+    of every tensor, every tensor non-empty. One launch for all of them, whatever their
+    steps; no value is read back, and after the first call with these tensors no host
+    tensor goes in (the address tables are cached)."""
     if hp.dtype != torch.float32 or tuple(hp.shape) != (len(p), 8) or not hp.is_contiguous():
         raise ValueError(f"hp must be a contiguous ({len(p)}, 8) float32 tensor, got {hp.dtype} "
                          f"{tuple(hp.shape)}")
     if not p:
         return
     if any(t.numel() == 0 for t in p):
-        raise ValueError("run_triton_capturable_steps_ takes non-empty tensors (their rows of hp), got numels "
-                         f"{[t.numel() for t in p]}")
+        raise ValueError("run_triton_capturable_steps_ takes non-empty tensors (their rows of "
+                         f"hp), got numels {[t.numel() for t in p]}")
     _launch(list(zip(p, g, mc, ma, vc, va, strict=True)), (0.0,) * 8, hp, flags, block_size, tables,
             on_device=True)
 
 
-def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor, flags: int, block_size: int,
-            tables: tuple[Tensor, ...], *, on_device: bool) -> None:
+def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor, flags: int,
+            block_size: int, tables: tuple[Tensor, ...], *, on_device: bool) -> None:
     """One launch of the kernel over ``tensors`` (each ``(p, g, mc, ma, vc, va)``, non-empty)
     with the coefficients ``h`` (host floats) or, ``on_device``, the rows of ``hp``."""
     cfg = launch_config(block_size)
@@ -302,39 +326,15 @@ def _launch(tensors: list[tuple[Tensor, ...]], h: tuple[float, ...], hp: Tensor,
                     HP_ON_DEVICE=on_device, num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
-# [Note: coefficients on the device]
-# A capturable step ([Note: capturable steps]) keeps each tensor's step count on the
-# device, so its 8 coefficients are computed there (``adam8bit_device_hparams``: an
-# (n, 8) float32 table, one row per tensor) and a CUDA graph replays them fresh; host
-# scalars in the launch would be frozen at capture. With ``HP_ON_DEVICE`` each row of the
-# tile loads its tensor's row of that table (its ``t``, found by the search) in place of
-# the scalar arguments (then unused), and the step runs the same float32 ops in the same
-# order on the same values: the bits of the host-scalar launch given the same float32
-# coefficients, and of the eager capturable step given the same table. As the
-# coefficients are per tensor, every tensor of one (flags) group takes one launch
-# whatever its step count.
-
-
-# [Note: aligned tables]
-# A row's addresses and numel are loaded from the tables, so the compiler knows nothing of
-# their alignment and steps each element alone (scalar loads and stores: about 1.4 TB/s
-# on an H200 where a tensor's own launch, whose arguments Triton specializes, vectorizes).
-# Where every address of the launch is a multiple of 16 bytes, every numel of 16 elements
-# (checked on the host when the table is built) and the block size of 16, every block
-# starts 16-byte aligned and its mask is constant over runs of 16 elements: ``ALIGNED``
-# says so to the compiler (``tl.multiple_of`` / ``tl.max_contiguous`` on the addresses),
-# and the loads and stores of whole rows vectorize (tests/test_adam8bit_triton.py reads
-# the PTX). The arithmetic, so the bits, are the same either way.
-
-
-def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool, bool]:
-    """The device tables of one launch ([Note: one launch for many tensors]): the
-    addresses (6 * T int64: every p, then every g, mc, ma, vc, va), the first joint block
-    of each tensor (T + 1 int64, the total last), the numels (T int64); the total block
-    count, whether some tensor needs int64 offsets, and whether the launch is
-    [Note: aligned tables]'s. Cached by the addresses and numels, so a steady-state step
-    copies nothing to the device; a table a CUDA graph capture reads is kept for good
-    (the graph replays its address), and one missing at a capture is a RuntimeError."""
+def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor, int, bool,
+                                                              bool]:
+    """The device tables of one launch (see the module docstring): the addresses (6 * T
+    int64: every p, then every g, mc, ma, vc, va), the first joint block of each tensor (T
+    + 1 int64, the total last), the numels (T int64); the total block count, whether some
+    tensor needs int64 offsets, and whether the launch is aligned (the comment above
+    ``_adam8bit_step_kernel``). Cached by the addresses and numels, so a steady-state step
+    copies nothing to the device; a table a CUDA graph capture reads is kept for good (the
+    graph replays its address), and one missing at a capture is a RuntimeError."""
     numel = [ts[0].numel() for ts in tensors]
     addresses = [t.data_ptr() for col in zip(*tensors, strict=True) for t in col]
     key = (tensors[0][0].device, *addresses, *numel, *(ts[3].numel() for ts in tensors))
@@ -351,8 +351,9 @@ def _tensor_table(tensors: list[tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Te
     if capturing:
         raise RuntimeError(
             "the 8-bit Adam step's table of tensor addresses was not built before this CUDA graph "
-            "capture: capture the step after eager warm-up steps on the same parameters, states and "
-            ".grad tensors (a graph replays fixed addresses; the table is built on the host)")
+            "capture: capture the step after eager warm-up steps on the same "
+            "parameters, states and .grad tensors (a graph replays fixed addresses; the table is "
+            "built on the host)")
     starts = [0]
     for ts in tensors:
         starts.append(starts[-1] + ts[3].numel())

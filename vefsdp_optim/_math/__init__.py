@@ -1,8 +1,8 @@
 """Pure optimizer math on local tensors (no communication, no optimizer state objects).
 
-[Note: one function per optimizer] Each optimizer's mathematics is one function on
-tensors and hyperparameters, documented as torch's functional optimizers are, and the
-definition a reader can take for the algorithm:
+Each optimizer's mathematics is one function on tensors and hyperparameters, documented
+as torch's functional optimizers are, and the definition a reader can take for the
+algorithm:
 
     AdamW, Adam         adamw_step_            (torch.optim.adamw.adamw's single-tensor bits)
     8-bit Adam(W)       adam8bit_block_step_   (a run of whole quantization blocks;
@@ -23,7 +23,7 @@ batched Newton-Schulz (``muon_orthogonalize_batched``, beside ``muon_orthogonali
 _muon.py) and NorMuon's (``normuon_orthogonalize_batched``, beside ``normuon_step_`` in
 _normuon.py, with the batched normalization ``normuon_normalize_batched_``). Muon's
 blocks, their costs and lr adjustment are in _muon_blocks.py. Muon runs its step in
-three phases on different ranks ([Note: Muon's phases] in _muon.py), each a function
+three phases on different ranks (see vefsdp_optim/_math/_muon.py), each a function
 that ``muon_step_`` composes.
 
 Also here: Newton-Schulz (with Polar Express's coefficients), NorMuon's normalization,

@@ -5,7 +5,7 @@ non-differentiable path) op for op: the same lerp, mul_/addcmul_, Python-float b
 corrections, sqrt / divide / add eps and addcdiv_. Every op is elementwise, so applying
 it to any slice of a parameter gives the same bits as applying it to the whole
 parameter: this is what makes sharded AdamW bit-identical to the single-device one.
-torch's fused kernel is the exception: see [Note: fused kernel positions] and
+torch's fused kernel is the exception: see ``FUSED_BLOCK`` and
 ``fused_pieces`` / ``adam_fused_pieces_``.
 """
 
@@ -34,7 +34,6 @@ from vefsdp_optim._torch_compat import (
 __all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fused_pieces_",
            "adamw_step_", "check_adam_hparams", "fused_pieces"]
 
-# [Note: fused kernel positions]
 # torch's fused CPU Adam(W) kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) steps
 # each tensor of its list in a vector body and then a scalar tail: the last numel % V
 # elements of a tensor, V the kernel's vector length (Vectorized<T>::size(); 8 float32s
@@ -45,22 +44,10 @@ __all__ = ["FUSED_BLOCK", "FusedPieces", "LocalSlice", "adam_foreach_", "adam_fu
 # numel % V elements (not on its address: loads are unaligned; not on the thread count:
 # threads split at whole cache lines). One device steps each parameter as one tensor;
 # a slice of it in a flat buffer (or alone) sits elsewhere relative to a tensor's end.
-# With B = FUSED_BLOCK = 64, a multiple of every V (a power of two, at most 64 bytes),
-# element i of a parameter of N elements is in the tail iff i >= N - N % V, hence:
-#   - i < N - N % B: in the body for every V. Stepped in any tensor of a multiple of B
-#     elements it gets the bits one device gives it: runs of such elements are stepped
-#     as views of whole multiples of B, the rest of a run (< B) copied into a zero row
-#     of B elements;
-#   - i >= N - N % B (the parameter's last partial block, N % B elements): at index
-#     i - (N - N % B) of a tensor of N % B elements it is in the tail for exactly the V
-#     for which it is on one device. The block is stepped as a view when the slice holds
-#     all of it, else its local elements are copied into a zero row of N % B elements.
-#     A whole block may end a view of body elements whose length is a multiple of B (a
-#     parameter held whole is then one view, as on one device).
-# Neither needs V. Zero rows stay zero where no element is copied in (zero param, grad
-# and moments), and nothing outside the slices (padding) is stepped.
+# So each element is stepped where its position relative to a tensor's end is the one it
+# has on one device: ``fused_pieces`` builds such pieces of FUSED_BLOCK elements.
 
-#: elements per block of [Note: fused kernel positions]; a multiple of every vector length
+#: elements per block of the pieces above; a multiple of every vector length
 FUSED_BLOCK = 64
 
 
@@ -84,14 +71,15 @@ class LocalSlice:
         first = self.numel - self.numel % FUSED_BLOCK
         if len(self.last) > self.length or any(not first <= i < self.numel for i in self.last) \
                 or any(b <= a for a, b in zip(self.last, self.last[1:], strict=False)):
-            raise ValueError(f"LocalSlice.last must be increasing indices in [{first}, {self.numel}) "
-                             f"and at most length={self.length} of them, got {self.last}")
+            raise ValueError(f"LocalSlice.last must be increasing indices in [{first}, "
+                             f"{self.numel}) and at most length={self.length} of them, "
+                             f"got {self.last}")
 
 
 @dataclass(frozen=True, slots=True)
 class FusedPieces:
     """How to step a flat buffer with torch's fused kernel so that every element gets
-    the bits one device gives it ([Note: fused kernel positions]): each ``views`` range
+    the bits one device gives it (see ``FUSED_BLOCK``): each ``views`` range
     of the buffer as its own tensor, then each ``rows`` zero row, into which element
     ``src[k]`` of the buffer is copied at index ``dst[k]`` of the rows laid end to end."""
 
@@ -102,8 +90,24 @@ class FusedPieces:
 
 
 def fused_pieces(slices: Sequence[LocalSlice]) -> FusedPieces:
-    """The pieces of [Note: fused kernel positions] for local slices of one flat buffer
-    (disjoint, any order): consecutive body elements share views and rows."""
+    """The pieces of ``FUSED_BLOCK`` for local slices of one flat buffer
+    (disjoint, any order): consecutive body elements share views and rows.
+
+    With B = FUSED_BLOCK = 64, a multiple of every V (a power of two, at most 64 bytes),
+    element i of a parameter of N elements is in the tail iff i >= N - N % V, hence:
+      - i < N - N % B: in the body for every V. Stepped in any tensor of a multiple of B
+        elements it gets the bits one device gives it: runs of such elements are stepped
+        as views of whole multiples of B, the rest of a run (< B) copied into a zero row
+        of B elements;
+      - i >= N - N % B (the parameter's last partial block, N % B elements): at index
+        i - (N - N % B) of a tensor of N % B elements it is in the tail for exactly the V
+        for which it is on one device. The block is stepped as a view when the slice holds
+        all of it, else its local elements are copied into a zero row of N % B elements.
+        A whole block may end a view of body elements whose length is a multiple of B (a
+        parameter held whole is then one view, as on one device).
+    Neither needs V. Zero rows stay zero where no element is copied in (zero param, grad
+    and moments), and nothing outside the slices (padding) is stepped.
+    """
     views: list[tuple[int, int]] = []
     rows: list[int] = []
     src: list[int] = []
@@ -247,8 +251,8 @@ def adam_foreach_(
     ``steps`` are float32 0-d tensors, incremented here as torch does. Elementwise, so a
     list of slices (or one flat buffer) gets exactly the values the whole tensors would.
     ``uniform``: the caller knows that the parameters share one device and dtype (a
-    step-loop bucket's), so torch would take the lists as one group: [Note: host step
-    counts read once]'s path checks nothing more of them.
+    step-loop bucket's), so torch would take the lists as one group:
+    ``_multi_tensor_adam_host_steps_``'s path checks nothing more of them.
     """
     if not params:
         return
@@ -257,11 +261,13 @@ def adam_foreach_(
         foreach = (len({p.device for p in params}) == 1 and not differentiable
                    and not (tensor_hp and not capturable))
     if (foreach and not fused and not capturable and not differentiable
-            and _host_steps_apply(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
-                                  beta2, amsgrad, uniform)):
+            and _host_steps_apply(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
+                                  beta1, beta2, amsgrad, uniform)):
         _multi_tensor_adam_host_steps_(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+            beta2=beta2,
+            eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            decoupled=decoupled)
         return
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -272,25 +278,11 @@ def adam_foreach_(
     )
 
 
-# [Note: host step counts read once]
-# torch's multi-tensor Adam (non-capturable) reads every parameter's step count back with
-# its own .item(), twice, and regroups the lists by device and dtype: about 2 us a
-# parameter of host work on every step, whatever its size. Where every tensor of a call
-# is on one device with one floating dtype and every step count is a host tensor (the
-# non-capturable, non-fused state), _multi_tensor_adam_host_steps_ runs the same foreach
-# ops in the same order with the same Python-float bias corrections, reading the counts
-# in one stack; where they are all equal (every parameter stepped every time: the usual
-# case) each op takes one scalar instead of a list of equal ones. An elementwise op
-# rounds its scalar to the tensors' opmath type either way, so the bits are torch's
-# (tests/test_math_functional.py checks them against torch's _multi_tensor_adam, mixed
-# counts, amsgrad, maximize and both decays included). Anything else goes to torch.
-
-
 def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                       exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
-                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor, amsgrad: bool,
-                      uniform: bool) -> bool:
-    """Whether [Note: host step counts read once]'s path takes this call (a device read
+                      lr: float | Tensor, beta1: float | Tensor, beta2: float | Tensor,
+                      amsgrad: bool, uniform: bool) -> bool:
+    """Whether ``_multi_tensor_adam_host_steps_``'s path takes this call (a device read
     costs ~0.1 us a tensor: ``uniform`` skips those the caller vouches for)."""
     if isinstance(lr, Tensor) or isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
         return False
@@ -309,16 +301,29 @@ def _host_steps_apply(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
         for t in ts:
             if t.device != device or t.dtype != dtype:
                 return False
-    return len(steps) == len(params) and all(type(s) is Tensor and s.is_cpu and not s.dim() for s in steps)
+    return len(steps) == len(params) and all(type(s) is Tensor and s.is_cpu and not s.dim()
+                                             for s in steps)
 
 
 def _multi_tensor_adam_host_steps_(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
+    eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
 ) -> None:
     """torch.optim.adam._multi_tensor_adam's non-capturable path, op for op, with the step
-    counts read in one stack ([Note: host step counts read once])."""
+    counts read in one stack.
+
+    torch's multi-tensor Adam (non-capturable) reads every parameter's step count back
+    with its own .item(), twice, and regroups the lists by device and dtype: host work per
+    parameter on every step, whatever its size (figure in docs/decisions.md). Where every
+    tensor of a call is on one device with one floating dtype and every step count is a
+    host tensor (the non-capturable, non-fused state), this runs the same foreach ops in
+    the same order with the same Python-float bias corrections, reading the counts in one
+    stack; where they are all equal (every parameter stepped every time: the usual case)
+    each op takes one scalar instead of a list of equal ones. An elementwise op rounds its
+    scalar to the tensors' opmath type either way, so the bits are torch's
+    (tests/test_math_functional.py checks them against torch's _multi_tensor_adam, mixed
+    counts, amsgrad, maximize and both decays included). Anything else goes to torch."""
     if maximize:
         grads = foreach_neg(grads)
     foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
@@ -358,7 +363,7 @@ def adam_fused_pieces_(
 ) -> None:
     """torch's fused Adam(W) on 1-D flat buffers, in place, stepped in ``pieces`` (from
     :func:`fused_pieces`) so that each element gets the bits torch's fused kernel gives
-    it on one device ([Note: fused kernel positions]). ``step`` is the count before this
+    it on one device (see ``FUSED_BLOCK``). ``step`` is the count before this
     update, as in torch's ``state["step"]``; ``grad`` is read only."""
     tensors = [param, grad, exp_avg, exp_avg_sq]
     if amsgrad:
@@ -369,10 +374,12 @@ def adam_fused_pieces_(
     if pieces.rows:
         src = torch.tensor(pieces.src, dtype=torch.int64, device=param.device)
         dst = torch.tensor(pieces.dst, dtype=torch.int64, device=param.device)
-        rows = [t.new_zeros(sum(pieces.rows)).index_copy_(0, dst, t.index_select(0, src)) for t in tensors]
+        rows = [t.new_zeros(sum(pieces.rows)).index_copy_(0, dst, t.index_select(0, src))
+                for t in tensors]
         for lst, r in zip(lists, rows, strict=True):
             lst.extend(r.split(pieces.rows))
-    steps = list(torch.full((len(lists[0]),), step, dtype=torch.float32, device=param.device).unbind())
+    steps = list(torch.full((len(lists[0]),), step, dtype=torch.float32,
+                            device=param.device).unbind())
     adam_foreach_(lists[0], lists[1], lists[2], lists[3], lists[4] if amsgrad else [], steps,
                   lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                   amsgrad=amsgrad, maximize=maximize, decoupled=decoupled, fused=True)
@@ -388,7 +395,8 @@ def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: floa
     """torch.optim.Adam's argument checks, with the same messages."""
     if isinstance(lr, Tensor):
         if foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
@@ -408,6 +416,7 @@ def check_adam_hparams(lr: float | Tensor, betas: tuple[float, float], eps: floa
     for i, b in enumerate(betas):
         if isinstance(b, Tensor):
             if foreach and not capturable:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 "and foreach=True")
             if b.numel() != 1:
                 raise ValueError(f"Tensor betas[{i}] must be 1-element")

@@ -4,7 +4,7 @@
 one run of whole quantization blocks; ``adam8bit_multi_tensor_step_`` runs it on many
 tensors at once, as torch.optim's multi-tensor steps are split: the checks, then one
 dispatcher over the kernels (``_kernels/``) and the eager torch ops, which give the same
-bits ([Note: 8-bit Adam op order]).
+bits (see the op order in the comment after the imports).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from torch import Tensor
 from .._torch_compat import FakeTensor
 from ._quant8 import TableQuantizer, _check_block_size, dequantize_table, num_blocks
 
-__all__ = ["adam8bit_block_step_", "adam8bit_capturable_step_", "adam8bit_device_hparams", "adam8bit_hparams",
+__all__ = ["adam8bit_block_step_", "adam8bit_capturable_step_", "adam8bit_device_hparams",
+           "adam8bit_hparams",
            "adam8bit_multi_tensor_step_", "select_capturable_backend"]
 
 
-# [Note: 8-bit Adam op order]
 # The 8-bit step is its own sequence of float32 operations, each one correctly rounded
 # IEEE op (no fused multiply-add), so that the eager torch ops below and the fused C
-# kernel ([Note: fused 8-bit step]) give the same bits, vectorized or not:
+# kernel (see vefsdp_optim/_kernels/_native.py) give the same bits, vectorized or not:
 #     g = -g (maximize);  p = p * (1 - lr * wd) (AdamW)  or  g = g + p * wd (Adam)
 #     m = m + (g - m) * (1 - beta1)
 #     v = v * beta2 + (g * g) * (1 - beta2)
@@ -51,9 +51,10 @@ def adam8bit_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps: f
                                            beta2, 1 - beta2, bc2**0.5, eps, -(lr / bc1)))
 
 
-def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ...], *, maximize: bool,
-                 wd_on: bool, decoupled: bool) -> None:
-    """[Note: 8-bit Adam op order] with torch ops, in place on 1-D float32 ``p``, ``m``, ``v``."""
+def _adam_eager_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: tuple[float, ...], *,
+                 maximize: bool, wd_on: bool, decoupled: bool) -> None:
+    """The op order of the comment at the top of this file, with torch ops, in place on 1-D float32
+    ``p``, ``m``, ``v``."""
     c_wd, wd, w1, beta2, w2, bc2_sqrt, eps, neg_step = hp
     if maximize:
         g = -g
@@ -103,9 +104,9 @@ def adam8bit_block_step_(
     """One 8-bit Adam / AdamW step on a run of whole quantization blocks, in place.
 
     Dequantizes both moments (``exp_avg`` with ``signed_code``, ``exp_avg_sq`` with
-    ``unsigned_code``), applies the Adam (``decoupled=False``: L2) or AdamW update of
-    [Note: 8-bit Adam op order] in float32, updates ``param``, then requantizes both
-    moments into the given code and absmax tensors.
+    ``unsigned_code``), applies the Adam (``decoupled=False``: L2) or AdamW update in the
+    op order of the comment at the top of this file, in float32, updates ``param``, then
+    requantizes both moments into the given code and absmax tensors.
 
     ``param`` and ``grad`` have ``numel`` elements (any shape; a non-float32 ``param``
     is updated through a float32 copy); the codes are uint8 (numel,), the absmax
@@ -114,15 +115,15 @@ def adam8bit_block_step_(
     each slice's result is bit-identical to that part of the whole-tensor result.
 
     ``fused``: None runs the best kernel available for the tensors' device, or the one
-    ``VEFSDP_ADAM8BIT_BACKEND`` forces (``triton``, ``c`` or ``eager``; [Note: 8-bit
-    Adam backends]): the Triton kernel on CUDA ([Note: Triton 8-bit step]), the C++
-    kernel on the CPU ([Note: fused 8-bit step]), the eager torch ops where neither can
-    run; True requires a kernel (RuntimeError naming why none can run); False runs the
-    eager ops. All of them give the same bits. ``quantizers``
-    (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets callers build
-    the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
-    gives ``dequantize_blockwise``'s values, bit for bit (see [Note: table quantizer]).
-    Many tensors at once: :func:`adam8bit_multi_tensor_step_`.
+    ``VEFSDP_ADAM8BIT_BACKEND`` forces (``triton``, ``c`` or ``eager``;
+    vefsdp_optim/_kernels/_backend.py): the Triton kernel on CUDA (see
+    vefsdp_optim/_kernels/_quant8_triton.py), the C++ kernel on the CPU (see
+    vefsdp_optim/_kernels/_native.py), the eager torch ops where neither can run; True requires a
+    kernel (RuntimeError naming why none can run); False runs the eager ops. All of them give the
+    same bits. ``quantizers`` (``TableQuantizer`` of ``signed_code`` and of ``unsigned_code``) lets
+    callers build the tables once; they give ``quantize_blockwise``'s codes and ``dequantize_table``
+    gives ``dequantize_blockwise``'s values, bit for bit (see ``TableQuantizer`` in
+    vefsdp_optim/_math/_quant8.py). Many tensors at once: :func:`adam8bit_multi_tensor_step_`.
     """
     adam8bit_multi_tensor_step_(
         [param], [grad], [(exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)],
@@ -164,7 +165,7 @@ def adam8bit_multi_tensor_step_(
     ``step=steps[i]`` (``states[i]``: the exp_avg codes and absmax, then the exp_avg_sq
     codes and absmax), the same bits as one call per tensor. The shared arguments are
     checked and the backend chosen once, and on the C++ kernel all tensors go in one
-    call ([Note: one call for many tensors] in ``_kernels/csrc/quant8_adam_op.cpp``): an
+    call (see ``adam8bit_steps_cpu`` in vefsdp_optim/_kernels/csrc/quant8_adam_op.cpp): an
     optimizer's per-tensor overhead is then a few checks."""
     _check_multi_tensor_args(params, grads, states, steps, block_size, fused)
     if quantizers is None:
@@ -180,8 +181,8 @@ def adam8bit_multi_tensor_step_(
     p32s = [_flat_float32(param) for param in params]
     if backend != "eager":
         flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
-        _kernel_step_(backend, p32s, grads, states, hps, flags, block_size, signed_code, unsigned_code,
-                      quantizers)
+        _kernel_step_(backend, p32s, grads, states, hps, flags, block_size, signed_code,
+                      unsigned_code, quantizers)
     else:
         _eager_step_(p32s, grads, states, hps, block_size, signed_code, unsigned_code, quantizers,
                      maximize=maximize, wd_on=weight_decay != 0, decoupled=decoupled)
@@ -224,7 +225,8 @@ def _hparams_per_tensor(steps: Sequence[int], **hparams: float) -> list[tuple[fl
     """``adam8bit_hparams`` of each tensor's step, computed once per distinct step."""
     by_step: dict[int, tuple[float, ...]] = {}
     for step in steps:
-        if type(step) is not int or step not in by_step:  # adam8bit_hparams rejects bools, floats, < 1
+        # adam8bit_hparams rejects bools, floats, < 1
+        if type(step) is not int or step not in by_step:
             by_step[step] = adam8bit_hparams(step=step, **hparams)
     return [by_step[step] for step in steps]
 
@@ -235,18 +237,19 @@ def _device_type(params: Sequence[Tensor], grads: Sequence[Tensor],
     if all(t.is_cpu for param, grad, state in zip(params, grads, states, strict=True)
            for t in (param, grad, *state)):
         return "cpu"  # the common case without a torch.device per tensor (~1 us each)
-    return "+".join(sorted({t.device.type for param, grad, state in zip(params, grads, states, strict=True)
+    return "+".join(sorted({t.device.type
+                            for param, grad, state in zip(params, grads, states, strict=True)
                             for t in (param, grad, *state)}))
 
 
 def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor],
-                  states: Sequence[Sequence[Tensor]], hps: list[tuple[float, ...]] | Tensor, flags: int,
-                  block_size: int, signed_code: Tensor, unsigned_code: Tensor,
+                  states: Sequence[Sequence[Tensor]], hps: list[tuple[float, ...]] | Tensor,
+                  flags: int, block_size: int, signed_code: Tensor, unsigned_code: Tensor,
                   quantizers: tuple[TableQuantizer, TableQuantizer]) -> None:
-    """The step on the C++ or Triton kernel ([Note: 8-bit Adam backends]): every tensor in
-    one call, on contiguous copies of the states where they are not contiguous. ``hps``: the
-    host coefficients of each tensor, or (Triton) their device table ([Note: coefficients
-    on the device]), one row per tensor, every tensor non-empty."""
+    """The step on the C++ or Triton kernel (see vefsdp_optim/_kernels/_backend.py): every tensor in
+    one call, on contiguous copies of the states where they are not contiguous. ``hps``: the host
+    coefficients of each tensor, or (Triton) their device table (see ``_adam8bit_step_kernel`` in
+    vefsdp_optim/_kernels/_quant8_triton.py), one row per tensor, every tensor non-empty."""
     from .._kernels import run_adam8bit_kernel_
 
     g32s = [_flat_float32(grad) for grad in grads]
@@ -261,12 +264,14 @@ def _kernel_step_(backend: str, p32s: list[Tensor], grads: Sequence[Tensor],
         pass
     elif isinstance(hps, Tensor):
         if backend != "triton":
-            raise AssertionError(f"a device table of coefficients takes the Triton kernel, got {backend!r}")
+            raise AssertionError("a device table of coefficients takes the Triton kernel, "
+                                 f"got {backend!r}")
         from .._kernels._quant8_triton import run_triton_capturable_steps_
 
         run_triton_capturable_steps_(p32s, g32s, *columns, hps, flags, block_size, tables)
     else:
-        run_adam8bit_kernel_(backend, p32s, g32s, *columns, hps, [flags] * len(p32s), block_size, tables)
+        run_adam8bit_kernel_(backend, p32s, g32s, *columns, hps, [flags] * len(p32s), block_size,
+                             tables)
     for state, work in zip(states, works, strict=True):
         for t, w in zip(state, work, strict=True):
             if w is not t:  # a contiguous copy
@@ -290,8 +295,8 @@ def _eager_step_(p32s: list[Tensor], grads: Sequence[Tensor], states: Sequence[S
             absmax.copy_(quantize(moment, block_size, out=codes)[1])
 
 
-def adam8bit_device_hparams(steps: Tensor, *, lr: float | Tensor, beta1: float, beta2: float, eps: float,
-                            weight_decay: float) -> Tensor:
+def adam8bit_device_hparams(steps: Tensor, *, lr: float | Tensor, beta1: float, beta2: float,
+                            eps: float, weight_decay: float) -> Tensor:
     """``adam8bit_hparams`` of each step count of ``steps`` (float32, 1-D, on the device),
     computed on their device ([Note: capturable steps]): a ``(len(steps), 8)`` float32
     tensor, each coefficient computed in float64 from the float32 ``lr`` (a float is
@@ -310,10 +315,11 @@ def adam8bit_device_hparams(steps: Tensor, *, lr: float | Tensor, beta1: float, 
 
 def select_capturable_backend(device_type: str, block_size: int, max_k: int = 1,
                               fused: bool | None = None) -> str:
-    """``"triton"`` or ``"eager"`` for a capturable step ([Note: coefficients on the device]
-    in ``_kernels/_quant8_triton.py``): ``select_backend``'s choice ([Note: 8-bit Adam
-    backends]), except that the C++ kernel, which takes host scalars, is never chosen: where
-    it would be (the CPU, or ``VEFSDP_ADAM8BIT_BACKEND=c``) the eager ops run, and
+    """``"triton"`` or ``"eager"`` for a capturable step (see
+    ``_adam8bit_step_kernel`` in vefsdp_optim/_kernels/_quant8_triton.py):
+    ``select_backend``'s choice (see vefsdp_optim/_kernels/_backend.py), except
+    that the C++ kernel, which takes host scalars, is never chosen: where it would
+    be (the CPU, or ``VEFSDP_ADAM8BIT_BACKEND=c``) the eager ops run, and
     ``fused=True`` raises RuntimeError naming why."""
     from .._kernels import requested_backend, select_backend
 
@@ -322,14 +328,16 @@ def select_capturable_backend(device_type: str, block_size: int, max_k: int = 1,
     forced = requested_backend()
     if forced == "c" or (forced is None and device_type != "cuda"):
         if fused:
-            why = f"VEFSDP_ADAM8BIT_BACKEND={forced}" if forced else f"the tensors are on {device_type}"
+            why = (f"VEFSDP_ADAM8BIT_BACKEND={forced}" if forced
+                   else f"the tensors are on {device_type}")
             raise RuntimeError(
-                f"fused=True with capturable=True needs the Triton kernel (the C++ kernel takes host "
-                f"scalars, which a CUDA graph would keep), but {why}")
+                "fused=True with capturable=True needs the Triton kernel (the C++ "
+                f"kernel takes host scalars, which a CUDA graph would keep), but {why}")
         return "eager"
     backend = select_backend(device_type, block_size, max_k, fused)
     if backend not in ("triton", "eager"):
-        raise AssertionError(f"select_backend chose {backend!r} for a capturable step on {device_type}")
+        raise AssertionError(f"select_backend chose {backend!r} for a capturable step on "
+                             f"{device_type}")
     return backend
 
 
@@ -340,18 +348,19 @@ def _stays_put(t: Tensor) -> bool:
 
 def adam8bit_capturable_step_(
     params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]], *,
-    steps: Sequence[Tensor], lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    steps: Sequence[Tensor], lr: float | Tensor, beta1: float, beta2: float, eps: float,
+    weight_decay: float,
     decoupled: bool, block_size: int, signed_code: Tensor, unsigned_code: Tensor,
     quantizers: tuple[TableQuantizer, TableQuantizer] | None = None, maximize: bool = False,
     fused: bool | None = None,
 ) -> None:
-    """:func:`adam8bit_multi_tensor_step_` with ``capturable`` ([Note: capturable steps]):
-    ``steps`` are each tensor's count after this update (float32 0-d tensors on the
-    device), the coefficients :func:`adam8bit_device_hparams`, read on the device: by the
-    Triton kernel (one launch for every tensor, [Note: coefficients on the device]) where
-    it runs (:func:`select_capturable_backend`: CUDA by default, ``fused`` and
-    ``VEFSDP_ADAM8BIT_BACKEND`` as for the host-scalar step), else by the eager ops of
-    [Note: 8-bit Adam op order] with them as 0-d device tensors; the same bits either way."""
+    """:func:`adam8bit_multi_tensor_step_` with ``capturable`` ([Note: capturable steps]): ``steps``
+    are each tensor's count after this update (float32 0-d tensors on the device), the coefficients
+    :func:`adam8bit_device_hparams`, read on the device: by the Triton kernel (one launch for every
+    tensor, ``_adam8bit_step_kernel`` in vefsdp_optim/_kernels/_quant8_triton.py) where it runs
+    (:func:`select_capturable_backend`: CUDA by default, ``fused`` and ``VEFSDP_ADAM8BIT_BACKEND``
+    as for the host-scalar step), else by the eager ops of the op order at the top of this file,
+    with them as 0-d device tensors; the same bits either way."""
     if not params:
         return
     _check_multi_tensor_args(params, grads, states, steps, block_size, fused)
@@ -364,22 +373,24 @@ def adam8bit_capturable_step_(
         # capture, so the kernel's address table could not be built before it
         if fused:
             raise ValueError(
-                "fused=True with capturable=True needs float32 contiguous parameters and gradients (the "
-                "Triton kernel's address table is built before a capture; a copy made in each step has "
-                "another address there); use fused=None, which steps these with the eager ops")
+                "fused=True with capturable=True needs float32 contiguous parameters and "
+                "gradients (the Triton kernel's address table is built before a capture; a copy "
+                "made in each step has another address there); use fused=None, which steps these "
+                "with the eager ops")
         backend = "eager"
     if backend == "triton":  # the kernel's launch takes the non-empty tensors, one row of hp each
         keep = [i for i, param in enumerate(params) if param.numel()]
-        params, grads, states, steps = ([xs[i] for i in keep] for xs in (params, grads, states, steps))
+        params, grads, states, steps = ([xs[i] for i in keep]
+                                        for xs in (params, grads, states, steps))
         if not params:
             return
-    table = adam8bit_device_hparams(torch.stack(list(steps)), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                    weight_decay=weight_decay)
+    table = adam8bit_device_hparams(torch.stack(list(steps)), lr=lr, beta1=beta1, beta2=beta2,
+                                    eps=eps, weight_decay=weight_decay)
     p32s = [_flat_float32(param) for param in params]
     if backend == "triton":
         flags = (1 if maximize else 0) | (2 if weight_decay != 0 else 0) | (4 if decoupled else 0)
-        _kernel_step_(backend, p32s, grads, states, table, flags, block_size, signed_code, unsigned_code,
-                      quantizers)
+        _kernel_step_(backend, p32s, grads, states, table, flags, block_size, signed_code,
+                      unsigned_code, quantizers)
     else:
         hps = [tuple(row.unbind()) for row in table.unbind()]
         _eager_step_(p32s, grads, states, hps, block_size, signed_code, unsigned_code, quantizers,

@@ -34,7 +34,7 @@ def matrix_inverse_root(
         or the decomposition raised; ``root_matrix`` is then the identity and the caller
         should keep its previous root (``torch.where(ok, root_matrix, previous)``). No
         exception is raised for those, and nothing is read back to the host
-        ([Note: device-side root checks]).
+        (see the comment in the body).
     """
     if not isinstance(a, Tensor):
         raise TypeError(f"a must be a torch.Tensor, got {type(a).__name__}")
@@ -46,7 +46,6 @@ def matrix_inverse_root(
         raise ValueError(f"root must be a positive int, got {root!r}")
     if not epsilon >= 0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    # [Note: device-side root checks]
     # A step must not read a device value back to the host (a CUDA stream sync each
     # time), so the finiteness checks are 0-dim flags on the device, used by selects:
     # a non-finite input is swapped for the identity BEFORE eigh (whose result is then

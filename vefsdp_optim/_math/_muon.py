@@ -1,13 +1,12 @@
 """One Muon (and NorMuon) step on a whole tensor, and the phases the step loop runs apart.
 
-``muon_step_`` is the whole algorithm of :class:`vefsdp_optim.Muon` on one parameter,
-the way ``torch.optim._muon._single_tensor_muon`` writes it, plus the library's block
-structure ([Note: Muon blocks] in _muon_blocks.py: ``flatten``, ``split_sizes``,
-per-head blocks), its 8-bit momentum ([Note: 8-bit Muon momentum]) and Polar Express's
-coefficients ([Note: Polar Express]). ``normuon_step_`` (:class:`vefsdp_optim.NorMuon`'s)
-is in _normuon.py.
+``muon_step_`` is the whole algorithm of :class:`vefsdp_optim.Muon` on one parameter, the way
+``torch.optim._muon._single_tensor_muon`` writes it, plus the library's block structure ([Note:
+Muon blocks] in _muon_blocks.py: ``flatten``, ``split_sizes``, per-head blocks), its 8-bit
+momentum (see vefsdp_optim/_math/_muon_int8.py) and Polar Express's coefficients (see
+vefsdp_optim/_math/_polar_express.py). ``normuon_step_`` (:class:`vefsdp_optim.NorMuon`'s) is in
+_normuon.py.
 
-[Note: Muon's phases]
 A step is three phases, and ``muon_step_`` is literally their composition:
 
     x = muon_momentum_(grad, momentum)           elementwise: any slice of the tensor
@@ -15,19 +14,18 @@ A step is three phases, and ``muon_step_`` is literally their composition:
         (normuon_normalize_blocks(o, ...))        per whole block: NorMuon only
     muon_apply_(param, o, lr=..., ...)            elementwise: decay, then the step
 
-The optimizer runs the same functions where the data are: the momentum on each rank's
-storage shard (the float momentum stays sharded; the 8-bit one on the compute slices,
-whose 256-element blocks it needs whole), Newton-Schulz on the rank that holds each
-whole block (the owner of a whole matrix), the update back on the shards. An
-elementwise function gives each element the same bits on a slice as on the whole
-tensor, and each block is orthogonalized whole, so the sharded step is this function
-at any world size. The step loop orthogonalizes a bucket's blocks with the batched form
-of ``muon_orthogonalize``, ``muon_orthogonalize_batched`` below (one batched
-Newton-Schulz per block shape across parameters, only where ``newtonschulz_batch_exact``
-has checked it gives the per-block bits), and NorMuon's blocks with
-``normuon_orthogonalize_batched`` in _normuon.py (that, then one batched normalization per block
-shape where ``normuon_batch_exact`` has checked it: [Note: batched NorMuon
-normalization] in _normuon.py): the same results, bit for bit, tested in
+The optimizer runs the same functions where the data are: the momentum on each rank's storage
+shard (the float momentum stays sharded; the 8-bit one on the compute slices, whose 256-element
+blocks it needs whole), Newton-Schulz on the rank that holds each whole block (the owner of a
+whole matrix), the update back on the shards. An elementwise function gives each element the same
+bits on a slice as on the whole tensor, and each block is orthogonalized whole, so the sharded
+step is this function at any world size. The step loop orthogonalizes a bucket's blocks with the
+batched form of ``muon_orthogonalize``, ``muon_orthogonalize_batched`` below (one batched
+Newton-Schulz per block shape across parameters, only where ``newtonschulz_batch_exact`` has
+checked it gives the per-block bits), and NorMuon's blocks with ``normuon_orthogonalize_batched``
+in _normuon.py (that, then one batched normalization per block shape where
+``normuon_batch_exact`` has checked it: ``normuon_normalize_batched_`` in
+vefsdp_optim/_math/_normuon.py): the same results, bit for bit, tested in
 tests/test_math_functional.py.
 """
 
@@ -71,14 +69,15 @@ MuonBlock = tuple[int, int, int]
 
 
 class Int8Momentum(NamedTuple):
-    """Muon's momentum kept in 8 bits ([Note: 8-bit Muon momentum]), updated in place."""
+    """Muon's momentum kept in 8 bits (see vefsdp_optim/_math/_muon_int8.py), updated in place."""
 
     codes: Tensor  # uint8, one per element
     absmax: Tensor  # float32, one per MOMENTUM_BLOCK elements
     code: Tensor  # the signed dynamic code map (256 float32 values)
-    # int64 0-dim tensor: the momentum steps taken (the rounding's dither phase, [Note:
-    # no dead zone]); incremented in place, as torch's functional optimizers do with
-    # their state_steps; read where it lives (on the host, or on the device when capturable)
+    # int64 0-dim tensor: the momentum steps taken (the rounding's dither phase,
+    # vefsdp_optim/_math/_muon_int8.py); incremented in place, as torch's functional
+    # optimizers do with their state_steps; read where it lives (on the host, or on the
+    # device when capturable)
     step: Tensor
     offset: int = 0  # flat index of codes[0] in the whole parameter (its rounding's key)
 
@@ -98,8 +97,8 @@ def muon_momentum_(grad: Tensor, momentum_buffer: Tensor | Int8Momentum, *, mome
     if isinstance(momentum_buffer, Int8Momentum):
         codes, absmax, code, step, offset = momentum_buffer
         if not (isinstance(step, Tensor) and step.dtype == torch.int64 and step.dim() == 0):
-            raise TypeError("Int8Momentum.step must be a 0-dim int64 tensor (the momentum steps taken), "
-                            f"got {step!r}")
+            raise TypeError("Int8Momentum.step must be a 0-dim int64 tensor (the momentum "
+                            f"steps taken), got {step!r}")
         out = muon_momentum_int8_(grad, codes, absmax, momentum=momentum, nesterov=nesterov,
                                   code=code, step=step, offset=offset).to(torch.bfloat16)
         step.add_(1)
@@ -119,11 +118,12 @@ def _ns_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: 
 
 def muon_momentum_foreach_(grads: list[Tensor], momentum_buffers: list[Tensor], *, momentum: float,
                            nesterov: bool) -> list[Tensor]:
-    """:func:`muon_momentum_` of float momentum buffers, over lists ([Note: Muon's bucket
-    ops]): the buffers' ``lerp_`` in one foreach op, then each Newton-Schulz input; the
-    bits of :func:`muon_momentum_` on each pair."""
+    """:func:`muon_momentum_` of float momentum buffers, over lists (see ``Muon._gather_bucket`` in
+    vefsdp_optim/_muon.py): the buffers' ``lerp_`` in one foreach op, then each Newton-Schulz input;
+    the bits of :func:`muon_momentum_` on each pair."""
     foreach_lerp_(momentum_buffers, grads, 1 - momentum)
-    return [_ns_input(g, b, momentum, nesterov) for g, b in zip(grads, momentum_buffers, strict=True)]
+    return [_ns_input(g, b, momentum, nesterov)
+            for g, b in zip(grads, momentum_buffers, strict=True)]
 
 
 def muon_orthogonalize(
@@ -137,7 +137,8 @@ def muon_orthogonalize(
     out = None
     for a, rows, cols in blocks:
         n = rows * cols
-        ortho = zeropower_via_newtonschulz(update[a:a + n].view(rows, cols), ns_coefficients, ns_steps, eps)
+        ortho = zeropower_via_newtonschulz(update[a:a + n].view(rows, cols), ns_coefficients,
+                                           ns_steps, eps)
         if a == 0 and n == update.numel():  # one block: a view when wide
             return ortho.reshape(-1)
         if out is None:
@@ -184,12 +185,13 @@ def muon_apply_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float
 
 
 def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
-                        adjusted_lrs: Sequence[float | Sequence[tuple[int, int, float]]], *, lr: float,
-                        weight_decay: float) -> None:
-    """:func:`muon_apply_` over lists ([Note: Muon's bucket ops]), ``adjusted_lrs[i]``
-    each parameter's ``adjusted_lr`` (one learning rate, or its runs ``(lo, hi, lr)``):
-    the decay of every parameter in one foreach op, then the steps, one foreach op per
-    adjusted learning rate; the bits of :func:`muon_apply_` on each."""
+                        adjusted_lrs: Sequence[float | Sequence[tuple[int, int, float]]], *,
+                        lr: float, weight_decay: float) -> None:
+    """:func:`muon_apply_` over lists (see ``Muon._gather_bucket`` in
+    vefsdp_optim/_muon.py), ``adjusted_lrs[i]`` each parameter's ``adjusted_lr`` (one
+    learning rate, or its runs ``(lo, hi, lr)``): the decay of every parameter in one
+    foreach op, then the steps, one foreach op per adjusted learning rate; the bits of
+    :func:`muon_apply_` on each."""
     foreach_mul_(params, 1 - lr * weight_decay)
     by_lr: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
 
@@ -211,7 +213,8 @@ def muon_apply_foreach_(params: list[Tensor], updates: list[Tensor],
         foreach_add_(ps, us, alpha=-a_lr)
 
 
-def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float, adjust_lr_fn: str | None) -> list[tuple[int, int, float]]:
+def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float,
+                 adjust_lr_fn: str | None) -> list[tuple[int, int, float]]:
     """The runs ``(lo, hi, adjusted lr)`` of :func:`muon_apply_` for a whole tensor of
     ``blocks``: consecutive blocks with one adjusted learning rate share a run."""
     runs: list[tuple[int, int, float]] = []
@@ -226,8 +229,10 @@ def muon_lr_runs(blocks: Sequence[MuonBlock], lr: float, adjust_lr_fn: str | Non
 
 def _check_step(param: Tensor, grad: Tensor, momentum_buffer: Tensor | Int8Momentum) -> None:
     if grad.shape != param.shape:
-        raise ValueError(f"grad must have the parameter's shape {tuple(param.shape)}, got {tuple(grad.shape)}")
-    n = (momentum_buffer.codes if isinstance(momentum_buffer, Int8Momentum) else momentum_buffer).numel()
+        raise ValueError(f"grad must have the parameter's shape {tuple(param.shape)}, got "
+                         f"{tuple(grad.shape)}")
+    n = (momentum_buffer.codes if isinstance(momentum_buffer, Int8Momentum)
+         else momentum_buffer).numel()
     if n != param.numel():
         raise ValueError(f"the momentum holds {n} elements for a parameter of {param.numel()}")
     if not (param.is_contiguous() and grad.is_contiguous()):
@@ -269,19 +274,21 @@ def muon_step_(
         param: a contiguous tensor of 2 or more dims.
         grad: its gradient, the same shape.
         momentum_buffer: a tensor of ``param``'s elements (torch's ``momentum_buffer``),
-            or an :class:`Int8Momentum` ([Note: 8-bit Muon momentum]).
+            or an :class:`Int8Momentum` (see vefsdp_optim/_math/_muon_int8.py).
         ns_coefficients: ``(a, b, c)`` of the quintic, or ``"polar_express"``
-            ([Note: Polar Express]).
+            (see vefsdp_optim/_math/_polar_express.py).
     """
     _check_step(param, grad, momentum_buffer)
     blocks = muon_blocks(param.shape, flatten, split_sizes)
-    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum, nesterov=nesterov)
+    update = muon_momentum_(grad.view(-1), _flat(momentum_buffer), momentum=momentum,
+                            nesterov=nesterov)
     ortho = muon_orthogonalize(update, blocks, ns_coefficients, ns_steps, eps)
     _apply_whole_(param, ortho, blocks, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
 
 
 def _flat(momentum_buffer: Tensor | Int8Momentum) -> Tensor | Int8Momentum:
-    return momentum_buffer if isinstance(momentum_buffer, Int8Momentum) else momentum_buffer.view(-1)
+    return (momentum_buffer if isinstance(momentum_buffer, Int8Momentum)
+            else momentum_buffer.view(-1))
 
 
 def _apply_whole_(param: Tensor, ortho: Tensor, blocks: Sequence[MuonBlock], *, lr: float,
@@ -294,8 +301,8 @@ def _apply_whole_(param: Tensor, ortho: Tensor, blocks: Sequence[MuonBlock], *, 
 
 
 class _ShapeBatch(NamedTuple):
-    """Newton-Schulz of every block of one shape in a bucket's inputs ([Note: batched
-    Newton-Schulz])."""
+    """Newton-Schulz of every block of one shape in a bucket's inputs (see
+    ``newtonschulz_batch_exact`` in vefsdp_optim/_math/_newton_schulz.py)."""
 
     rows: int
     cols: int
@@ -307,14 +314,15 @@ class _ShapeBatch(NamedTuple):
 def _consecutive(ts: list[torch.Tensor]) -> bool:
     """Whether the 1-D tensors ``ts``, of one length, are views of one base lying one
     after the other from a 64-byte aligned start (the step loop's exchange assembles equal
-    blocks so, [Note: joined outputs] in comm/_redistribute.py): then their stack is a
-    view, as aligned as a fresh tensor ([Note: aligned gradients] in _step_loop.py)."""
+    blocks so, ``_JOIN_ALIGN`` in comm/_redistribute.py): then their stack is a
+    view, as aligned as a fresh tensor (see ``aligned`` in vefsdp_optim/_step_loop.py)."""
     first = ts[0]
     base, start, n = view_base(first), first.storage_offset(), first.numel()
     if base is None or (start * first.element_size()) % 64:
         return False
     # metadata only (views of one base, their offsets): a fake tensor has no addresses
-    return all(view_base(t) is base and t.dim() == 1 and t.stride(0) == 1 and t.storage_offset() == start + j * n
+    return all(view_base(t) is base and t.dim() == 1 and t.stride(0) == 1
+               and t.storage_offset() == start + j * n
                for j, t in enumerate(ts))
 
 
@@ -341,9 +349,10 @@ def _newton_schulz_by_shape(
             covers = "each"
         else:
             covers = ""
-        if k == 1 or not newtonschulz_batch_exact(k, rows, cols, first.device, ns_coefficients, ns_steps, eps,
-                                                  torch.get_num_threads()):
-            orthos = [zeropower_via_newtonschulz(updates[i][a:a + n].view(rows, cols), ns_coefficients,
+        if k == 1 or not newtonschulz_batch_exact(k, rows, cols, first.device, ns_coefficients,
+                                                  ns_steps, eps, torch.get_num_threads()):
+            orthos = [zeropower_via_newtonschulz(updates[i][a:a + n].view(rows, cols),
+                                                 ns_coefficients,
                                                  ns_steps, eps) for i, _, a in members]
             out.append(_ShapeBatch(rows, cols, members, orthos, covers))
             continue
@@ -354,20 +363,23 @@ def _newton_schulz_by_shape(
         else:
             batch = torch.stack([updates[i][a:a + n].view(rows, cols) for i, _, a in members])
         out.append(_ShapeBatch(rows, cols, members,
-                               zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps, eps), covers))
+                               zeropower_via_newtonschulz_batched(batch, ns_coefficients, ns_steps,
+                                                                  eps), covers))
     return out
 
 
 def muon_orthogonalize_batched(
     updates: Sequence[torch.Tensor], blocks: Sequence[Sequence[tuple[int, int, int]]],
-    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS,
+    ns_coefficients: NsCoefficients = NS_COEFFICIENTS, ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
 ) -> list[torch.Tensor]:
-    """The batched form of ``_math.muon_orthogonalize`` ([Note: Muon's phases]):
+    """The batched form of ``_math.muon_orthogonalize`` (see the module docstring):
     ``[muon_orthogonalize(x, b, ...) for x, b in zip(updates, blocks)]``, bit for bit, with
     one batched Newton-Schulz per block shape across all the inputs where
-    :func:`newtonschulz_batch_exact` says it gives the per-block bits ([Note: batched
-    Newton-Schulz]); per block elsewhere. Each ``blocks[i]`` covers ``updates[i]`` (1-D).
-    The step loop runs it on the whole blocks a rank computes in a bucket."""
+    :func:`newtonschulz_batch_exact` says it gives the per-block bits (see
+    ``newtonschulz_batch_exact`` in vefsdp_optim/_math/_newton_schulz.py); per block
+    elsewhere. Each ``blocks[i]`` covers ``updates[i]`` (1-D). The step loop runs it on the
+    whole blocks a rank computes in a bucket."""
     results: list[torch.Tensor | None] = [None] * len(updates)
     for sb in _newton_schulz_by_shape(updates, blocks, ns_coefficients, ns_steps, eps):
         n = sb.rows * sb.cols

@@ -82,25 +82,31 @@ def _adjust_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
 
 
 # [Note: Muon blocks]
-# A Muon parameter is orthogonalized as one or more separate matrices ("blocks"), each
-# updated exactly as a separate 2-D parameter of its shape would be (Newton-Schulz and
-# lr adjustment on the block alone). ``flatten=True`` (or a 2-D parameter): one
-# (dim 0, rest) matrix. ``flatten=False``: a batch of matrices over the leading dims,
-# each [..., m, n] slice one matrix (MoE experts). ``split_sizes``: each matrix further
-# cut into row blocks of these sizes (a fused QKV projection). Blocks are consecutive
-# in row-major flat order, so each is a contiguous range of the flat parameter.
+# A Muon parameter is orthogonalized as one or more separate matrices, its "blocks".
+# Each block is updated exactly as a separate 2-D parameter of its shape would be:
+# Newton-Schulz and the lr adjustment see the block alone.
+#   - ``flatten=True``, or a 2-D parameter: one (dim 0, rest) matrix.
+#   - ``flatten=False``: a batch of matrices over the leading dims. Each [..., m, n]
+#     slice is one matrix, as for the experts of a mixture of experts.
+#   - ``split_sizes``: each matrix is further cut into row blocks of these sizes, as for
+#     a fused QKV projection.
+# Blocks are consecutive in row-major flat order, so each block is a contiguous range
+# of the flat parameter.
 
 
-def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _check_split_sizes(split_sizes: Sequence[int] | None, rows: int,
+                       shape: tuple[int, ...]) -> tuple[int, ...]:
     if split_sizes is None:
         return (rows,)
     sizes = tuple(split_sizes)
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"split_sizes must be a non-empty sequence of positive ints, got {split_sizes!r}")
+        raise ValueError("split_sizes must be a non-empty sequence of positive ints, got "
+                         f"{split_sizes!r}")
     if sum(sizes) != rows:
         raise ValueError(
-            f"split_sizes {list(sizes)} sum to {sum(sizes)}, but the matrix of a parameter of shape "
-            f"{shape} has {rows} rows; split_sizes must sum to the rows of each matrix")
+            f"split_sizes {list(sizes)} sum to {sum(sizes)}, but the matrix of a "
+            f"parameter of shape {shape} has {rows} rows; split_sizes must sum to the rows "
+            "of each matrix")
     return sizes
 
 

@@ -7,7 +7,7 @@ then ``ns_steps`` quintic iterations written with two ``addmm``), so that the re
 is bit-identical to torch's on the same device. Keep it that way: any reordering, even
 an algebraically equal one, changes the bfloat16 rounding. ``ns_coefficients=
 "polar_express"`` runs the same iteration with Polar Express's per-iteration
-coefficients and input scale instead ([Note: Polar Express] in _polar_express.py).
+coefficients and input scale instead (see vefsdp_optim/_math/_polar_express.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ NsCoefficients = tuple[float, float, float] | str
 def check_ns_coefficients(ns_coefficients: object) -> NsCoefficients:
     """``ns_coefficients`` as the iteration takes it: a tuple of 3 real numbers
     ``(a, b, c)`` used at every iteration, or ``"polar_express"``
-    ([Note: Polar Express]); ValueError naming what is accepted otherwise."""
+    (see vefsdp_optim/_math/_polar_express.py); ValueError naming what is accepted otherwise."""
     if isinstance(ns_coefficients, str):
         if ns_coefficients == POLAR_EXPRESS:
             return POLAR_EXPRESS
@@ -57,7 +57,8 @@ def check_ns_coefficients(ns_coefficients: object) -> NsCoefficients:
         f"{POLAR_EXPRESS!r} (Polar Express's per-iteration coefficients), got {ns_coefficients!r}")
 
 
-def _schedule(ns_coefficients: NsCoefficients, ns_steps: int) -> tuple[bool, Sequence[tuple[float, float, float]]]:
+def _schedule(ns_coefficients: NsCoefficients,
+              ns_steps: int) -> tuple[bool, Sequence[tuple[float, float, float]]]:
     """(whether it is Polar Express, the (a, b, c) of each iteration)."""
     if isinstance(ns_coefficients, str):
         check_ns_coefficients(ns_coefficients)
@@ -84,7 +85,7 @@ def zeropower_via_newtonschulz(
         grad: a 2-D tensor of shape (rows, cols), any float dtype.
         ns_coefficients: ``(a, b, c)`` of the quintic polynomial, or ``"polar_express"``:
             Polar Express's coefficients per iteration, after scaling ``X`` by
-            ``1 / (1.01 ||X||_F + eps)`` ([Note: Polar Express]).
+            ``1 / (1.01 ||X||_F + eps)`` (see vefsdp_optim/_math/_polar_express.py).
         ns_steps: number of iterations, ``0 <= ns_steps < 100``.
         eps: lower clamp of the norm (guards the all-zero matrix); with Polar Express,
             added to the scaled norm instead, as the paper does.
@@ -137,7 +138,8 @@ def zeropower_via_newtonschulz_batched(
     Whether the bits equal the per-matrix function's depends on the kernels of the
     device and shape: use it only where :func:`newtonschulz_batch_exact` says so."""
     if not isinstance(grads, Tensor) or grads.ndim != 3:
-        raise ValueError(f"grads must be a 3-D batch of matrices, got {getattr(grads, 'shape', grads)!r}")
+        raise ValueError("grads must be a 3-D batch of matrices, got "
+                         f"{getattr(grads, 'shape', grads)!r}")
     polar, schedule = _schedule(ns_coefficients, ns_steps)
     tall = grads.size(1) > grads.size(2)
     x = grads.bfloat16()  # (batch, rows, cols), bf16
@@ -158,7 +160,8 @@ def zeropower_via_newtonschulz_batched(
     return x
 
 
-#: the shortest side of a matrix that batched Newton-Schulz may take ([Note: batched Newton-Schulz])
+#: the shortest side of a matrix that batched Newton-Schulz may take (see
+#: ``newtonschulz_batch_exact``)
 BATCH_MIN_DIM = 32
 
 
@@ -169,27 +172,22 @@ def newtonschulz_batch_exact(
     """Whether the batched Newton-Schulz gives, on ``device`` with ``threads`` intra-op
     threads, the same bits as the per-matrix one for ``batch`` matrices of ``rows x cols``.
 
-    [Note: batched Newton-Schulz] Batched and single matmuls may take different kernels
-    (a naive loop for tiny CPU products, another cuBLAS algorithm), so equal bits are
-    checked, not assumed: once per shape, on a fixed random batch (never on the data,
-    whose zeros would agree under any kernel). Kernels choose by shape, dtype, device
-    and threads, never by value, so one check answers for every input of that shape.
-    Except for the smallest products, where a check on random data is not enough: on
-    the CPU a bfloat16 product of ``m * n * k <= 16**3`` multiply-adds leaves oneDNN for
-    another loop in ``addmm`` but not in a batched ``baddbmm`` (whose size counts the
-    batch), and a short contraction rounds alike under both summation orders on most
-    values (a batch of 70 x 5 matrices agreed on the random probe and differed on a
-    quantized momentum, one matrix in three). Newton-Schulz's smallest product is
-    ``short**3`` (the Gram matrix squared), so a matrix whose shorter side is below
-    ``BATCH_MIN_DIM = 32`` is never batched: every product then has >= 32**3 terms on
-    either kernel and contractions of >= 32 terms, whose summation order a random probe
-    shows. Measured on five input families (normal, quantized momentum, 90% zeros, rank
-    two, constant rows) at batches 2-16: batched equal to per-matrix at shorter sides
-    17-63, and differing at sides 7, 8 and 16 (tests/test_muon_blocks.py). On the
-    CPU the probe is host work, run by the first step that meets each class; on an
-    accelerator it is queued and its answer read later without a host sync, the
-    per-matrix path running until then ([Note: batch probes off the CPU] in
-    _batch_probe.py).
+    Batched and single matmuls may take different kernels (a naive loop for tiny CPU
+    products, another cuBLAS algorithm), so equal bits are checked, not assumed: once per
+    shape, on a fixed random batch (never on the data, whose zeros would agree under any
+    kernel). Kernels choose by shape, dtype, device and threads, never by value, so one
+    check answers for every input of that shape. Except for the smallest products, where a
+    check on random data is not enough: on the CPU a bfloat16 product of ``m * n * k <=
+    16**3`` multiply-adds leaves oneDNN for another loop in ``addmm`` but not in a batched
+    ``baddbmm`` (whose size counts the batch), and a short contraction rounds alike under
+    both summation orders on most values. Newton-Schulz's smallest product is ``short**3``
+    (the Gram matrix squared), so a matrix whose shorter side is below ``BATCH_MIN_DIM =
+    32`` is never batched: every product then has >= 32**3 terms on either kernel and
+    contractions of >= 32 terms, whose summation order a random probe shows (the cases
+    measured: docs/decisions.md). On the CPU the probe is host work, run by the first step
+    that meets each class; on an accelerator it is queued and its answer read later without
+    a host sync, the per-matrix path running until then (see
+    vefsdp_optim/_math/_batch_probe.py).
     """
     if min(rows, cols) < BATCH_MIN_DIM:
         return False
@@ -198,7 +196,8 @@ def newtonschulz_batch_exact(
     def run() -> Tensor:
         g = torch.Generator(device=device).manual_seed(rows * 1_000_003 + cols)
         probe = torch.randn(batch, rows, cols, generator=g, device=device)
-        want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps) for m in probe])
+        want = torch.stack([zeropower_via_newtonschulz(m, ns_coefficients, ns_steps, eps)
+                            for m in probe])
         got = zeropower_via_newtonschulz_batched(probe, ns_coefficients, ns_steps, eps)
         return torch.eq(got, want).all()
 

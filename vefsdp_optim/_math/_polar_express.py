@@ -1,7 +1,7 @@
 """Polar Express (Amsel, Persson, Musco, Gower; arXiv 2505.16932): per-iteration
 coefficients of the quintic polar-factor iteration, as the paper's Algorithm 1 gives them.
 
-[Note: Polar Express] Iteration ``t`` applies ``X <- a_t X + (b_t A + c_t A^2) X`` with
+Iteration ``t`` applies ``X <- a_t X + (b_t A + c_t A^2) X`` with
 ``A = X X^T``: the odd quintic ``p_t(x) = a_t x + b_t x^3 + c_t x^5`` on every singular
 value. The paper's ``p_t`` are the minimax-optimal odd quintics for a sign
 approximation on the singular-value interval ``[l_t, u_t]`` left by ``p_{t-1}`` (from
@@ -56,7 +56,7 @@ _SCALED = _scaled()
 
 def polar_express_coefficients(ns_steps: int) -> tuple[tuple[float, float, float], ...]:
     """The safety-scaled ``(a, b, c)`` of each of ``ns_steps`` iterations
-    ([Note: Polar Express]): the paper's first ``ns_steps`` polynomials, the last one
+    (see the module docstring): the paper's first ``ns_steps`` polynomials, the last one
     repeated beyond the eighth."""
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
         raise ValueError(f"ns_steps must be an int >= 0, got {ns_steps!r}")

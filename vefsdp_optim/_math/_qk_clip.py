@@ -2,7 +2,7 @@
 projections after an optimizer step, so that each head's largest attention logit stays at
 or below a threshold.
 
-[Note: QK-clip] For an attention module with H query heads in Hkv key groups (Hkv = H
+For an attention module with H query heads in Hkv key groups (Hkv = H
 without GQA) and the largest pre-softmax logit ``S_h`` of each head in this step's
 forward pass, with threshold tau > 0 and balance alpha in [0, 1]:
 
@@ -11,20 +11,20 @@ forward pass, with threshold tau > 0 and balance alpha in [0, 1]:
     query rows of every head of group g   *= gamma_g ** alpha
     key rows of group g                   *= gamma_g ** (1 - alpha)
 
-so every logit of the group is multiplied by gamma_g and the largest becomes tau; groups
-at or below tau are multiplied by exactly 1 (the same bits). With H = Hkv this is the
-paper's per-head rule; with GQA the shared key forces one factor per group, Megatron-LM's
-rule (``SelfAttention.clip_qk``). MLA (the paper's case): each query head's rows are its
-content rows q^C (``head_dim``, scaled by gamma ** alpha) then its rotary rows q^R
-(``rope_head_dim``, scaled by gamma: the shared rotary key k^R, one for all heads, is
-never touched, so q^R carries the whole factor); each head's rows of the key up-projection
-are its key rows k^C (``head_dim``, gamma ** (1 - alpha)) then its value rows
-(``v_head_dim``, untouched). A non-finite S_g (an overflowed forward) leaves its group
-unchanged instead of zeroing it. The factors are computed in float32 (or the logits'
-wider dtype), each weight element is multiplied by its row's factor in the wider of the
-two dtypes and rounded once to the weight's dtype, so any piece of a row, scaled alone, gets the bits
-the whole row gets: the sharded form ([Note: QK-clip on shards] in _qk_clip.py) equals
-``qk_clip_`` on one device.
+so every logit of the group is multiplied by gamma_g and the largest becomes tau; groups at
+or below tau are multiplied by exactly 1 (the same bits). With H = Hkv this is the paper's
+per-head rule; with GQA the shared key forces one factor per group, Megatron-LM's rule
+(``SelfAttention.clip_qk``). MLA (the paper's case): each query head's rows are its content
+rows q^C (``head_dim``, scaled by gamma ** alpha) then its rotary rows q^R
+(``rope_head_dim``, scaled by gamma: the shared rotary key k^R, one for all heads, is never
+touched, so q^R carries the whole factor); each head's rows of the key up-projection are
+its key rows k^C (``head_dim``, gamma ** (1 - alpha)) then its value rows (``v_head_dim``,
+untouched). A non-finite S_g (an overflowed forward) leaves its group unchanged instead of
+zeroing it. The factors are computed in float32 (or the logits' wider dtype), each weight
+element is multiplied by its row's factor in the wider of the two dtypes and rounded once
+to the weight's dtype, so any piece of a row, scaled alone, gets the bits the whole row
+gets: the sharded form (see ``QKClip`` in vefsdp_optim/_qk_clip.py) equals ``qk_clip_`` on
+one device.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QKClipHeads", "check_qk_clip_hparams", "qk_clip_", "qk_clip_gamma", "qk_clip_row_scales", "scale_rows_"]
+__all__ = ["QKClipHeads", "check_qk_clip_hparams", "qk_clip_", "qk_clip_gamma",
+           "qk_clip_row_scales", "scale_rows_"]
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -69,8 +70,9 @@ class QKClipHeads:
         _positive_int("rope_head_dim", self.rope_head_dim, 0)
         _positive_int("v_head_dim", self.v_head_dim, 0)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads} "
-                             "(grouped-query attention: each key head serves num_heads / num_kv_heads query heads)")
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide "
+                             f"num_heads={self.num_heads} (grouped-query attention: each key head "
+                             "serves num_heads / num_kv_heads query heads)")
 
     @property
     def q_rows(self) -> int:
@@ -92,15 +94,15 @@ def check_qk_clip_hparams(threshold: object, alpha: object) -> None:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     if threshold is not None and not (number(threshold) and threshold > 0):
-        raise ValueError(f"qk_clip_threshold must be None (no QK-clip) or a finite number > 0 (the largest "
-                         f"attention logit a head keeps), got {threshold!r}")
+        raise ValueError("qk_clip_threshold must be None (no QK-clip) or a finite number > 0 "
+                         f"(the largest attention logit a head keeps), got {threshold!r}")
     if not (number(alpha) and 0 <= alpha <= 1):
-        raise ValueError(f"qk_clip_alpha must be a number in [0, 1] (the query's share of the factor; "
-                         f"0.5 splits it evenly), got {alpha!r}")
+        raise ValueError("qk_clip_alpha must be a number in [0, 1] (the query's share of "
+                         f"the factor; 0.5 splits it evenly), got {alpha!r}")
 
 
 def qk_clip_gamma(max_logits: torch.Tensor, threshold: float, num_kv_heads: int) -> torch.Tensor:
-    """``gamma_g`` of each key group ([Note: QK-clip]): (num_kv_heads,), float32 or the
+    """``gamma_g`` of each key group (see the module docstring): (num_kv_heads,), float32 or the
     logits' wider dtype, computed on the logits' device without a host sync."""
     dtype = torch.promote_types(max_logits.dtype, torch.float32)
     s = max_logits.to(dtype).view(num_kv_heads, -1).amax(dim=1)
@@ -108,8 +110,9 @@ def qk_clip_gamma(max_logits: torch.Tensor, threshold: float, num_kv_heads: int)
     return torch.where(torch.isfinite(s) & (s > tau), torch.div(tau, s), torch.ones_like(s))
 
 
-def qk_clip_row_scales(gamma: torch.Tensor, alpha: float, heads: QKClipHeads) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factor of every query row and every key row ([Note: QK-clip]): ((q_rows,),
+def qk_clip_row_scales(gamma: torch.Tensor, alpha: float,
+                       heads: QKClipHeads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factor of every query row and every key row (see the module docstring): ((q_rows,),
     (k_rows,)), from the groups' ``gamma`` (num_kv_heads,)."""
     group = heads.num_heads // heads.num_kv_heads
     # each group's factor computed once, then repeated for its query heads (a vectorized
@@ -120,7 +123,9 @@ def qk_clip_row_scales(gamma: torch.Tensor, alpha: float, heads: QKClipHeads) ->
         q = torch.cat([q, rope], dim=1)
     k = gamma.pow(1.0 - alpha)[:, None].expand(heads.num_kv_heads, heads.head_dim)
     if heads.v_head_dim:
-        k = torch.cat([k, torch.ones_like(gamma)[:, None].expand(heads.num_kv_heads, heads.v_head_dim)], dim=1)
+        k = torch.cat([k,
+                       torch.ones_like(gamma)[:, None].expand(heads.num_kv_heads,
+                                                              heads.v_head_dim)], dim=1)
     return q.reshape(-1), k.reshape(-1)
 
 
@@ -149,10 +154,10 @@ def scale_rows_(x: torch.Tensor, row_scale: torch.Tensor, start: int, width: int
 
 
 def qk_clip_(
-    q: torch.Tensor | None, k: torch.Tensor | None, max_logits: torch.Tensor, threshold: float, alpha: float,
-    heads: QKClipHeads, qkv: torch.Tensor | None = None,
+    q: torch.Tensor | None, k: torch.Tensor | None, max_logits: torch.Tensor, threshold: float,
+    alpha: float, heads: QKClipHeads, qkv: torch.Tensor | None = None,
 ) -> None:
-    """QK-clip of one attention module on whole weights ([Note: QK-clip]): ``q``
+    """QK-clip of one attention module on whole weights (see the module docstring): ``q``
     (``heads.q_rows`` rows) and ``k`` (``heads.k_rows`` rows), or one fused ``qkv``
     (``heads.qkv_rows`` rows: query, key, value), scaled in place from the per-head
     maximum logits ``max_logits`` (num_heads,). The definition the sharded form equals."""
@@ -164,7 +169,8 @@ def qk_clip_(
     if qkv is not None:
         cols = qkv[0].numel()
         scale_rows_(qkv.view(-1)[:heads.q_rows * cols], qs, 0, cols)
-        scale_rows_(qkv.view(-1)[heads.q_rows * cols:(heads.q_rows + heads.k_rows) * cols], ks, 0, cols)
+        scale_rows_(qkv.view(-1)[heads.q_rows * cols:(heads.q_rows + heads.k_rows) * cols], ks, 0,
+                    cols)
         return
     for w, s in ((q, qs), (k, ks)):
         if w is not None:

@@ -7,7 +7,6 @@ element is stored as the uint8 index of the nearest value of a fixed, non-linear
 map of 256 values. Blocks never interact, so quantizing a run of whole blocks gives the
 same bits as quantizing the whole tensor (the property sharding relies on).
 
-[Note: dynamic code map]
 The map is built from a "dynamic tree" bit layout. Unsigned (8 magnitude bits): the
 number ``e`` of leading zero bits is a decimal exponent, the next bit (the first 1) is
 an indicator, and the remaining ``f = 7 - e`` bits are a linear fraction, giving the
@@ -58,7 +57,7 @@ def _tree_magnitudes(magnitude_bits: int) -> list[float]:
 
 
 def dynamic_code_map(signed: bool) -> Tensor:
-    """The 256 sorted float32 values of the dynamic code map (see [Note: dynamic code map]).
+    """The 256 sorted float32 values of the dynamic code map (see the module docstring).
 
     ``signed=True``: values in [-1, 1] (for Adam's first moment); ``signed=False``:
     values in [0, 1] (for the second moment). Both contain 0.0 and 1.0 exactly, the
@@ -161,22 +160,19 @@ def dequantize_blockwise(
     return (_blocks(values, block_size) * absmax[:, None]).reshape(-1)[: codes.numel()]
 
 
-# [Note: table quantizer]
-# quantize_blockwise (the reference) finds each code with a binary search over the 255 midpoints of the
-# code map (torch.searchsorted), which on the CPU costs many times an AdamW step
-# (docs/performance.md). TableQuantizer gives the same codes, bit for bit, with a
-# lookup: the top 16 bits of a float32 (sign, exponent, 7 mantissa bits) name a bucket of consecutive
-# floats; ``lo[bucket]`` counts the midpoints below the bucket, and the few midpoints
-# inside it (at most ``k``: 1 for both dynamic maps) are compared one by one. The code
-# is the number of midpoints strictly below the value, exactly searchsorted's answer
-# (a value equal to a midpoint takes the lower code). NaN inputs are not supported.
-# With k <= 1 (the dynamic maps) the code is ``lo8[b] + (mid_in[b] < x)``: two byte /
-# float lookups on the same bucket, written straight into the uint8 state (a profile
-# of the step showed the int32 temporaries, the index arithmetic, the copies and the
-# |x| temporary of the absmax at ~40% of it; see benchmarks/bench_profile.py).
+# quantize_blockwise (the reference) finds each code with a binary search over the 255
+# midpoints of the code map (torch.searchsorted), which on the CPU costs many times an
+# AdamW step (docs/performance.md). TableQuantizer gives the same codes, bit for bit,
+# with a lookup: the top 16 bits of a float32 (sign, exponent, 7 mantissa bits) name a
+# bucket of consecutive floats; ``lo[bucket]`` counts the midpoints below the bucket, and
+# the few midpoints inside it (at most ``k``: 1 for both dynamic maps) are compared one
+# by one. The code is the number of midpoints strictly below the value, exactly
+# searchsorted's answer (a value equal to a midpoint takes the lower code). NaN inputs
+# are not supported. With k <= 1 (the dynamic maps) the code is ``lo8[b] + (mid_in[b] <
+# x)``: two byte / float lookups on the same bucket, written straight into the uint8
+# state, with no int32 temporaries (the profile that led here: docs/decisions.md).
 
 
-# [Note: packed bucket table]
 # The fused kernel reads one 32-bit word per element instead of a byte and a float:
 # ``packed[b] = lo8[b] << 16 | t``, where ``t`` is the low 16 bits of the bucket's midpoint
 # (its high 16 bits are ``b`` itself). For a value ``x`` with bits ``u`` in bucket ``b``,
@@ -213,10 +209,9 @@ class TableQuantizer:
                 "TableQuantizer needs the code map's values, and a fake tensor (FakeTensorMode) "
                 "has none: build the quantizer from a real code map (dynamic_code_map() made "
                 "outside the mode) and place it with device=")
-        # [Note: host constants under FakeTensorMode] the tables are constants computed from
-        # the code map's values on the host: under FakeTensorMode (a memory estimate on fake
-        # CUDA tensors) they are computed on real tensors all the same, and only their
-        # placement on ``device`` is faked
+        # The tables are constants computed from the code map's values on the host: under
+        # FakeTensorMode (a memory estimate on fake CUDA tensors) they are computed on real
+        # tensors all the same, and only their placement on ``device`` is faked
         with host_constants():
             self._build(code if code.device.type == "cpu" else code.cpu())
         self._place(device)
@@ -266,12 +261,12 @@ class TableQuantizer:
         n = x.numel()
         nb = num_blocks(n, block_size)
         pad = nb * block_size - n
-        # [Note: non-finite moments] a NaN / inf element (from a non-finite gradient)
-        # would make its whole block's absmax, and so every code of the block, garbage
-        # for good. Its parameter element is already non-finite (as torch's AdamW makes
-        # it); its moment is stored as 0 and the block's other elements are kept. Every
-        # element goes through nan_to_num, which leaves finite values' bits as they are,
-        # so no host check of the absmax is needed (no device sync in a step)
+        # A NaN / inf element (from a non-finite gradient) would make its whole block's
+        # absmax, and so every code of the block, garbage for good. Its parameter element
+        # is already non-finite (as torch's AdamW makes it); its moment is stored as 0 and
+        # the block's other elements are kept. Every element goes through nan_to_num,
+        # which leaves finite values' bits as they are, so no host check of the absmax is
+        # needed (no device sync in a step)
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, block_size)
         # (nb,) max |x| = max(max x, -min x), exactly, without an |x| temporary; abs_ makes a
@@ -299,11 +294,12 @@ class TableQuantizer:
 def host_table_quantizers() -> tuple[TableQuantizer, TableQuantizer]:
     """The ``TableQuantizer`` of the signed and of the unsigned dynamic code map, on the
     CPU, built once per process; ``.to(device)`` places them on a device."""
-    with host_constants():  # real tables under FakeTensorMode too ([Note: host constants under FakeTensorMode])
+    with host_constants():  # real tables under FakeTensorMode too (see ``TableQuantizer``)
         return TableQuantizer(dynamic_code_map(True)), TableQuantizer(dynamic_code_map(False))
 
 
-def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
+def dequantize_table(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                     bs: int) -> torch.Tensor:
     """``dequantize_blockwise`` (same products, same bits) with an int32 index_select,
     several times faster on the CPU than advanced indexing with int64 indices."""
     n = codes.numel()

@@ -4,7 +4,7 @@
 tensors: the momentum and the grafting method's second moment (elementwise), the tiles'
 statistics and their inverse fourth roots (per tile), and the grafted, preconditioned
 update. The optimizer routes to it each rank's compute slice, a run of whole row bands
-([Note: Shampoo tiles by global band] in _shampoo.py), with the slice's tiles; a single
+(see vefsdp_optim/_shampoo.py), with the slice's tiles; a single
 device passes the whole matrix. Tiles never interact, so any run of whole bands gets
 the bits of that part of the whole-matrix step.
 """
@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ._matrix_root import all_finite, matrix_inverse_root
 
-__all__ = ["SHAMPOO_ROOT", "ShampooTile", "shampoo_step_", "shampoo_tiles", "shampoo_update_statistics_"]
+__all__ = ["SHAMPOO_ROOT", "ShampooTile", "shampoo_step_", "shampoo_tiles",
+           "shampoo_update_statistics_"]
 
 #: P = L^(-1/4) M R^(-1/4): the exponent of 2-D Shampoo
 SHAMPOO_ROOT = 4
@@ -63,11 +64,11 @@ def shampoo_update_statistics_(
     """Each tile's ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2)
     G^T G`` from the tile ``G`` of the (rows, cols) ``grad``, in place; at ``step =
     start_preconditioning_step + k * precondition_frequency`` the inverse roots are
-    recomputed (:func:`matrix_inverse_root` of the bias-corrected statistic, written
-    into ``L_inv_root`` / ``R_inv_root``). A tile whose gradient is not finite keeps its
-    statistics (one NaN would poison them for good); a root that fails keeps the
-    previous one. Both are selects on the device ([Note: device-side root checks] in
-    _matrix_root.py): nothing is read back to the host.
+    recomputed (:func:`matrix_inverse_root` of the bias-corrected statistic, written into
+    ``L_inv_root`` / ``R_inv_root``). A tile whose gradient is not finite keeps its
+    statistics (one NaN would poison them for good); a root that fails keeps the previous
+    one. Both are selects on the device (see ``matrix_inverse_root`` in
+    vefsdp_optim/_math/_matrix_root.py): nothing is read back to the host.
 
     ``step`` may be a 0-d tensor on the device (capturable), the bias correction then
     computed there; ``host_step`` (default ``step``) decides when the roots are recomputed.
@@ -75,7 +76,8 @@ def shampoo_update_statistics_(
     Returns ``(skipped tiles, failed roots)``: 0-dim int64 tensors on ``grad``'s device.
     """
     n = _host_count(step, host_step)
-    recompute = n >= start_preconditioning_step and (n - start_preconditioning_step) % precondition_frequency == 0
+    recompute = (n >= start_preconditioning_step
+                 and (n - start_preconditioning_step) % precondition_frequency == 0)
     tiles_ok, roots_ok = [], []  # 0-dim bools, counted once at the end
     for tile in tiles:
         stat_l, stat_r = tile.L, tile.R
@@ -147,7 +149,7 @@ def shampoo_step_(
             p <- p - lr P
 
     Elements whose moments are not finite count as 0 in the tile products and norms and
-    get a NaN update, as torch's AdamW makes them ([Note: non-finite elements]). No value
+    get a NaN update, as torch's AdamW makes them (see ``_preconditioned_update_``). No value
     is read back to the host.
 
     Args:
@@ -172,10 +174,10 @@ def shampoo_step_(
     if isinstance(step, Tensor):
         if not isinstance(lr, Tensor):
             lr = torch.full((), lr, dtype=torch.float32, device=param.device)
-        # [Note: float64 coefficients] the bias corrections in float64, as the Python
-        # floats of capturable=False, which the ops then round to the data's dtype alike:
-        # in float32, 1 - 0.999^t is off by 1e-5 (relative) at t = 1, and a root's
-        # near-null directions ((0 + epsilon)^(-1/4)) amplify that into O(lr) updates
+        # The bias corrections in float64, as the Python floats of capturable=False, which
+        # the ops then round to the data's dtype alike: in float32, 1 - 0.999^t is off by
+        # 1e-5 (relative) at t = 1, and a root's near-null directions ((0 + epsilon)^(-1/4))
+        # amplify that into O(lr) updates
         step = step.double()
     beta1, beta2 = betas
     bc1 = 1 - beta1**step
@@ -198,8 +200,8 @@ def shampoo_step_(
     return report
 
 
-def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *, step: int | Tensor,
-                       beta1: float, beta2: float, grafting: str,
+def _grafting_moments_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor | None, *,
+                       step: int | Tensor, beta1: float, beta2: float, grafting: str,
                        grafting_epsilon: float) -> Tensor | None:
     """The momentum and, for grafting "adam", the second moment, in place; returns Adam's
     denominator ``sqrt(v / (1 - beta2^t)) + grafting_epsilon`` (None for other grafting)."""
@@ -227,19 +229,19 @@ def _grafted_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None, *, lr
 
 
 def _preconditioned_update_(param: Tensor, exp_avg: Tensor, denom: Tensor | None,
-                            tiles: Sequence[ShampooTile], *, lr: float | Tensor, bc1: float | Tensor,
-                            grafting: str) -> None:
+                            tiles: Sequence[ShampooTile], *, lr: float | Tensor,
+                            bc1: float | Tensor, grafting: str) -> None:
     """``p <- p - lr P`` per tile, ``P`` the preconditioned momentum at the grafted norm."""
     m_hat = exp_avg / bc1  # (rows, cols)
     graft = m_hat if denom is None else m_hat / denom  # (rows, cols)
-    # [Note: non-finite elements] elements whose moments are not finite (a NaN or inf
-    # gradient reached them) must not spread through the tile products: they count as 0
-    # in the preconditioned direction and its grafting norm, and get a NaN update, so
-    # exactly they become NaN, as torch's AdamW makes them. The mask is applied at every
-    # step, with no host check of whether any element is bad ([Note: device-side root
-    # checks] in _matrix_root.py): on finite moments the selects change nothing, so the
-    # bits are those of the unmasked products. graft (m_hat, or m_hat / denom with
-    # denom > 0 or NaN) is finite only where m_hat is: one test covers both
+    # Elements whose moments are not finite (a NaN or inf gradient reached them) must not
+    # spread through the tile products: they count as 0 in the preconditioned direction
+    # and its grafting norm, and get a NaN update, so exactly they become NaN, as torch's
+    # AdamW makes them. The mask is applied at every step, with no host check of whether
+    # any element is bad (as in ``matrix_inverse_root`` in _matrix_root.py): on finite
+    # moments the selects change nothing, so the bits are those of the unmasked products.
+    # graft (m_hat, or m_hat / denom with denom > 0 or NaN) is finite only where m_hat
+    # is: one test covers both
     good = graft.abs() < math.inf  # (rows, cols): finite (NaN compares False)
     zero = m_hat.new_zeros(())
     torch.where(good, m_hat, zero, out=m_hat)  # m_hat and graft are this step's own tensors

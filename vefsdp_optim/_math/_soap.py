@@ -36,7 +36,6 @@ __all__ = [
 
 SOAP_DATA_FORMATS = ("channels_first", "channels_last")
 
-# [Note: SOAP geometry]
 # SOAP keeps one factor (Shampoo's L, R, ...: a d x d running mean of the gradient's
 # outer products over every other dim) per dim of a tensor's *work shape* whose size is
 # at most max_precond_dim; a larger dim has none and is left unrotated, as in the
@@ -53,7 +52,7 @@ SOAP_DATA_FORMATS = ("channels_first", "channels_last")
 
 @dataclass(frozen=True, slots=True)
 class SoapGeometry:
-    """How SOAP views one tensor ([Note: SOAP geometry])."""
+    """How SOAP views one tensor (see the comment above)."""
 
     shape: tuple[int, ...]  # the parameter's shape
     work_shape: tuple[int, ...]  # the shape the factors act on
@@ -113,8 +112,9 @@ def _merged(shape: Sequence[int], max_precond_dim: int) -> tuple[int, ...]:
 
 
 def soap_geometry(shape: Sequence[int], max_precond_dim: int, merge_dims: bool = False,
-                  precondition_1d: bool = False, data_format: str = "channels_first") -> SoapGeometry:
-    """The work shape and factor dims of a tensor of ``shape`` ([Note: SOAP geometry])."""
+                  precondition_1d: bool = False,
+                  data_format: str = "channels_first") -> SoapGeometry:
+    """The work shape and factor dims of a tensor of ``shape`` (see ``SoapGeometry``)."""
     shape = tuple(int(d) for d in shape)
     if data_format not in SOAP_DATA_FORMATS:
         raise ValueError(f"data_format must be one of {SOAP_DATA_FORMATS}, got {data_format!r}")
@@ -150,7 +150,8 @@ class SoapHparams:
             raise ValueError(f"betas must be a pair of floats in [0, 1), got {self.betas!r}")
         sb = self.shampoo_beta
         if isinstance(sb, bool) or not isinstance(sb, (int, float)) or math.isnan(sb) or sb >= 1.0:
-            raise ValueError(f"shampoo_beta must be a float in [0, 1), or negative for betas[1], got {sb!r}")
+            raise ValueError("shampoo_beta must be a float in [0, 1), or negative for "
+                             f"betas[1], got {sb!r}")
         if not self.eps >= 0:
             raise ValueError(f"Invalid epsilon value: {self.eps}")
         if not self.weight_decay >= 0:
@@ -170,7 +171,6 @@ class SoapHparams:
 
 # -- rotations and factors ------------------------------------------------------------------
 
-# [Note: SOAP rotations]
 # A rotation contracts the work dims one at a time, first to last, each with its basis Q
 # (over dim 0, the new dim moved last); a dim without a factor is only moved last. After
 # all dims the order is the original again. Into the basis the contraction is with Q
@@ -222,12 +222,12 @@ def soap_eigenbasis(factor: Tensor) -> Tensor:
 
     ``eigh`` of ``factor + 1e-30 I`` in float32 (float64 for a float64 factor), retried in
     float64 if it raises; the result in the factor's dtype. A non-finite factor (from a
-    non-finite gradient) gets the identity, selected on the device with no host sync
-    (the decomposition runs on the identity in its place: [Note: device-side root
-    checks] in _matrix_root.py), and so does a finite one whose float64 retry raises too
-    (with a warning, a host-side exception being at hand). The reference raises for a
-    non-finite factor, which under sharding is one owner rank alone and would leave the
-    others waiting in the step's exchange; the parameter becomes non-finite either way.
+    non-finite gradient) gets the identity, selected on the device with no host sync (the
+    decomposition runs on the identity in its place: ``matrix_inverse_root`` in
+    vefsdp_optim/_math/_matrix_root.py), and so does a finite one whose float64 retry
+    raises too (with a warning, a host-side exception being at hand). The reference raises
+    for a non-finite factor, which under sharding is one owner rank alone and would leave
+    the others waiting in the step's exchange; the parameter becomes non-finite either way.
     """
     work = factor if factor.dtype in (torch.float32, torch.float64) else factor.float()
     eye = torch.eye(work.shape[0], dtype=work.dtype, device=work.device)
@@ -246,7 +246,8 @@ def soap_eigenbasis(factor: Tensor) -> Tensor:
     return torch.where(finite, torch.flip(q, [1]), eye).to(factor.dtype)
 
 
-def soap_power_iteration(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+def soap_power_iteration(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor,
+                         dim: int) -> tuple[Tensor, Tensor]:
     """One power iteration with QR: the new basis of ``factor`` from ``basis``.
 
     The columns of ``basis`` are sorted by their Rayleigh quotients ``diag(Q^T F Q)``,
@@ -301,7 +302,7 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor
       without ``correct_bias``), then ``p <- p - lr wd p``; then the factors take ``G``,
       when ``t`` is a multiple of ``precondition_frequency`` the bases are renewed by
       :func:`soap_power_iteration` (``v`` permuted with them), and ``m`` is rotated back
-      and into the bases ([Note: SOAP momentum round trip]).
+      and into the bases (see the comment in the body).
 
     Capturable ([Note: capturable steps] in _capturable.py): ``step`` a 0-d float32
     tensor on ``param``'s device, from which the bias corrections are computed there,
@@ -338,10 +339,12 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor
     lr = _device_lr(hp.lr, param) if on_device else hp.lr
     step_size = lr
     if hp.correct_bias:
-        t_now = step.double() - 1 if on_device else t  # [Note: float64 coefficients] in _shampoo.py
+        # ``shampoo_step_`` in vefsdp_optim/_math/_shampoo.py
+        t_now = step.double() - 1 if on_device else t
         step_size = step_size * ((1.0 - beta2**t_now) ** 0.5) / (1.0 - beta1**t_now)
     denom = v.sqrt().add_(hp.eps)
-    u = torch.div(m, denom, out=denom) if denom.shape == m.shape and denom.stride() == m.stride() else m / denom
+    u = (torch.div(m, denom, out=denom) if denom.shape == m.shape and denom.stride() == m.stride()
+         else m / denom)
     if rotated:
         u = soap_project_back(u, bases)
     if hp.normalize_grads:
@@ -358,11 +361,11 @@ def soap_step_(param: Tensor, grad: Tensor, state: SoapState, step: int | Tensor
             param.add_(param, alpha=-hp.lr * hp.weight_decay)
     if not rotated:
         return
-    # [Note: SOAP momentum round trip] m goes back to the gradient's basis and into the
-    # (maybe new) eigenbasis at every step, as in the reference: Q Q^T = I only up to
-    # rounding, and the directions of a factor's (near-)null space amplify any rounding
-    # difference to O(lr) in the parameters (Adam divides each coordinate by its own
-    # scale), so skipping it would not follow the reference for long
+    # m goes back to the gradient's basis and into the (maybe new) eigenbasis at every
+    # step, as in the reference: Q Q^T = I only up to rounding, and the directions of a
+    # factor's (near-)null space amplify any rounding difference to O(lr) in the
+    # parameters (Adam divides each coordinate by its own scale), so skipping it would
+    # not follow the reference for long
     m_orig = soap_project_back(m, bases)
     soap_update_factors_(state.factors, g, hp.factor_beta)
     if t % hp.precondition_frequency == 0:

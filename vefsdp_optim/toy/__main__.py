@@ -95,7 +95,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[list[RunConfig], int]:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = args.world_size
     if world is None:
-        world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (1 if args.sharding == "none" else 2)
+        world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (1 if args.sharding == "none"
+                                                                   else 2)
     if world < 1:
         raise ValueError(f"--world-size must be >= 1, got {world}")
     if args.sharding == "none" and world != 1:
@@ -108,7 +109,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[list[RunConfig], int]:
     for o in opts:  # a clear error now, not a traceback from a spawned rank later
         get_optimizer(o)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} is an existing file; give a directory (new or existing)")
+        raise ValueError(f"--out {args.out!r} is an existing file; give a directory (new "
+                         "or existing)")
     configs = []
     for t in tasks:
         steps = args.steps if args.steps is not None else TASKS.get(t.lower(), TASKS["gpt"]).steps
@@ -125,18 +127,21 @@ def ep_config_from_args(args: argparse.Namespace) -> tuple[EPCheckConfig, int]:
         raise ValueError(f"--sharding ep runs the moe task only, got --task {','.join(tasks)}")
     opts = _split(args.optimizer) or ["muon"]
     if len(opts) != 1:
-        raise ValueError(f"--sharding ep runs one optimizer (one of {', '.join(EP_OPTIMIZERS)}), got {opts}")
+        raise ValueError("--sharding ep runs one optimizer (one of "
+                         f"{', '.join(EP_OPTIMIZERS)}), got {opts}")
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = args.world_size
     if world is None:
         world = int(os.environ["WORLD_SIZE"]) if in_torchrun else 4
     if world < 2 or world % 2:
-        raise ValueError(f"--sharding ep lays experts out over ep 2 x dp W/2: --world-size must be even "
-                         f"and >= 2, got {world}")
+        raise ValueError("--sharding ep lays experts out over ep 2 x dp W/2: --world-size "
+                         f"must be even and >= 2, got {world}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} is an existing file; give a directory (new or existing)")
+        raise ValueError(f"--out {args.out!r} is an existing file; give a directory (new "
+                         "or existing)")
     steps = EP_DEFAULT_STEPS if args.steps is None else args.steps
-    config = EPCheckConfig(optimizer=opts[0].lower(), steps=steps, seed=args.seed, lr=args.lr, check=args.check)
+    config = EPCheckConfig(optimizer=opts[0].lower(), steps=steps, seed=args.seed, lr=args.lr,
+                           check=args.check)
     return config, world
 
 
@@ -156,15 +161,17 @@ def _main_ep(args: argparse.Namespace, config: EPCheckConfig, world: int) -> int
     with open(path, "w") as f:
         json.dump(result.to_json(), f, indent=1)
     split = config.split
-    print(f"moe/{config.optimizer} W={world}: {result.layouts[0]} for steps 0-{split - 1}, checkpoint, "
-          f"{result.layouts[1]} for steps {split}-{config.steps - 1}; loss {result.losses[0]:.4f} -> "
-          f"{result.losses[-1]:.4f}; QK-clip scaled {sum(result.clipped_heads)} heads in "
-          f"{sum(1 for c in result.clipped_heads if c)} of {len(result.clipped_heads)} steps "
-          f"(threshold {config.qk_clip_threshold:g}); {result.seconds:.1f} s")
+    print(f"moe/{config.optimizer} W={world}: {result.layouts[0]} for steps 0-{split - 1}, "
+          f"checkpoint, {result.layouts[1]} for steps {split}-{config.steps - 1}; loss "
+          f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}; QK-clip scaled "
+          f"{sum(result.clipped_heads)} heads in {sum(1 for c in result.clipped_heads if c)} of "
+          f"{len(result.clipped_heads)} steps (threshold {config.qk_clip_threshold:g}); "
+          f"{result.seconds:.1f} s")
     print(f"wrote {path}")
     if not args.check:
         return 0
-    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, result.ref_losses, strict=True)]
+    rel = [abs(a - b) / max(abs(b), 1e-12)
+           for a, b in zip(result.losses, result.ref_losses, strict=True)]
     print(f"check: parameters vs one device replaying the same gradients: max |diff| "
           f"{max(result.param_diff, default=math.inf):.3g} over {len(result.param_diff)} steps, "
           f"{result.load_diff:.3g} after the load (must be 0); loss vs one device's forward: "
@@ -184,7 +191,8 @@ def _list() -> str:
     for t in TASKS.values():
         lines.append(f"  {t.name:<8} {t.steps:>4} steps  {t.description}")
     lines.append("optimizers (registered): " + ", ".join(list_optimizers()))
-    lines.append("  or any 'package.module:Class' (e.g. examples.custom_tile_sgd:TileNormalizedSGD)")
+    lines.append("  or any 'package.module:Class' (e.g. "
+                 "examples.custom_tile_sgd:TileNormalizedSGD)")
     return "\n".join(lines)
 
 

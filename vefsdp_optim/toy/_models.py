@@ -91,7 +91,7 @@ class _Experts(nn.Module):
     """Stacked expert weights ``[experts, out, in]``, every expert run on every token and
     weighted by its gate (zero outside the top 2). As DTensors sharded over an ``ep``
     mesh (expert parallel), each rank runs its own experts on every token and the
-    partial sums are added over ``ep`` ([Note: expert parallel toy] in toy/_moe_ep.py)."""
+    partial sums are added over ``ep`` (see vefsdp_optim/toy/_moe_ep.py)."""
 
     def __init__(self, d: int, experts: int, d_ff: int) -> None:
         super().__init__()
@@ -175,7 +175,8 @@ class TinyMoEGPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos_embed = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.layers = nn.ModuleList([_MoEBlock(d, heads, kv_heads, experts, d_ff) for _ in range(n_layers)])
+        self.layers = nn.ModuleList([_MoEBlock(d, heads, kv_heads, experts, d_ff)
+                                     for _ in range(n_layers)])
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 

@@ -10,7 +10,7 @@ takes the embeddings, the head and the 1-D parameters, and QK-clip rescales the 
 logits pass the threshold after every step. Halfway, the run saves a checkpoint
 (``vefsdp_optim.save``), rebuilds the model as ep 1 x dp W (experts plain, sharded over
 all ranks), loads it and trains on. With ``--check``, rank 0 replays the same full
-gradients (and the same max logits) on one device ([Note: expert parallel toy]).
+gradients (and the same max logits) on one device (see the comment above ``EP_OPTIMIZERS``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from ._tasks import MOE_EXPERTS, get_task
 __all__ = ["EP_OPTIMIZERS", "EPCheckConfig", "EPCheckResult", "shard_moe", "build_moe_optimizer",
            "run_ep_check", "launch_ep_check"]
 
-# [Note: expert parallel toy]
 # Every rank trains on the whole global batch (the toy runs' rule), so an ep rank runs its
 # own experts on all tokens and the partial sums of the ep ranks are all-reduced; the
 # backward of that sum passes the gradient through unchanged (each ep rank's loss is the
@@ -54,7 +53,7 @@ __all__ = ["EP_OPTIMIZERS", "EPCheckConfig", "EPCheckResult", "shard_moe", "buil
 #   is added in another order (per ep rank, then across), and after the move to ep 1 the
 #   loss is the one device's bit for bit.
 # The max logits are reduced with MAX over all ranks before the clip, as a data-parallel
-# run must ([Note: QK-clip on shards] in _qk_clip.py).
+# run must (``QKClip`` in _qk_clip.py).
 
 EP_OPTIMIZERS = ("muon", "normuon")
 EP_LOSS_RTOL = 1e-5  # measured at seed 0, 40 steps, W = 4: 0 (the same bits)
@@ -84,10 +83,11 @@ class EPCheckConfig:
             raise ValueError(f"--sharding ep runs Muon on the experts: optimizer must be one of "
                              f"{EP_OPTIMIZERS}, got {self.optimizer!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
-            raise ValueError(f"steps must be an int >= 2 (it resumes from a checkpoint in between), "
-                             f"got {self.steps!r}")
+            raise ValueError("steps must be an int >= 2 (it resumes from a checkpoint "
+                             f"in between), got {self.steps!r}")
         if self.resume_at is not None and not 1 <= self.resume_at < self.steps:
-            raise ValueError(f"resume_at must be in [1, steps={self.steps}), got {self.resume_at!r}")
+            raise ValueError(f"resume_at must be in [1, steps={self.steps}), got "
+                             f"{self.resume_at!r}")
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep must be a positive int, got {self.ep!r}")
         if self.ep > MOE_EXPERTS:
@@ -112,41 +112,48 @@ class EPCheckResult:
     layouts: list[str]  # before and after the checkpoint, e.g. ["ep2 x edp2", "ep1 x edp4"]
     losses: list[float]  # the sharded forward's loss of every step
     ref_losses: list[float] = field(default_factory=list)  # one device's forward, same parameters
-    grad_rdiff: list[float] = field(default_factory=list)  # max over params of |g - g_ref| / max|g_ref|
+    # max over params of |g - g_ref| / max|g_ref|
+    grad_rdiff: list[float] = field(default_factory=list)
     param_diff: list[float] = field(default_factory=list)  # max |p - p_ref| after each step
     load_diff: float = 0.0  # max |p - p_ref| right after the load
     clipped_heads: list[int] = field(default_factory=list)  # heads above the threshold, per step
     seconds: float = 0.0
 
     def failures(self) -> list[str]:
-        """What the check found wrong ([Note: expert parallel toy]); empty when it passed."""
+        """What the check found wrong (see the comment above ``EP_OPTIMIZERS``); empty when it
+        passed."""
         if not self.config.check:
             return []
         out = []
         bad = [i for i, d in enumerate(self.param_diff) if d != 0.0]
         if bad:
             out.append(f"parameters differ from one device replaying the same gradients after step "
-                       f"{bad[0]} (max |diff| {self.param_diff[bad[0]]:.3g}; {len(bad)} steps differ)")
+                       f"{bad[0]} (max |diff| {self.param_diff[bad[0]]:.3g}; {len(bad)} "
+                       "steps differ)")
         if self.load_diff != 0.0:
-            out.append(f"parameters after loading the checkpoint into {self.layouts[-1]} differ from "
-                       f"one device by {self.load_diff:.3g}")
-        rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(self.losses, self.ref_losses, strict=True)]
-        if len(rel) != len(self.losses) or any(not math.isfinite(r) or r > EP_LOSS_RTOL for r in rel):
-            worst = max(range(len(rel)), key=lambda i: rel[i] if math.isfinite(rel[i]) else math.inf,
-                        default=0)
+            out.append(f"parameters after loading the checkpoint into {self.layouts[-1]} "
+                       f"differ from one device by {self.load_diff:.3g}")
+        rel = [abs(a - b) / max(abs(b), 1e-12)
+               for a, b in zip(self.losses, self.ref_losses, strict=True)]
+        if len(rel) != len(self.losses) or any(not math.isfinite(r) or r > EP_LOSS_RTOL
+                                               for r in rel):
+            worst = max(range(len(rel)),
+                        key=lambda i: rel[i] if math.isfinite(rel[i]) else math.inf, default=0)
             out.append(f"loss departs from one device's forward on the same parameters: "
-                       f"{rel[worst] if rel else math.inf:.3g} at step {worst} (tolerance {EP_LOSS_RTOL:g})")
+                       f"{rel[worst] if rel else math.inf:.3g} at step {worst} (tolerance "
+                       f"{EP_LOSS_RTOL:g})")
         after = rel[self.config.split:]
         if any(r != 0.0 for r in after):
-            out.append(f"after the move to {self.layouts[-1]} (no expert parallelism) the loss should be "
-                       f"one device's bit for bit; largest relative difference {max(after):.3g}")
+            out.append(f"after the move to {self.layouts[-1]} (no expert parallelism) the "
+                       "loss should be one device's bit for bit; largest relative difference "
+                       f"{max(after):.3g}")
         g = [d for d in self.grad_rdiff if not (math.isfinite(d) and d <= EP_GRAD_RTOL)]
         if g:
             out.append(f"full gradient departs from one device's backward by {max(g):.3g} "
                        f"(tolerance {EP_GRAD_RTOL:g})")
         if not any(self.clipped_heads):
-            out.append(f"QK-clip never fired (threshold {self.config.qk_clip_threshold:g}): the check "
-                       "did not exercise it")
+            out.append("QK-clip never fired (threshold "
+                       f"{self.config.qk_clip_threshold:g}): the check did not exercise it")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -240,7 +247,8 @@ class _Reference:
         self.params = dict(self.model.named_parameters())
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
-             grads: dict[str, torch.Tensor], logits: dict[str, torch.Tensor]) -> tuple[float, float]:
+             grads: dict[str, torch.Tensor],
+             logits: dict[str, torch.Tensor]) -> tuple[float, float]:
         """Its own loss and the gradient's relative difference, then a step on ``grads``."""
         self.opt.zero_grad(set_to_none=True)
         loss = loss_fn(self.model(x), y)
@@ -248,7 +256,8 @@ class _Reference:
         rdiff = 0.0
         for n, p in self.params.items():
             g = grads[n]
-            rdiff = max(rdiff, float((p.grad - g).abs().max() / p.grad.abs().max().clamp_min(1e-30)))
+            rdiff = max(rdiff,
+                        float((p.grad - g).abs().max() / p.grad.abs().max().clamp_min(1e-30)))
             p.grad = g.clone()
         self.opt.step()
         self.opt.qk_clip_(logits)
@@ -256,7 +265,8 @@ class _Reference:
 
     def diff(self, params: dict[str, torch.Tensor]) -> float:
         if params.keys() != self.params.keys():
-            raise AssertionError(f"parameter names differ: {sorted(params)} vs {sorted(self.params)}")
+            raise AssertionError(f"parameter names differ: {sorted(params)} vs "
+                                 f"{sorted(self.params)}")
         return max(float((params[n] - p.detach()).abs().max()) for n, p in self.params.items())
 
 
@@ -294,13 +304,15 @@ def _run(config: EPCheckConfig, ckpt_dir: str) -> EPCheckResult | None:
     t0 = time.perf_counter()
     for step in range(config.steps):
         if step == config.split:  # checkpoint, then a fresh model on the other layout
-            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            state = {"model": get_model_state_dict(model),
+                     "optim": get_optimizer_state_dict(model, opt)}
             vefsdp_optim.save(state, ckpt_dir)
             del model, opt, state
             model = task.build(config.seed + 1).model  # other values: the load must set every one
             layouts.append(shard_moe(model, 1))
             opt = build_moe_optimizer(config, model)
-            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            state = {"model": get_model_state_dict(model),
+                     "optim": get_optimizer_state_dict(model, opt)}
             vefsdp_optim.load(state, ckpt_dir)
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, opt, state["optim"])
@@ -313,7 +325,8 @@ def _run(config: EPCheckConfig, ckpt_dir: str) -> EPCheckResult | None:
         loss.backward()
         logits = _max_logits(model)
         result.losses.append(float(loss.detach()))
-        result.clipped_heads.append(int(sum((v > config.qk_clip_threshold).sum() for v in logits.values())))
+        result.clipped_heads.append(int(sum((v > config.qk_clip_threshold).sum()
+                                            for v in logits.values())))
         grads = {n: _full(p.grad) for n, p in model.named_parameters()} if config.check else {}
         opt.step()
         opt.qk_clip_(logits)
@@ -333,7 +346,8 @@ def _run(config: EPCheckConfig, ckpt_dir: str) -> EPCheckResult | None:
 def _spawned(rank: int, world_size: int, init_file: str, out_file: str, config: EPCheckConfig,
              ckpt_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
     try:
         result = run_ep_check(config, ckpt_dir)
         if rank == 0:
@@ -345,7 +359,8 @@ def _spawned(rank: int, world_size: int, init_file: str, out_file: str, config: 
     exit_rank()
 
 
-def launch_ep_check(config: EPCheckConfig, world_size: int, ckpt_dir: str | None = None) -> EPCheckResult:
+def launch_ep_check(config: EPCheckConfig, world_size: int,
+                    ckpt_dir: str | None = None) -> EPCheckResult:
     """Run ``config`` on ``world_size`` spawned gloo ranks (or torchrun's); rank 0's result
     on rank 0 (None elsewhere under torchrun). The checkpoint goes to ``ckpt_dir`` (default:
     a temporary directory, removed afterwards)."""
@@ -359,7 +374,8 @@ def launch_ep_check(config: EPCheckConfig, world_size: int, ckpt_dir: str | None
             if not dist.is_initialized():
                 dist.init_process_group("gloo")
             if dist.get_world_size() != world_size:
-                raise ValueError(f"--world-size {world_size} but torchrun started {dist.get_world_size()} ranks")
+                raise ValueError(f"--world-size {world_size} but torchrun started "
+                                 f"{dist.get_world_size()} ranks")
             if ckpt_dir is None:  # one directory for every rank: rank 0's
                 box = [ckpt]
                 dist.broadcast_object_list(box, src=0)
@@ -368,7 +384,8 @@ def launch_ep_check(config: EPCheckConfig, world_size: int, ckpt_dir: str | None
         import torch.multiprocessing as mp
 
         init_file, out_file = os.path.join(tmp, "pg"), os.path.join(tmp, "result.json")
-        mp.spawn(_spawned, args=(world_size, init_file, out_file, config, ckpt), nprocs=world_size, join=True)
+        mp.spawn(_spawned, args=(world_size, init_file, out_file, config, ckpt), nprocs=world_size,
+                 join=True)
         with open(out_file) as f:
             d = json.load(f)
     d.pop("failures")

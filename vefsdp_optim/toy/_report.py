@@ -116,7 +116,8 @@ def format_table(results: Sequence[RunResult]) -> str:
                      f"{r.steps_per_s:.1f}", rss])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
               for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(s.ljust(w) for s, w in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(  # noqa: E731
+        s.ljust(w) for s, w in zip(cells, widths, strict=True)).rstrip()
     out = [line(head), line(["-" * w for w in widths])]
     out += [line(row) for row in rows]
     return "\n".join(out)

@@ -53,21 +53,18 @@ _DEFAULT_LR = {"adamw": 3e-3, "adamw8bit": 3e-3, "adam8bit": 3e-3, "muon": 0.02,
 _TASK_LR = {("illcond", "muon"): 3e-3, ("conv", "normuon"): 0.02, ("illcond", "soap"): 1e-2}
 for _t in ("mlp", "conv"):
     _TASK_LR.update({(_t, o): 1e-2 for o in ("adamw", "adamw8bit", "adam8bit", "shampoo", "soap")})
-# [Note: check tolerances]
 # Relative tolerance of a sharded loss curve against the single-device reference. Each
 # rank trains on the whole batch, so at W = 2 the averaged gradient is exactly the
 # single-device one ((g + g) / 2 == g) and every built-in optimizer must give the same
 # bits: tolerance 0. At other W the average can differ in the last bit, and the
-# optimizers amplify that differently (measured on the GPT at W = 3 after 60 steps):
-# AdamW 2e-7 -> 1e-5; Shampoo (float64 roots) 2e-7 -> 1e-4; 8-bit Adam (a last-bit
-# change can move a value to the next 8-bit code) 5e-5 and Muon (Newton-Schulz in
-# bfloat16) 6e-5 -> 1e-3. SOAP: a last-bit change of a gradient turns the eigenvectors
-# of its factors' null spaces (a factor of a non-square matrix is rank-deficient at its
-# first eigendecomposition) and Adam scales their coordinates to O(1), so its curves part
-# within steps (measured at W = 3: gpt 4e-3 after 40 steps, mlp 0.78 at step 272 of 600,
-# conv 0.40; given the same gradient it is bitwise equal at any W: tests/test_soap.py)
-# -> 2.0: only a divergence fails; its W = 2 runs are bit-identical like the others'.
-# Custom optimizers: 1e-5 at any W.
+# optimizers amplify that differently (the measurements: docs/decisions.md): AdamW 1e-5;
+# Shampoo (float64 roots) 1e-4; 8-bit Adam (a last-bit change can move a value to the
+# next 8-bit code) and Muon (Newton-Schulz in bfloat16) 1e-3. SOAP: a last-bit change of
+# a gradient turns the eigenvectors of its factors' null spaces (a factor of a
+# non-square matrix is rank-deficient at its first eigendecomposition) and Adam scales
+# their coordinates to O(1), so its curves part within steps (given the same gradient it
+# is bitwise equal at any W: tests/test_soap.py) -> 2.0: only a divergence fails; its
+# W = 2 runs are bit-identical like the others'. Custom optimizers: 1e-5 at any W.
 _TOLERANCE = {"shampoo": 1e-4, "muon": 1e-3, "normuon": 1e-3, "adamw8bit": 1e-3, "adam8bit": 1e-3,
               "soap": 2.0}
 DEFAULT_TOLERANCE = 1e-5
@@ -81,7 +78,7 @@ def default_lr(task: str, optimizer: str) -> float | None:
 
 def check_tolerance(optimizer: str, world_size: int | None = None) -> float:
     """Largest relative loss difference allowed between a run on ``world_size`` ranks and
-    its single-device reference (see [Note: check tolerances]); None: any W."""
+    its single-device reference (see ``_TOLERANCE``); None: any W."""
     key = optimizer.strip().lower()
     if world_size is not None and world_size <= 2 and key in BUILTIN_OPTIMIZERS:
         return 0.0
@@ -203,7 +200,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float | None) -> torch.opti
         by_keys: dict[str, dict[str, Any]] = {}
         for n, p in mats:
             keys = {"flatten": True, **(keys_of(n) if keys_of is not None else {})}
-            by_keys.setdefault(repr(sorted(keys.items())), {"params": [], **keys})["params"].append(p)
+            by_keys.setdefault(repr(sorted(keys.items())), {"params": [],
+                                                            **keys})["params"].append(p)
         groups = list(by_keys.values())
         if rest:
             groups.append({"params": rest, "use_muon": False, "lr": _DEFAULT_LR["adamw"]})

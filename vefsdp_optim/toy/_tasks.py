@@ -29,7 +29,7 @@ __all__ = [
     "stationary_distribution",
 ]
 
-# [Note: loss floors]
+# The loss floor of each task:
 # gpt: next-token cross-entropy (nats) on sequences of an order-1 Markov chain whose
 #   first token is drawn from the stationary distribution; every target then has the
 #   previous token as context, so no model beats the entropy rate
@@ -340,9 +340,10 @@ TASKS: dict[str, Task] = {
         Task("illcond", f"least squares, rotated features of condition number {ILL_COND:g}^2; "
              "floor = least-squares residual", 300, _excess(2e-3, 0.05, muon=0.02, shampoo=5e-4),
              _build_illcond),
-        Task("moe", f"tiny MoE GPT (2 layers, d=64, {MOE_EXPERTS} experts top-2 as [experts, out, in] "
-             "weights, grouped-query attention with a fused QKV) on the gpt task's language; "
-             "floor = entropy rate; not in the default run", 200, _excess(0.15, 1.0), _build_moe),
+        Task("moe",
+             f"tiny MoE GPT (2 layers, d=64, {MOE_EXPERTS} experts top-2 as [experts, out, in] "
+             "weights, grouped-query attention with a fused QKV) on the gpt task's language; floor "
+             "= entropy rate; not in the default run", 200, _excess(0.15, 1.0), _build_moe),
     ]
 }
 

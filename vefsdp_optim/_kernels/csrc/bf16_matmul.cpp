@@ -2,11 +2,11 @@
 // TORCH_EXTENSION_NAME::bf16_addmm_out_. Built into the same library as the 8-bit Adam
 // kernel (_kernels/_native.py); _kernels/_bf16_matmul.py decides where it may run.
 //
-// [Note: torch's bfloat16 reference matmul]
 // On a CPU that oneDNN cannot run bfloat16 products on (no AVX-512 and no AMX: AVX2 CPUs
 // such as AMD Zen 3), torch's bfloat16 mm / addmm / bmm take its reference loop
-// (aten's cpublas gemm_stub), about 1 GFLOP/s, 40x slower than float32 there: it is
-// what Newton-Schulz runs on. Its arithmetic, for each output element:
+// (aten's cpublas gemm_stub), far slower than float32 there (figures in
+// docs/decisions.md): it is what Newton-Schulz runs on. addmm_one gives its bits. Its
+// arithmetic, for each output element:
 //
 //   s_r = sum over l = r, r + 4, r + 8, ... < 4 floor(k / 4) of a_il b_lj   (r = 0..3, in
 //         order of l; the last k mod 4 terms go into s_0), each product and each sum
@@ -22,10 +22,10 @@
 // CPU; _bf16_matmul.py checks them against torch on every process before using it, since
 // a torch build may route a product elsewhere (measured: docs/performance.md).
 //
-// [Note: torch's bfloat16 dot-product matmul]
 // A product with a transposed second operand, a @ b.T with both row-major (Newton-Schulz's
 // X X^T), takes another loop instead, one vectorized dot product per output (aten's
-// bf16_dot_with_fp32_arith, ~10 GFLOP/s on AVX2): for each output, of rows a_i and b_j,
+// bf16_dot_with_fp32_arith, ~10 GFLOP/s on AVX2); mm_nt_one gives its bits. For each
+// output, of rows a_i and b_j,
 //
 //   acc[t] = fused multiply-adds of a_il b_jl over l = t, t + 64, t + 128, ... below
 //            64 floor(k / 64)   (t = 0..63: eight registers of eight lanes, t = 8r + lane);
@@ -281,8 +281,7 @@ void bf16_addmm_out_cpu(const at::Tensor& a, const at::Tensor& b, const c10::opt
     }
 }
 
-// out = a @ b.mT with the dot-product loop's bits ([Note: torch's bfloat16 dot-product
-// matmul]); a (m, k) and b (n, k) row-major, or 3-D batches of them; out contiguous
+// out = a @ b.mT with the dot-product loop's bits (see mm_nt_one); a (m, k) and b (n, k) row-major, or 3-D batches of them; out contiguous
 void bf16_mm_nt_out_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t d = a.dim();

@@ -1,6 +1,5 @@
-// The fused 8-bit Adam / AdamW step on the CPU: see [Note: fused 8-bit step] in
-// vefsdp_optim/_kernels/_native.py (why; the measurements: docs/decisions.md) and
-// [Note: 8-bit Adam op order] in _math/_adam8bit_step.py (the float32 operations, in order).
+// The fused 8-bit Adam / AdamW step on the CPU: see vefsdp_optim/_kernels/_native.py (why; the measurements: docs/decisions.md) and
+// vefsdp_optim/_math/_adam8bit_step.py (the float32 operations, in order).
 //
 // Bits: every float operation below is one correctly rounded IEEE add, sub, mul, div or
 // sqrt; the build uses -ffp-contract=off and no fast-math, so the AVX-512 paths, the AVX2
@@ -11,7 +10,7 @@
 // AVX-512 ones at 8 lanes, with vector masks for mask registers and, for the table
 // lookups, scalar loads inserted into vectors (Zen 3 has no permute over a 256-entry
 // table, and its 8-lane gathers are slower than 8 loads: lut8_ps, lut8_epi32), and the
-// requantization by division ([Note: AVX2 requantization by division]); each sits
+// requantization by division (see qvec); each sits
 // beside its AVX-512 twin, which it leaves untouched.
 #include "quant8_adam.h"
 
@@ -39,7 +38,7 @@ static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x;
    with AVX-512 VBMI, the values' 4 byte planes (built once per call, not per block) */
 struct Map {
     const float* code;    // 256 sorted values
-    const uint32_t* tab;  // 65536 packed bucket words ([Note: packed bucket table])
+    const uint32_t* tab;  // 65536 packed bucket words (see _pack_buckets in vefsdp_optim/_math/_quant8.py)
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
     alignas(64) uint8_t planes[4][256];  // planes[k][j]: byte k of code[j]'s bits
     alignas(64) uint8_t order[64];       // byte 16 L + 4 j + q takes element 16 j + 4 L + q
@@ -161,8 +160,7 @@ static void dequantize(const uint8_t* __restrict__ c, int64_t len, const Map* ma
     for (; i < len; ++i) out[i] = code[c[i]] * scale;
 }
 
-/* the code of one value by the packed bucket table of its map ([Note: packed bucket
-   table]: lo8 << 16 | the low 16 bits of the bucket's midpoint) */
+/* the code of one value by the packed bucket table of its map (see _pack_buckets in vefsdp_optim/_math/_quant8.py: lo8 << 16 | the low 16 bits of the bucket's midpoint) */
 static inline uint8_t code_of(float normed, const uint32_t* tab) {
     const uint32_t u = bits_of(normed), e = tab[u >> 16], xl = u & 0xFFFFu, t = e & 0xFFFFu;
     const uint32_t up = (u >> 31) ? (xl < t) : (xl > t);
@@ -214,7 +212,6 @@ static inline uint32_t hmax8(__m256i x) {
 
 /* codes of x[i] / scale, i < len, into out.
 
-   [Note: requantization by reciprocal]
    The code of x is the number of the map's midpoints below d = x / scale (one correctly
    rounded division; searchsorted's rule). The vector loop multiplies instead,
    q = x * r with r = 1 / scale (both rounded): with scale and r normal, q is within
@@ -222,12 +219,12 @@ static inline uint32_t hmax8(__m256i x) {
    1 in the subnormal range), so no midpoint between q and d unless one lies within
    NEAR = 8 bit patterns of q: for the table's one midpoint per bucket that is
    |low 16 bits of q - those of the midpoint| <= 8, and q within 8 patterns of its
-   bucket's ends for a neighbour's. Those vectors (~7% in blocks of 256, nearly all for
-   the block's absmax, whose normed value 1.0 sits at a bucket's end) are listed and
-   redone with the division after the block's other vectors.
-   So every code is the division's, which the tests check against the eager ops.
+   bucket's ends for a neighbour's. Those vectors (a few percent in blocks of 256, nearly
+   all for the block's absmax, whose normed value 1.0 sits at a bucket's end; figure in
+   docs/decisions.md) are listed and redone with the division after the block's other
+   vectors. So every code is the division's, which the tests check against the eager ops.
 
-   The AVX2 paths divide instead ([Note: AVX2 requantization by division]). */
+   The AVX2 paths divide instead (the AVX2 qvec below). */
 struct QPlan {  // the requantization of one moment of one block
     const float* x;       // the block's new moment (len)
     uint8_t* out;         // its codes (len)
@@ -286,13 +283,11 @@ static inline void qvec(QPlan& q, int64_t i) {
     q.nredo += near != 0;
 }
 #elif defined(__AVX2__)
-/* [Note: AVX2 requantization by division]
-   On a Zen 3 the AVX-512 paths' product with the reciprocal, its test for a nearby
+/* On a Zen 3 the AVX-512 paths' product with the reciprocal, its test for a nearby
    midpoint and the list of vectors to redo cost more than the division they save: a
    256-bit division issues every ~3.3 cycles there, and the step, bound by its table
    lookups, has room for two more per 8 elements. Dividing is also the eager path's
-   operation itself. Measured in docs/performance.md (0.85x the step with the
-   reciprocal, one and two threads). */
+   operation itself. Measured in docs/decisions.md. */
 
 /* the 8 codes at i (i + 8 <= len) */
 static inline void qvec(QPlan& q, int64_t i) {
@@ -317,7 +312,7 @@ struct Hp {
     float c_wd, wd, w1, beta2, w2, bc2, eps, neg_step, gsign;
 };
 
-/* the update of len elements of one block ([Note: 8-bit Adam op order]): p in place,
+/* the update of len elements of one block (see vefsdp_optim/_math/_adam8bit_step.py): p in place,
    the new moments (non-finite ones as 0) into sm, sv; returns their absmax bits (for
    |x| the uint32 order is the float order: an exact max) */
 template <int WD>
@@ -364,15 +359,13 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
         uv = _mm512_reduce_max_epu32(vv);
     }
 #elif defined(__AVX2__)
-    /* [Note: AVX2 update in two passes]
-       The update's chain, square root -> division -> division, is ~40 cycles deep on a
+    /* The update's chain, square root -> division -> division, is ~40 cycles deep on a
        Zen 3, and one pass's ~100 operations per vector let its out-of-order window hold
        too few vectors to hide it. So the AVX2 loop runs the block twice: the moments
        and the denominators first (dn; the unmasked first moment in mu: the parameter's
        update takes it before the non-finite ones become 0), then the parameter's
        division and the previous block's codes. The same operations on the same
-       operands: the same bits. Measured in docs/performance.md (0.84-0.98x the
-       one-pass loop's step; the codes in the first pass instead: slower). */
+       operands: the same bits. Measured in docs/decisions.md. */
     {
         const __m256 gsign = _mm256_set1_ps(h.gsign), c_wd = _mm256_set1_ps(h.c_wd);
         const __m256 wd = _mm256_set1_ps(h.wd), w1 = _mm256_set1_ps(h.w1);
@@ -441,16 +434,13 @@ static void update(float* __restrict__ pb, const float* __restrict__ gb, float* 
     *uv_out = uv;
 }
 
-/* [Note: prefetch ahead of the block]
-   Where the step's tensors come from memory (a step after others, as in training: the
+/* Where the step's tensors come from memory (a step after others, as in training: the
    model's other optimizer steps and the backward leave the cache with other data), the
    block's loads wait on memory at each start of a stream; the hardware's prefetchers
    do not run far enough ahead of the kernel's ~3 GB/s. So each block first asks for
    the block kPrefetchBlocks ahead: its parameter and gradient (one request per 64-byte
-   line) and its codes. Measured on a Zen 3 (AVX2, docs/performance.md): the step 0.86-0.90x
-   with the caches emptied before it, 0.88-0.90x without, unchanged on a problem in
-   cache. The AVX-512 paths leave it out: a prefetch measured slower there (on a Xeon,
-   with the step's data in cache), and not re-measured since. */
+   line) and its codes. The AVX-512 paths leave it out: a prefetch measured slower
+   there. The measurements are in docs/decisions.md. */
 constexpr int64_t kPrefetchBlocks = 4;
 
 static inline void prefetch_block(const float* p, const float* g, const uint8_t* mc,
@@ -466,8 +456,7 @@ static inline void prefetch_block(const float* p, const float* g, const uint8_t*
     }
 }
 
-/* [Note: requantization one block behind]
-   Block k's update is bound by its divisions and square roots, the requantization by
+/* Block k's update is bound by its divisions and square roots, the requantization by
    its table gathers; so the loop over block k's vectors also requantizes the vectors
    of block k - 1 (its moments in the other half of the scratch), and the rest of block
    k - 1 follows. Each block's codes and absmax are its own: the same bits. */

@@ -3,19 +3,6 @@
 // with torch.utils.cpp_extension.load; the build's name (the namespace here) carries the
 // hash of the sources, flags and CPU, so two builds (native and portable) can live in
 // one process.
-//
-// [Note: threads over blocks]
-// The step runs on torch's intra-op threads (at::parallel_for, torch.get_num_threads()):
-// each thread takes a run of whole blocks, at least kGrain elements, and blocks never
-// interact, so the bits are the same at any thread count.
-//
-// [Note: one call for many tensors]
-// adam8bit_steps_ takes lists: the blocks of all the tensors are numbered one after the
-// other and cut into runs for the threads as one tensor's would be (a run may span the
-// end of one tensor and the start of the next: two kernel calls). One Python call and
-// one dispatch per bucket instead of one per tensor (~20-40 us each on a CPU), and
-// small tensors share the threads. Each block is still its tensor's own: the same bits
-// as one call per tensor.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -54,6 +41,16 @@ struct Job {  // one tensor of adam8bit_steps_
     int flags;
 };
 
+// The step runs on torch's intra-op threads (at::parallel_for, torch.get_num_threads()):
+// each thread takes a run of whole blocks, at least kGrain elements, and blocks never
+// interact, so the bits are the same at any thread count.
+//
+// adam8bit_steps_ takes lists: the blocks of all the tensors are numbered one after the
+// other and cut into runs for the threads as one tensor's would be (a run may span the
+// end of one tensor and the start of the next: two kernel calls). One Python call and
+// one dispatch per bucket instead of one per tensor (the cost of each: docs/decisions.md),
+// and small tensors share the threads. Each block is still its tensor's own: the same
+// bits as one call per tensor.
 void adam8bit_steps_cpu(at::TensorList p, at::TensorList g, at::TensorList mc, at::TensorList ma,
                         at::TensorList vc, at::TensorList va, int64_t block_size,
                         c10::ArrayRef<double> hp, c10::ArrayRef<int64_t> flags,
