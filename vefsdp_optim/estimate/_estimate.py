@@ -21,9 +21,11 @@ from .._torch_compat import (
 from ._config import CONFIGS, ModelConfig, check_config, config_from_dict
 from ._model import Transformer, tp_plan, tp_plan_root
 
-__all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "real_tensors_on_the_fake_group", "state_by_kind"]
+__all__ = ["OPTIMIZERS", "STATE_KINDS", "estimate_rank", "main", "real_tensors_on_the_fake_group",
+           "state_by_kind"]
 
-OPTIMIZERS = ("AdamW", "Adam", "AdamW8bit", "Adam8bit", "Muon", "NorMuon", "Shampoo", "SOAP", "torch.AdamW")
+OPTIMIZERS = ("AdamW", "Adam", "AdamW8bit", "Adam8bit", "Muon", "NorMuon", "Shampoo", "SOAP",
+              "torch.AdamW")
 # optimizer state keys -> kind, first match (prefix) wins
 STATE_KINDS: tuple[tuple[str, str], ...] = (
     ("exp_avg_codes", "8-bit codes and scales"), ("exp_avg_sq_codes", "8-bit codes and scales"),
@@ -71,7 +73,8 @@ def _optimizer(name: str, model: Any, kwargs: dict[str, Any]) -> Any:
     if name in ("Muon", "NorMuon"):  # the blocks' matrices; embeddings, head and norms on AdamW
         named = list(model.named_parameters())
         matrices = [p for n, p in named if n.startswith("layers.") and p.dim() == 2]
-        experts = [p for n, p in named if n.startswith("layers.") and p.dim() == 3]  # each expert whole
+        # each expert whole
+        experts = [p for n, p in named if n.startswith("layers.") and p.dim() == 3]
         rest = [p for n, p in named if not (n.startswith("layers.") and p.dim() in (2, 3))]
         groups = [{"params": matrices}, {"params": rest, "use_muon": False}]
         if experts:
@@ -118,8 +121,8 @@ def _expert_parallel(experts: list[Any], ep_mesh: Any) -> None:
             setattr(module, name, nn.Parameter(t))
 
 
-def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: str, param_dtype: str,
-                 ep_meshes: tuple[Any, Any] | None = None) -> None:
+def _parallelize(model: Any, tp_mesh: Any, dp_mesh: Any, fully_shard: Any, ac: str,
+                 param_dtype: str, ep_meshes: tuple[Any, Any] | None = None) -> None:
     """torchtitan's order: tensor and expert parallel (the root's embedding and head, each
     block; the experts over ``ep``), activation checkpointing of each block, then FSDP per
     block (its experts first, over ``edp``, where ep > 1) and the root. ``ep_meshes``:
@@ -169,9 +172,10 @@ def _device(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas: int = 1, ep: int = 1,
-                  capacity_factor: float = 1.0, sharding: str = "fsdp2", optimizer: str = "AdamW",
-                  opt_kwargs: dict[str, Any] | None = None, batch: int = 1, seq: int = 2048,
+def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas: int = 1,
+                  ep: int = 1, capacity_factor: float = 1.0, sharding: str = "fsdp2",
+                  optimizer: str = "AdamW", opt_kwargs: dict[str, Any] | None = None,
+                  batch: int = 1, seq: int = 2048,
                   ac: str = "none", param_dtype: str = "bfloat16", device: str = "auto",
                   real: bool = False, warmup: bool = True) -> dict[str, Any]:
     """Rank ``rank`` of a ``dp * tp``-rank job, in this process (which must not have a
@@ -192,13 +196,15 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
     if sharding not in ("fsdp2", "ours"):
         raise ValueError(f"sharding must be 'fsdp2' or 'ours', got {sharding!r}")
     if ac not in ("none", "full"):
-        raise ValueError(f"ac must be 'none' or 'full' (activation checkpointing of every block), got {ac!r}")
+        raise ValueError(f"ac must be 'none' or 'full' (activation checkpointing of every block), "
+                         f"got {ac!r}")
     if param_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"param_dtype must be 'bfloat16' or 'float32', got {param_dtype!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if dp < 1 or tp < 1 or replicas < 1 or dp % replicas:
-        raise ValueError(f"dp={dp}, tp={tp}, replicas={replicas}: each >= 1 and replicas dividing dp")
+        raise ValueError(f"dp={dp}, tp={tp}, replicas={replicas}: each >= 1 and replicas "
+                         "dividing dp")
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
     world = dp * tp
@@ -215,7 +221,8 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         dims, names = [replicas, *dims], ["replicate", *names]
     if tp > 1:
         dims, names = [*dims, tp], [*names, "tp"]
-    mesh = init_device_mesh(dev, tuple(dims), mesh_dim_names=tuple(names))  # outside the mode: a host rank tensor
+    # outside the mode: a host rank tensor
+    mesh = init_device_mesh(dev, tuple(dims), mesh_dim_names=tuple(names))
     # sub-meshes outside the mode too (slicing reads the rank tensor)
     dp_mesh = mesh[tuple(n for n in names if n != "tp")] if len(names) > 1 else mesh
     tp_mesh = mesh["tp"] if tp > 1 else None
@@ -275,12 +282,11 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
             opt.step()
             opt.zero_grad()
 
-        # One step before the tracked ones. Its first use of each DTensor op makes DTensor
-        # propagate shapes by running the op on global-shape fake tensors, in the active fake
-        # mode when there is one. The tracker counts those, though a run on a GPU never
-        # allocates them. torch.optim.AdamW on FSDP2 at W = 3 showed 1.2 (foreach=False) to
-        # 5 (foreach=True) times its state in them at the first step. Later uses hit
-        # DTensor's cache, so the steps tracked here are steady-state steps, as on a GPU.
+        # One step before the tracked ones. DTensor's first use of an op runs it on
+        # global-shape fake tensors to propagate shapes, in the active fake mode; the tracker
+        # counts them, a GPU run never allocates them (torch.optim.AdamW on FSDP2, W = 3:
+        # 1.2x its state with foreach=False, 5x with foreach=True, at the first step). Later
+        # uses hit DTensor's cache: the tracked steps are steady-state steps, as on a GPU.
         if warmup:
             train_step()
         measure_cuda = real and dev == "cuda"
@@ -290,7 +296,8 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         with tracker:
             for _ in range(2):
                 train_step()
-                tracker.reset_mod_stats()  # per-module stats are per iteration (torchtitan's estimator does this)
+                # per-module stats are per iteration (torchtitan's estimator does this)
+                tracker.reset_mod_stats()
         cuda_peak = None
         if measure_cuda:
             torch.cuda.synchronize()
@@ -298,10 +305,12 @@ def estimate_rank(cfg: ModelConfig, rank: int, *, dp: int, tp: int = 1, replicas
         peak = tracker.get_tracker_snapshot("peak")
         state = state_by_kind(opt)
     dist.destroy_process_group()
-    by_device = {str(d): {getattr(k, "value", str(k)): int(v) for k, v in snap.items()} for d, snap in peak.items()}
+    by_device = {str(d): {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
+                 for d, snap in peak.items()}
     main_dev = max(by_device, key=lambda d: by_device[d].get("Total", 0))
-    return {"rank": rank, "world": world, "device": dev, "peak": by_device[main_dev], "state": state,
-            "state_total": sum(v for k, v in state.items()), "params": cfg.num_params(),
+    return {"rank": rank, "world": world, "device": dev, "peak": by_device[main_dev],
+            "state": state, "state_total": sum(v for k, v in state.items()),
+            "params": cfg.num_params(),
             "cuda_max_allocated": cuda_peak}
 
 
@@ -336,7 +345,8 @@ def _config(args: argparse.Namespace) -> ModelConfig:
         cfg = CONFIGS[args.model]
     if not args.layers:
         return cfg
-    return dataclasses.replace(cfg, n_layers=args.layers, n_dense_layers=min(cfg.n_dense_layers, args.layers))
+    return dataclasses.replace(cfg, n_layers=args.layers,
+                               n_dense_layers=min(cfg.n_dense_layers, args.layers))
 
 
 def _spawn(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -357,19 +367,23 @@ def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
     busiest = runs[max(range(len(runs)), key=lambda i: totals[i])]
     median = statistics.median(totals)
     head = (f"{args.model} ({runs[0]['params'] / 1e9:.2f} B parameters), W = {runs[0]['world']} "
-            f"(dp {args.dp}{f' as {args.replicas} replicas' if args.replicas > 1 else ''}, tp {args.tp}"
+            f"(dp {args.dp}{f' as {args.replicas} replicas' if args.replicas > 1 else ''}, "
+            f"tp {args.tp}"
             f"{f', ep {args.ep}' if args.ep > 1 else ''}), "
-            f"{args.sharding}, {args.optimizer} {args.opt or ''}, batch {args.batch} x seq {args.seq}, "
+            f"{args.sharding}, {args.optimizer} {args.opt or ''}, batch {args.batch} x "
+            f"seq {args.seq}, "
             f"activation checkpointing {args.ac}, parameters gathered in {args.param_dtype}, "
             f"{'real' if args.real else 'fake'} {runs[0]['device']} tensors; MiB per rank")
-    lines = [head, "", "| rank | peak | " + " | ".join(cats) + " | state: " + " | ".join(kinds) + " |",
+    lines = [head, "",
+             "| rank | peak | " + " | ".join(cats) + " | state: " + " | ".join(kinds) + " |",
              "| --- " * (2 + len(cats) + len(kinds)) + "|"]
     for r in runs:
         lines.append(f"| {r['rank']} | {mib(r['peak'].get('Total', 0))} | "
                      + " | ".join(mib(r["peak"].get(c, 0)) for c in cats) + " | "
                      + " | ".join(mib(r["state"].get(k, 0)) for k in kinds) + " |")
     lines += ["", f"busiest rank: {busiest['rank']}, peak {mib(max(totals))} MiB, optimizer state "
-              f"{mib(busiest['state_total'])} MiB; median peak over the {len(runs)} ranks asked: {mib(median)} MiB"]
+              f"{mib(busiest['state_total'])} MiB; median peak over the {len(runs)} ranks asked: "
+              f"{mib(median)} MiB"]
     return "\n".join(lines)
 
 
@@ -378,31 +392,39 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m vefsdp_optim.estimate", description=__doc__)
     p.add_argument("--model", choices=sorted(CONFIGS), default="llama3-8b")
     p.add_argument("--config", default=None, metavar="JSON",
-                   help="the model from a file instead: a Hugging Face config.json of a LLaMA-shaped model, "
+                   help="the model from a file instead: a Hugging Face config.json of a "
+                        "LLaMA-shaped model, "
                         "or torchtitan's llama3 TransformerModelArgs fields")
     p.add_argument("--layers", type=int, default=0, help="override the model's layer count")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel ranks (sharded, or replicas x shards)")
+    p.add_argument("--dp", type=int, required=True,
+                   help="data-parallel ranks (sharded, or replicas x shards)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--replicas", type=int, default=1, help="HSDP replicas (dp = replicas x shards)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks, from the data-parallel shards (mixtures of experts)")
+                   help="expert-parallel ranks, from the data-parallel shards "
+                        "(mixtures of experts)")
     p.add_argument("--capacity-factor", type=float, default=1.0,
                    help="each ep rank's dispatch rows, in units of a balanced router's")
     p.add_argument("--sharding", choices=("fsdp2", "ours"), default="fsdp2")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="AdamW")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="an optimizer option")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an optimizer option")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing of every block")
+    p.add_argument("--ac", choices=("none", "full"), default="none",
+                   help="activation checkpointing of every block")
     p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the dtype parameters are gathered in (mixed precision; gradients reduce in float32)")
+                   help="the dtype parameters are gathered in (mixed precision; gradients "
+                        "reduce in float32)")
     p.add_argument("--ranks", default="", help="comma-separated ranks (default: 0, W/2, W-1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
     p.add_argument("--real", action="store_true",
-                   help="run on real tensors instead of fakes (small models: to check the estimate)")
+                   help="run on real tensors instead of fakes (small models: to check the "
+                        "estimate)")
     p.add_argument("--no-warmup", action="store_true",
-                   help="track from the first step, as torchtitan's estimator (DTensor's first-use shape "
+                   help="track from the first step, as torchtitan's estimator (DTensor's "
+                        "first-use shape "
                         "propagation on global-shape fake tensors counted)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -410,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     kw = _parse_kwargs(args.opt)
     common = dict(dp=args.dp, tp=args.tp, replicas=args.replicas, ep=args.ep,
                   capacity_factor=args.capacity_factor, sharding=args.sharding,
-                  optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq, ac=args.ac,
+                  optimizer=args.optimizer, opt_kwargs=kw, batch=args.batch, seq=args.seq,
+                  ac=args.ac,
                   param_dtype=args.param_dtype, device=args.device, real=args.real,
                   warmup=not args.no_warmup)
     if args.one is not None:

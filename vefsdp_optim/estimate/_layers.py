@@ -20,7 +20,8 @@ from torch import nn
 
 from ._config import ModelConfig
 
-__all__ = ["Attention", "FeedForward", "GroupedExperts", "LatentAttention", "MoE", "rope_table", "rotary"]
+__all__ = ["Attention", "FeedForward", "GroupedExperts", "LatentAttention", "MoE", "rope_table",
+           "rotary"]
 
 
 class Attention(nn.Module):

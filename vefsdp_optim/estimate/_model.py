@@ -44,7 +44,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.register_buffer("freqs_cis", rope_table(max_seq_len, self._rope_dim()), persistent=True)
+        self.register_buffer("freqs_cis", rope_table(max_seq_len, self._rope_dim()),
+                             persistent=True)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -55,7 +56,8 @@ class Transformer(nn.Module):
     def init_buffers(self) -> None:
         """The rotary table's values, after ``to_empty``."""
         with torch.no_grad():
-            self.freqs_cis.copy_(rope_table(self.max_seq_len, self._rope_dim(), self.freqs_cis.device))
+            table = rope_table(self.max_seq_len, self._rope_dim(), self.freqs_cis.device)
+            self.freqs_cis.copy_(table)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
