@@ -133,11 +133,11 @@ TITAN_DEBUG = {"dim": 256, "n_layers": 6, "n_heads": 16, "vocab_size": 2048, "mu
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_equals_torchtitans_estimator(tmp_path, ac: str) -> None:
-    """torchtitan's own estimator (benchmarks/bench_estimate_titan.py; a checkout named by
+    """torchtitan's own estimator (tools/titan_estimator.py; a checkout named by
     VEFSDP_TORCHTITAN_SRC) on its llama3 debugmodel, FSDP2 over 8 ranks, its default
     optimizer (torch's fused AdamW): the estimate tracking from the first step, as it does,
     gives its peak by category exactly; with the warm-up step, no more than that."""
-    from benchmarks.bench_estimate_titan import run_titan, titan_src
+    from tools.titan_estimator import run_titan, titan_src
 
     src = titan_src()
     if src is None:

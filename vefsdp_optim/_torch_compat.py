@@ -70,7 +70,7 @@ __all__ = [
     "DataParallelMeshDims",
     "require_data_parallel_mesh_dims", "capturable_devices", "is_fsdp_flattened",
     "fsdp1_flat_param",
-    "host_scratch",
+    "host_scratch", "all_to_all_autograd",
 ]
 
 TORCH_RANGE = ">=2.11,<2.16"  # pyproject.toml's pin
@@ -168,6 +168,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.distributed._tools.mem_tracker.MemTracker": CHECKED,
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker": CHECKED,
     "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats": CHECKED,
+    # the estimate's expert-parallel dispatch (estimate/_layers.py): an all-to-all with a
+    # backward (torch.distributed.nn's refuses fake tensors' unequal splits less clearly)
+    "torch.distributed._functional_collectives.all_to_all_single_autograd": CHECKED,
     # FSDP1's flattened parameters, refused by the block optimizers (_flattened.py,
     # vefsdp_optim/_flattened.py): the mark FSDP1 sets on what it flattened, its
     # FlatParameter and what that records of the parameters it holds (instance
@@ -392,6 +395,14 @@ ALL_GATHER_NAME = ("all_gather_single" if hasattr(dist, "all_gather_single")
                    else "all_gather_into_tensor")
 REDUCE_SCATTER_NAME = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
                    else "reduce_scatter_tensor")
+
+
+def all_to_all_autograd(t: torch.Tensor, splits: list[int],
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """An all-to-all of ``t``'s rows, ``splits`` to and from each rank, with a backward."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(t, splits, splits, group)
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,

@@ -14,10 +14,12 @@ imbalanced router needs). Each rank's experts run as one batched product over eq
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
+from .._torch_compat import all_to_all_autograd, view_base
 from ._config import ModelConfig
 
 __all__ = ["Attention", "FeedForward", "GroupedExperts", "LatentAttention", "MoE", "rope_table",
@@ -172,14 +174,11 @@ class GroupedExperts(nn.Module):
             ys = _all_to_all(ys, ep, group)
         out = _rows(ys, pairs)
         # not a view: FSDP's hooks on a wrapped module's output (ep > 1) would be lost to one
-        return out.clone() if out._is_view() and ep > 1 else out
+        return out.clone() if view_base(out) is not None and ep > 1 else out
 
 
-def _all_to_all(t: torch.Tensor, ep: int, group: object) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    split = [t.shape[0] // ep] * ep
-    return all_to_all_single_autograd(t.contiguous(), split, split, group)
+def _all_to_all(t: torch.Tensor, ep: int, group: Any) -> torch.Tensor:
+    return all_to_all_autograd(t.contiguous(), [t.shape[0] // ep] * ep, group)
 
 
 class Router(nn.Module):

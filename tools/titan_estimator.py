@@ -14,7 +14,7 @@ on a machine without a GPU, none of which changes what it tracks:
   run stops at its module-wise table, after its two iterations (what follows reads the
   CUDA allocator).
 
-    VEFSDP_TORCHTITAN_SRC=... python -m benchmarks.bench_estimate_titan --ranks 1024 \\
+    VEFSDP_TORCHTITAN_SRC=... python -m tools.titan_estimator --ranks 1024 \\
         -- --job.config_file torchtitan/models/llama3/train_configs/llama3_70b.toml ...
 
 prints one JSON line, ``{"titan": [peak of iteration 0, peak of iteration 1]}``, each the
@@ -95,7 +95,7 @@ def run_titan(src: str, world: int, argv: list[str], timeout: float = 3600) -> l
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this repository's
     env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_RANK="0", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_estimate_titan", "--one", "--", *argv],
+    proc = subprocess.run([sys.executable, "-m", "tools.titan_estimator", "--one", "--", *argv],
                           cwd=src, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"titan"')]
     if proc.returncode or not lines:
