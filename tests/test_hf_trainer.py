@@ -223,9 +223,13 @@ def test_trainer_on_a_sharded_model_equals_one_device(tmp_path, kind: str, world
 @pytest.mark.parametrize("kind", ["fsdp2", "ours"])
 def test_trainer_clips_by_the_global_norm(tmp_path, kind: str) -> None:
     # the Trainer's default max_grad_norm = 1.0 clips here (norms ~3): the norm over all
-    # shards is summed in another order than one device's, so equal to rounding, not bits
-    want = _one_device("Muon", 3, str(tmp_path / "one"), clip=1.0)
-    got = run_distributed(_sharded, 3, kind, "Muon", str(tmp_path / kind), False, 1.0, timeout=120)[0]
+    # shards is summed in another order than one device's, so equal to rounding, not bits.
+    # AdamW, whose update moves by about that rounding: Muon's bfloat16 Newton-Schulz turns
+    # a last-bit change of the clip factor into a bfloat16 rounding step of a whole matrix
+    # where an input sits on a rounding boundary (seen on an AMD EPYC: 522 of 1,408
+    # elements of one matrix off by up to 2e-5, the other Muon matrices bit for bit)
+    want = _one_device("AdamW", 3, str(tmp_path / "one"), clip=1.0)
+    got = run_distributed(_sharded, 3, kind, "AdamW", str(tmp_path / kind), False, 1.0, timeout=120)[0]
     assert len(got[2]) == len(want[2]) == STEPS and all(n > 1.0 for n in want[2]), want[2]
     torch.testing.assert_close(torch.stack(got[2]), torch.stack(want[2]), rtol=1e-5, atol=0)
     for n in want[0]:
